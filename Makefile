@@ -1,0 +1,23 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make demo   a short 2-rank training run on CPU
+#   make test   the whole test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.sokpy-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/sokrun -np 2 --timeout 900 python examples/train_dlrm.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) build *.egg-info

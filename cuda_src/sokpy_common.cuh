@@ -1,0 +1,46 @@
+// sokpy_common.cuh -- shared by every kernel in cuda_src/. NVRTC has no system headers, so
+// this file includes nothing and uses only built-in types.
+#pragma once
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Combiner codes, as sokpy/lookup.py passes them.
+#define SOKPY_SUM 0
+#define SOKPY_MEAN 1
+#define SOKPY_SQRTN 2
+
+// splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).
+__device__ __forceinline__ u64 sokpy_mix64(u64 x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+// Counter-based random number: a pure function of (seed, key, column, stream), the same on
+// host and device and for every world size. Returns a double in (0, 1) with 53 random bits.
+__device__ __forceinline__ double sokpy_uniform01(u64 seed, u64 key, u64 col, u64 stream) {
+    u64 h = sokpy_mix64(seed * 0x9e3779b97f4a7c15ULL + stream);
+    h = sokpy_mix64(h ^ key);
+    h = sokpy_mix64(h ^ (col * 0xd1b54a32d192ed03ULL));
+    return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+// The gradient row of unique row u, summed over its duplicates. Duplicate gradient rows of a
+// key are listed by seg/perm (rows perm[seg[u]] .. perm[seg[u+1]-1] of grad); they are added,
+// in that order, into the first of them, which is returned. seg == 0 means no duplicates:
+// row u of grad is the gradient. Each thread touches only its own columns, so this needs no
+// synchronisation.
+__device__ __forceinline__ float* sokpy_merged_grad_row(float* grad, const i64* perm, const i64* seg,
+                                                        i64 u, int dim) {
+    if (seg == 0) return grad + u * dim;
+    float* g = grad + perm[seg[u]] * dim;
+    for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
+        const float* o = grad + perm[k] * dim;
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) g[d] += o[d];
+    }
+    return g;
+}

@@ -1,0 +1,28 @@
+"""sokpy: sharded embedding tables for PyTorch, trained across ranks launched by MPI.
+
+Example (``sokrun -np 2 python this.py``)::
+
+    import torch, sokpy
+    sokpy.init()
+    v = sokpy.Variable(1000, 16)
+    opt = sokpy.optim.Adagrad([v], lr=0.1)
+    out = sokpy.lookup_sparse(v, sokpy.Ragged(torch.tensor([1, 7, 7]), torch.tensor([0, 1, 3])), combiners="sum")
+    out.pow(2).sum().backward()
+    opt.step()
+"""
+
+from . import initializers, kernels, optim
+from .errors import InputError
+from .lookup import lookup_sparse
+from .runtime import (LaunchError, NotInitializedError, backend, comm, init, is_initialized, local_rank, rank,
+                      shutdown, world_size)
+from .sparse import Ragged
+from .variable import SparseGrad, Variable, assign, export
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "world_size", "local_rank", "backend", "comm",
+    "Variable", "SparseGrad", "export", "assign", "Ragged", "lookup_sparse", "initializers", "optim",
+    "kernels", "InputError", "LaunchError", "NotInitializedError", "__version__",
+]

