@@ -11,13 +11,16 @@ Example (``sokrun -np 2 python this.py``)::
     opt.step()
 """
 
+from . import comm as _comm_module  # noqa: F401  (loaded before the function comm() is bound below)
 from . import initializers, kernels, optim
 from .errors import InputError
 from .lookup import lookup_sparse
-from .runtime import (LaunchError, NotInitializedError, backend, comm, init, is_initialized, local_rank, rank,
-                      shutdown, world_size)
 from .sparse import Ragged
 from .variable import SparseGrad, Variable, assign, export
+
+# Last, so that the function sokpy.comm() is not shadowed by the submodule sokpy.comm.
+from .runtime import (LaunchError, NotInitializedError, backend, comm, init, is_initialized, local_rank, rank,  # noqa: E402
+                      shutdown, world_size)
 
 __version__ = "0.1.0"
 

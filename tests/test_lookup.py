@@ -1,0 +1,116 @@
+"""lookup_sparse: values, gradients, placement, initial values and input checks."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_mpi
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_values_and_gradients_match_reference(nranks):
+    out = run_mpi(nranks, "lookup_worker.py", "values", 100 + nranks)
+    assert out.count("values ok") == nranks
+
+
+def test_initial_values_identical_for_every_world_size(tmp_path):
+    tables = {}
+    for nranks in (1, 2, 3, 4):
+        path = tmp_path / f"init{nranks}.npz"
+        run_mpi(nranks, "lookup_worker.py", "init", path)
+        with np.load(path) as f:
+            tables[nranks] = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+    for nranks in (2, 3, 4):
+        for a, b in zip(tables[1], tables[nranks]):
+            assert np.array_equal(a, b)
+    default, normal = tables[1][0], tables[1][1]  # uniform(-0.05, 0.05) and normal(0, 0.5)
+    assert default.min() >= -0.05 and default.max() < 0.05 and default.std() > 0.02
+    assert abs(normal.mean()) < 0.1 and 0.4 < normal.std() < 0.6
+    assert np.all(tables[1][5] == np.float32(0.25))
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_bad_input_raises_on_every_rank_and_changes_nothing(nranks):
+    out = run_mpi(nranks, "lookup_worker.py", "errors")
+    assert out.count("errors ok") == nranks
+
+
+# ---- single process ------------------------------------------------------------------------
+
+def _reference(table, bags, weights, combiner):
+    out = []
+    for bag, w in zip(bags, weights):
+        rows = torch.stack([w_j * table[k] for k, w_j in zip(bag, w)]) if bag else torch.zeros(0, table.shape[1])
+        s = rows.sum(0) if bag else torch.zeros(table.shape[1])
+        den = {"sum": 1.0, "mean": sum(w), "sqrtn": float(np.sqrt(sum(x * x for x in w)))}[combiner]
+        out.append(s / den if den else torch.zeros_like(s))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_input_formats_agree(sokpy_host, combiner):
+    sokpy = sokpy_host
+    v = sokpy.Variable(20, 4, initializer=sokpy.initializers.normal(0, 1), seed=3)
+    table = sokpy.export(v)[1]
+    bags = [[1, 5, 5], [], [19], [0, 2, 4, 6]]
+    weights = [[0.5, 2.0, 1.0], [], [3.0], [1.0, 1.0, 0.25, 2.0]]
+    expected = _reference(table, bags, weights, combiner)
+    flat = torch.tensor([k for b in bags for k in b])
+    flat_w = torch.tensor([x for w in weights for x in w])
+    rows = torch.tensor([i for i, b in enumerate(bags) for _ in b])
+    cols = torch.tensor([j for b in bags for j in range(len(b))])
+    coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), flat, (4, 4))
+    coo_w = torch.sparse_coo_tensor(torch.stack([rows, cols]), flat_w, (4, 4))
+    csr = coo.to_sparse_csr()
+    ragged = sokpy.Ragged(flat, torch.tensor([0, 3, 3, 4, 8]))
+    forms = [
+        (ragged, flat_w),
+        (sokpy.Ragged(flat, torch.tensor([0, 3, 3, 4, 8]), flat_w), None),
+        (coo, coo_w),
+        (csr, coo_w.to_sparse_csr()),
+        (bags, weights),
+    ]
+    for ids, w in forms:
+        out = sokpy.lookup_sparse(v, ids, sp_weights=w, combiners=combiner)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    # A 2-D dense tensor: fixed-length bags, unweighted.
+    dense = torch.tensor([[1, 5], [19, 0]])
+    out = sokpy.lookup_sparse(v, dense, combiners=combiner)
+    torch.testing.assert_close(out, _reference(table, [[1, 5], [19, 0]], [[1, 1], [1, 1]], combiner))
+
+
+def test_single_variable_returns_a_tensor_and_mean_is_default(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 3, initializer=sokpy.initializers.uniform(-1, 1))
+    out = sokpy.lookup_sparse(v, [[1, 2], [3]])
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3)
+    table = sokpy.export(v)[1]
+    torch.testing.assert_close(out, torch.stack([(table[1] + table[2]) / 2, table[3]]))
+    outs = sokpy.lookup_sparse([v], [[[1]]])
+    assert isinstance(outs, list) and len(outs) == 1
+
+
+def test_gradient_accumulates_until_zero_grad(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 2)
+    for _ in range(2):
+        sokpy.lookup_sparse(v, [[4, 4, 7]], combiners="sum").sum().backward()
+    g = v.grad
+    assert g.keys.tolist() == [4, 7]
+    torch.testing.assert_close(g.values, torch.tensor([[4.0, 4.0], [2.0, 2.0]]))
+    v.zero_grad()
+    assert v.grad is None
+
+
+def test_export_and_assign_round_trip(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(6, 2, initializer=0.0)
+    sokpy.assign(v, torch.tensor([5, 1]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    keys, values = sokpy.export(v)
+    assert keys.tolist() == list(range(6))
+    assert values[5].tolist() == [1.0, 2.0] and values[1].tolist() == [3.0, 4.0] and values[0].tolist() == [0, 0]
+    with pytest.raises(sokpy.InputError, match="key 6"):
+        sokpy.assign(v, torch.tensor([6]), torch.zeros(1, 2))
+    with pytest.raises(sokpy.InputError, match="shape"):
+        sokpy.assign(v, torch.tensor([1]), torch.zeros(1, 3))
+    assert sokpy.export(v)[1][1].tolist() == [3.0, 4.0]

@@ -1,0 +1,117 @@
+"""Single-process references for the multi-rank tests, written independently of sokpy.
+
+They use only numpy and torch: the inputs every rank sends are generated from a seed (so every
+rank knows every other rank's input), pooling is ``torch.nn.functional.embedding_bag`` plus
+TensorFlow's div_no_nan for mean/sqrtn, gradients come from torch autograd on a full table,
+and the optimizers are DESIGN.md's formulas in numpy (float32).
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def make_bags(rng, rows, batch, max_len, weighted, hot_keys=None):
+    """(values int64, offsets int64, weights float32 or None): bag lengths 0..max_len, with
+    empty bags, repeated keys in a bag and keys shared across bags and ranks."""
+    lengths = rng.integers(0, max_len + 1, size=batch)
+    if batch:
+        lengths[rng.integers(0, batch)] = 0  # at least one empty bag
+    n = int(lengths.sum())
+    pool = hot_keys if hot_keys is not None else np.arange(rows)
+    values = rng.choice(pool, size=n).astype(np.int64)
+    if n > 1:
+        values[1] = values[0]  # a key repeated in a bag (or in the next one)
+    offsets = np.zeros(batch + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    weights = rng.uniform(0.1, 2.0, size=n).astype(np.float32) if weighted else None
+    return values, offsets, weights
+
+
+def pool(table, values, offsets, weights, combiner):
+    """tf.nn.embedding_lookup_sparse numerics on a full torch table ``[rows, dim]``."""
+    v, o = torch.from_numpy(values), torch.from_numpy(offsets[:-1].copy())
+    w = torch.ones(len(values)) if weights is None else torch.from_numpy(weights)
+    summed = F.embedding_bag(v, table, o, mode="sum", per_sample_weights=w, include_last_offset=False)
+    if combiner == "sum":
+        return summed
+    bag = torch.repeat_interleave(torch.arange(len(offsets) - 1), torch.from_numpy(np.diff(offsets)))
+    den = torch.zeros(len(offsets) - 1).index_add_(0, bag, w if combiner == "mean" else w * w)
+    if combiner == "sqrtn":
+        den = den.sqrt()
+    safe = torch.where(den == 0, torch.ones_like(den), den)
+    return torch.where(den[:, None] == 0, torch.zeros_like(summed), summed / safe[:, None])
+
+
+def full_table(sokpy, var):
+    """The whole table of ``var`` gathered from every rank's export (torch [rows, dim])."""
+    keys, values = sokpy.export(var)
+    parts = sokpy.comm().allgather_object((keys.numpy(), values.numpy()))
+    table = np.full((var.rows, var.dim), np.nan, np.float32)
+    for k, v in parts:
+        table[k] = v
+    assert not np.isnan(table).any(), "export did not cover every row exactly once"
+    return torch.from_numpy(table)
+
+
+def sum_gradient(rows, dim, bag_sets, upstreams):
+    """Gradient of sum_r <pool_sum(bags_r), G_r> w.r.t. the table (numpy, float64), and the
+    mask of rows that received one."""
+    grad = np.zeros((rows, dim), np.float64)
+    touched = np.zeros(rows, bool)
+    for (values, offsets, weights), g in zip(bag_sets, upstreams):
+        bag = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        w = np.ones(len(values)) if weights is None else weights.astype(np.float64)
+        np.add.at(grad, values, w[:, None] * g[bag].astype(np.float64))
+        touched[values] = True
+    return grad, touched
+
+
+class NumpyOptimizer:
+    """DESIGN.md's update formulas, row-wise on the rows that got a gradient (float32)."""
+
+    def __init__(self, kind, table, **hp):
+        self.kind, self.w, self.hp, self.t = kind, table.astype(np.float32).copy(), hp, 0
+        f32 = np.float32
+        if kind == "adagrad":
+            self.acc = np.full_like(self.w, f32(hp.get("initial_accumulator_value", 0.0)))
+        elif kind == "ftrl":
+            self.n = np.full_like(self.w, f32(hp.get("initial_accumulator_value", 0.1)))
+            self.z = np.zeros_like(self.w)
+        elif kind == "adam":
+            self.m = np.zeros_like(self.w)
+            self.v = np.zeros_like(self.w)
+
+    def step(self, grad, touched):
+        """Updates the rows where ``touched`` (rows that received a gradient) with ``grad``."""
+        self.t += 1
+        rows = np.flatnonzero(touched)
+        g = grad[rows].astype(np.float32)
+        w = self.w[rows]
+        hp, f32 = self.hp, np.float32
+        lr = f32(hp["lr"])
+        if self.kind == "sgd":
+            w = w - lr * g
+        elif self.kind == "adagrad":
+            acc = self.acc[rows] + g * g
+            self.acc[rows] = acc
+            w = w - lr * g / (np.sqrt(acc) + f32(hp.get("eps", 1e-10)))
+        elif self.kind == "ftrl":
+            p = f32(-hp.get("lr_power", -0.5))
+            l1, l2 = f32(hp.get("l1", 0.0)), f32(hp.get("l2", 0.0))
+            beta, shrink = f32(hp.get("beta", 0.0)), f32(hp.get("l2_shrinkage", 0.0))
+            n = self.n[rows]
+            g2 = g + f32(2) * shrink * w
+            n_new = n + g * g
+            sigma = (n_new ** p - n ** p) / lr
+            z = self.z[rows] + g2 - sigma * w
+            self.z[rows], self.n[rows] = z, n_new
+            w = np.where(np.abs(z) <= l1, f32(0), (np.sign(z) * l1 - z) / ((beta + n_new ** p) / lr + f32(2) * l2))
+        elif self.kind == "adam":
+            b1, b2 = (f32(b) for b in hp.get("betas", (0.9, 0.999)))
+            m = b1 * self.m[rows] + (f32(1) - b1) * g
+            v = b2 * self.v[rows] + (f32(1) - b2) * g * g
+            self.m[rows], self.v[rows] = m, v
+            step = f32(hp["lr"] * np.sqrt(1 - float(b2) ** self.t) / (1 - float(b1) ** self.t))
+            w = w - step * m / (np.sqrt(v) + f32(hp.get("eps", 1e-8)))
+        self.w[rows] = w.astype(np.float32)
