@@ -1,0 +1,150 @@
+"""Sparse optimizers: DESIGN.md numerics at 1-4 ranks, torch parity, torch.optim conventions."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_mpi
+
+KINDS = "sgd,adagrad,ftrl,ftrl_power,adam"
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_optimizers_match_numpy_formulas(nranks):
+    out = run_mpi(nranks, "optim_worker.py", "formula", KINDS, 7 + nranks)
+    for kind in KINDS.split(","):
+        assert out.count(f"{kind} ok") == nranks
+
+
+def test_same_global_batch_same_table_at_1_and_4_ranks(tmp_path):
+    tables = {}
+    for nranks in (1, 4):
+        path = tmp_path / f"global{nranks}.npz"
+        run_mpi(nranks, "optim_worker.py", "global", path)
+        with np.load(path) as f:
+            tables[nranks] = [f["arr_0"], f["arr_1"]]
+    for a, b in zip(tables[1], tables[4]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(tables[1][0], tables[1][0][0])  # trained, not constant
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_nonfinite_gradient_refused_on_every_rank(nranks):
+    out = run_mpi(nranks, "optim_worker.py", "nonfinite")
+    assert out.count("nonfinite ok") == nranks
+
+
+# ---- single process: parity with torch's own optimizers --------------------------------------
+
+def _train_both(sokpy, make_sok_opt, make_torch_opt, steps=20, combiner="sum"):
+    rows, dim = 30, 6
+    v = sokpy.Variable(rows, dim, initializer=sokpy.initializers.uniform(-1, 1), seed=4)
+    emb = torch.nn.EmbeddingBag(rows, dim, mode=combiner, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(sokpy.export(v)[1])
+    sok_opt, torch_opt = make_sok_opt([v]), make_torch_opt(emb.parameters())
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        values = torch.from_numpy(rng.integers(0, rows, size=40))
+        offsets = torch.arange(0, 40, 4)
+        target = torch.from_numpy(rng.normal(size=(10, dim)).astype(np.float32))
+        out = sokpy.lookup_sparse(v, sokpy.Ragged(values, torch.cat([offsets, torch.tensor([40])])), combiners=combiner)
+        ((out - target) ** 2).sum().backward()
+        sok_opt.step()
+        sok_opt.zero_grad()
+        ((emb(values, offsets) - target) ** 2).sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    return sokpy.export(v)[1], emb.weight.detach()
+
+
+def test_adagrad_matches_torch(sokpy_host):
+    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+                               lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_adam_matches_torch_sparse_adam(sokpy_host):
+    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.Adam(p, lr=0.05),
+                               lambda p: torch.optim.SparseAdam(list(p), lr=0.05), combiner="mean")
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_sgd_matches_torch(sokpy_host):
+    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.SGD(p, lr=0.05),
+                               lambda p: torch.optim.SGD(p, lr=0.05))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ---- torch.optim conventions --------------------------------------------------------------------
+
+def _one_step(sokpy, opt, v, key=3):
+    before = sokpy.export(v)[1][key].clone()
+    sokpy.lookup_sparse(v, [[key]], combiners="sum").sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return sokpy.export(v)[1][key] - before
+
+
+def test_lr_scheduler_changes_the_step_size(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 2, initializer=0.0)
+    opt = sokpy.optim.SGD([v], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    first = _one_step(sokpy, opt, v)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    second = _one_step(sokpy, opt, v)
+    torch.testing.assert_close(first, torch.tensor([-1.0, -1.0]))
+    torch.testing.assert_close(second, torch.tensor([-0.1, -0.1]))
+
+
+def test_rows_without_gradient_untouched_and_state_lazy(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 2)
+    opt = sokpy.optim.Adam([v], lr=0.1)
+    assert v.handle not in opt.state
+    before = sokpy.export(v)[1].clone()
+    _one_step(sokpy, opt, v, key=3)
+    after = sokpy.export(v)[1]
+    changed = (after != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3]
+    assert opt.state[v.handle]["exp_avg"].shape == v.weight.shape
+
+
+def test_state_dict_round_trip(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 2)
+    opt = sokpy.optim.Ftrl([v], lr=0.3, l1=0.01)
+    _one_step(sokpy, opt, v)
+    sd = opt.state_dict()
+    assert sd["steps"] == 1 and sd["param_groups"][0]["l1"] == 0.01
+    opt2 = sokpy.optim.Ftrl([v], lr=0.1)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.3 and opt2.steps == 1 and opt2.state[v.handle]["step"] == 1
+
+
+def test_gradient_kept_after_step_until_zero_grad(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 2)
+    opt = sokpy.optim.SGD([v], lr=0.1)
+    sokpy.lookup_sparse(v, [[1, 1, 2]], combiners="sum").sum().backward()
+    sokpy.lookup_sparse(v, [[1]], combiners="sum").sum().backward()
+    grad = v.grad
+    opt.step()
+    assert torch.equal(v.grad.keys, grad.keys) and torch.equal(v.grad.values, grad.values)
+    opt.zero_grad()
+    assert v.grad is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda o, p: o.SGD(p, lr=-1.0),
+    lambda o, p: o.Adagrad(p, eps=-1.0),
+    lambda o, p: o.Ftrl(p, lr_power=0.5),
+    lambda o, p: o.Adam(p, betas=(1.0, 0.9)),
+    lambda o, p: o.Adagrad([torch.zeros(2, requires_grad=True)]),
+])
+def test_bad_hyper_parameters_rejected(sokpy_host, make):
+    v = sokpy_host.Variable(4, 2)
+    with pytest.raises((ValueError, TypeError)):
+        make(sokpy_host.optim, [v])

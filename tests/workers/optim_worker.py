@@ -1,0 +1,125 @@
+"""Multi-rank checks of the sparse optimizers against DESIGN.md's formulas in numpy.
+
+Modes (argv[1]):
+  formula KIND SEED   20 steps of KIND on two tables (distributed + localized), keys repeated
+                      across ranks; the final tables must match the numpy reference
+  global PATH         the same global batch split over the ranks; rank 0 writes the final tables
+  nonfinite           a NaN gradient on one rank is refused on every rank; nothing changes
+"""
+
+import sys
+
+import numpy as np
+import torch
+from reference import NumpyOptimizer, full_table, make_bags, sum_gradient
+
+import sokpy
+
+sokpy.init()
+RANK, WORLD = sokpy.rank(), sokpy.world_size()
+
+CONFIGS = {
+    "sgd": ("SGD", dict(lr=0.1)),
+    "adagrad": ("Adagrad", dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)),
+    "ftrl": ("Ftrl", dict(lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1)),
+    "ftrl_power": ("Ftrl", dict(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.2, l1=0.001)),
+    "adam": ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-7)),
+}
+# (rows, dim, target_gpu): small tables, so keys repeat within and across ranks
+SPECS = [(40, 8, -1), (25, 5, WORLD - 1)]
+STEPS = 20
+
+
+def step_inputs(seed, step, rank):
+    return [make_bags(np.random.default_rng([seed, step, rank, t]), rows, 6, 5, weighted=True)
+            for t, (rows, _, _) in enumerate(SPECS)]
+
+
+def step_upstream(seed, step, rank):
+    return [np.random.default_rng([seed, step, rank, t, 1]).normal(size=(6, dim)).astype(np.float32)
+            for t, (_, dim, _) in enumerate(SPECS)]
+
+
+def train_step(tables, opt, inputs, upstream):
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w)) for v, o, w in inputs]
+    outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def check_formula(kind, seed):
+    cls, hp = CONFIGS[kind]
+    tables = [sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=seed + i)
+              for i, (r, d, t) in enumerate(SPECS)]
+    refs = [NumpyOptimizer(cls.lower(), full_table(sokpy, v).numpy(), **hp) for v in tables]
+    opt = getattr(sokpy.optim, cls)(tables, **hp)
+    for step in range(STEPS):
+        train_step(tables, opt, step_inputs(seed, step, RANK), step_upstream(seed, step, RANK))
+        for t, ((rows, dim, _), ref) in enumerate(zip(SPECS, refs)):
+            bags = [step_inputs(seed, step, r)[t] for r in range(WORLD)]
+            grad, touched = sum_gradient(rows, dim, bags, [step_upstream(seed, step, r)[t] for r in range(WORLD)])
+            ref.step(grad, touched)
+    for t, (v, ref) in enumerate(zip(tables, refs)):
+        got = full_table(sokpy, v).numpy()
+        if not np.allclose(got, ref.w, rtol=2e-4, atol=2e-5):
+            raise AssertionError(f"rank {RANK}: {kind} table {t} differs from the reference after {STEPS} steps: "
+                                 f"max diff {np.abs(got - ref.w).max()}")
+    print(f"rank {RANK}: {kind} ok")
+
+
+def train_global_batch(path):
+    """24 bags per step, split evenly over the ranks, 10 Adagrad steps."""
+    tables = [sokpy.Variable(r, d, target_gpu=t, seed=9 + i) for i, (r, d, t) in enumerate(SPECS)]
+    opt = sokpy.optim.Adagrad(tables, lr=0.2, initial_accumulator_value=0.1)
+    lo, hi = RANK * 24 // WORLD, (RANK + 1) * 24 // WORLD
+    for step in range(10):
+        inputs, upstream = [], []
+        for t, (rows, dim, _) in enumerate(SPECS):
+            v, o, w = make_bags(np.random.default_rng([3, step, t]), rows, 24, 5, weighted=True)
+            inputs.append((v[o[lo]:o[hi]], o[lo:hi + 1] - o[lo], w[o[lo]:o[hi]]))
+            upstream.append(np.random.default_rng([4, step, t]).normal(size=(24, dim)).astype(np.float32)[lo:hi])
+        train_step(tables, opt, inputs, upstream)
+    full = [full_table(sokpy, v).numpy() for v in tables]
+    if RANK == 0:
+        np.savez(path, *full)
+
+
+def check_nonfinite():
+    tables = [sokpy.Variable(r, d, target_gpu=t, seed=1) for r, d, t in SPECS]
+    opt = sokpy.optim.Adagrad(tables, lr=0.1)
+    train_step(tables, opt, step_inputs(1, 0, RANK), step_upstream(1, 0, RANK))  # state exists now
+    weights = [v.weight.clone() for v in tables]
+    state = [{k: s.clone() for k, s in opt.state[v.handle].items() if torch.is_tensor(s)} for v in tables]
+    upstream = step_upstream(1, 1, RANK)
+    if RANK == WORLD - 1:
+        upstream[0][0, 0] = np.nan
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w))
+           for v, o, w in step_inputs(1, 1, RANK)]
+    ids[0] = sokpy.Ragged(torch.tensor([0, 1, 2, 3]), torch.tensor([0] + [4] * 6))  # every rank sends NaN somewhere
+    outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()
+    try:
+        opt.step()
+    except sokpy.InputError as e:
+        assert "not finite" in str(e) and "'var" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {RANK}: a NaN gradient was applied")
+    for v, w, s in zip(tables, weights, state):
+        assert torch.equal(v.weight, w), f"rank {RANK}: rows changed by a refused step"
+        for k, old in s.items():
+            assert torch.equal(opt.state[v.handle][k], old), f"rank {RANK}: state {k} changed by a refused step"
+    print(f"rank {RANK}: nonfinite ok")
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "formula":
+        for kind in sys.argv[2].split(","):
+            check_formula(kind, int(sys.argv[3]))
+    elif mode == "global":
+        train_global_batch(sys.argv[2])
+    elif mode == "nonfinite":
+        check_nonfinite()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
