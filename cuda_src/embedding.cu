@@ -58,6 +58,10 @@ extern "C" __global__ void combine_forward(const float* rows, const i64* row_off
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
+        if (b + 1 < nbags) {
+            for (i64 j = offsets[b + 1]; j < offsets[b + 2]; ++j)
+                sokpy_prefetch_row(rows + row_off[j], dim);
+        }
         float* o = out + b * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = 0.0f;
         for (i64 j = begin; j < end; ++j) {
@@ -92,7 +96,11 @@ extern "C" __global__ void segment_sum(const float* src, const i64* src_row, con
             if (dn == 0.0f) continue;
             const float w = weights ? weights[j] : 1.0f;
             const float* s = src + r * dim;
-            for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] += (s[d] / dn) * w;
+            if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
+                for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] += s[d] * w;
+            } else {
+                for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] += (s[d] / dn) * w;
+            }
         }
     }
 }

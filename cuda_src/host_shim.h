@@ -7,6 +7,8 @@
 // Anything that needs real cooperating threads is rejected at compile time.
 #pragma once
 
+#define SOKPY_HOST 1
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,10 +45,15 @@
 #define warpSize SOKPY_REJECT("warpSize")
 
 // ---- thread and block coordinates -----------------------------------------------------
+// The host backend launches one emulated thread per block (blockDim = 1): each thread walks
+// a whole row, and because blockDim.x and threadIdx.x are compile-time constants here, g++
+// turns `for (d = threadIdx.x; d < dim; d += blockDim.x)` into a unit-stride, vectorised loop.
 struct dim3 {
     unsigned int x, y, z;
 };
-static thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+static constexpr dim3 threadIdx{0, 0, 0};
+static constexpr dim3 blockDim{1, 1, 1};
+static thread_local dim3 blockIdx, gridDim;
 
 // ---- atomics (GCC __atomic builtins) ----------------------------------------------------
 template <class T>
@@ -97,23 +104,15 @@ template <class T>
 static inline T max(T a, T b) { return a < b ? b : a; }
 
 // ---- the launcher ------------------------------------------------------------------------
-// Runs body() once per (block, thread): blocks in parallel (OpenMP), the threads of a block
-// one after another. The host backend launches blockDim = (1,1,1), so each emulated thread
-// walks a whole row and g++ vectorises the dimension loop.
+// Runs body() once per block of the grid, blocks in parallel (OpenMP).
 template <class Body>
-static void sokpy_host_launch(dim3 grid, dim3 block, Body body) {
+static void sokpy_host_launch(dim3 grid, Body body) {
     const long long nblocks = (long long)grid.x * grid.y * grid.z;
 #pragma omp parallel for schedule(static) if (nblocks > 16)
     for (long long b = 0; b < nblocks; ++b) {
         gridDim = grid;
-        blockDim = block;
         blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
                         (unsigned)(b / ((long long)grid.x * grid.y))};
-        for (unsigned tz = 0; tz < block.z; ++tz)
-            for (unsigned ty = 0; ty < block.y; ++ty)
-                for (unsigned tx = 0; tx < block.x; ++tx) {
-                    threadIdx = dim3{tx, ty, tz};
-                    body();
-                }
+        body();
     }
 }

@@ -22,6 +22,10 @@ extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64
                                           const i64* perm, const i64* seg, i64 n, int dim, float lr,
                                           float eps) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+        if (u + SOKPY_PREFETCH_DISTANCE < n) {
+            sokpy_prefetch_row(weight + rows[u + SOKPY_PREFETCH_DISTANCE] * dim, dim);
+            sokpy_prefetch_row(accum + rows[u + SOKPY_PREFETCH_DISTANCE] * dim, dim);
+        }
         const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* a = accum + rows[u] * dim;

@@ -10,6 +10,18 @@ typedef unsigned long long u64;
 #define SOKPY_MEAN 1
 #define SOKPY_SQRTN 2
 
+// A hint that a row will be read soon. The host has few threads to hide memory latency with,
+// so there it issues a prefetch per cache line; a GPU hides latency with other warps, so
+// there it does nothing.
+__device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
+#ifdef SOKPY_HOST
+    for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
+#endif
+}
+
+// How many rows ahead a kernel prefetches.
+#define SOKPY_PREFETCH_DISTANCE 4
+
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).
 __device__ __forceinline__ u64 sokpy_mix64(u64 x) {
     x ^= x >> 30;

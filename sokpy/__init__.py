@@ -12,7 +12,7 @@ Example (``sokrun -np 2 python this.py``)::
 """
 
 from . import comm as _comm_module  # noqa: F401  (loaded before the function comm() is bound below)
-from . import initializers, kernels, optim
+from . import initializers, kernels, optim, timing
 from .errors import InputError
 from .lookup import lookup_sparse
 from .sparse import Ragged
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "world_size", "local_rank", "backend", "comm",
     "Variable", "SparseGrad", "export", "assign", "Ragged", "lookup_sparse", "initializers", "optim",
-    "kernels", "InputError", "LaunchError", "NotInitializedError", "__version__",
+    "kernels", "timing", "InputError", "LaunchError", "NotInitializedError", "__version__",
 ]

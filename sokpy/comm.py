@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .timing import timed
+
 __all__ = ["Communicator", "MpiComm"]
 
 
@@ -78,7 +80,8 @@ class MpiComm(Communicator):
         if self.size == 1:
             recv[...] = counts
         else:
-            self._comm.Alltoall(counts, recv)
+            with timed("exchange"):
+                self._comm.Alltoall(counts, recv)
         return recv
 
     def alltoallv(self, send, send_counts, recv_counts=None):
@@ -105,7 +108,8 @@ class MpiComm(Communicator):
         sbuf = send.reshape(-1) if send.size else np.empty(1, send.dtype)
         rbuf = recv.reshape(-1) if recv.size else np.empty(1, send.dtype)
         dtype = self._MPI._typedict[sbuf.dtype.char]
-        self._comm.Alltoallv([sbuf, (sc, sd), dtype], [rbuf, (rc, rd), dtype])
+        with timed("exchange"):
+            self._comm.Alltoallv([sbuf, (sc, sd), dtype], [rbuf, (rc, rd), dtype])
         return recv, recv_counts
 
     def allreduce(self, arr, op: str = "sum"):
@@ -114,7 +118,8 @@ class MpiComm(Communicator):
         if self.size == 1:
             out[...] = arr
         else:
-            self._comm.Allreduce(arr, out, op=self._ops[op])
+            with timed("exchange"):
+                self._comm.Allreduce(arr, out, op=self._ops[op])
         return out
 
     def allgather(self, arr):

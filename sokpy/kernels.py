@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .timing import timed
+
 __all__ = ["KernelError", "get", "launch_shape", "source_dir", "kernel_sources", "signatures",
            "nvrtc_compile", "HostModule"]
 
@@ -164,9 +166,9 @@ def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:
         decl = ", ".join(f"{p.base}{'*' if p.pointer else ''} a{i}" for i, p in enumerate(params))
         call = ", ".join(f"a{i}" for i in range(len(params)))
         lines.append(
-            f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
-            f"unsigned by, unsigned bz{', ' if decl else ''}{decl}) {{\n"
-            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}")
+            f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz'
+            f"{', ' if decl else ''}{decl}) {{\n"
+            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, [&] {{ {name}({call}); }});\n}}")
     return "\n".join(lines) + "\n"
 
 
@@ -206,7 +208,7 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
 class _HostKernel:
     def __init__(self, name: str, fn, params: list[_Param]):
         self.name, self.params = name, params
-        fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
+        fn.argtypes = [ctypes.c_uint] * 3 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
         fn.restype = None
         self._fn = fn
 
@@ -214,7 +216,9 @@ class _HostKernel:
         if len(args) != len(self.params):
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
         g = (tuple(grid) + (1, 1))[:3]
-        b = (tuple(block) + (1, 1))[:3]
+        if tuple(block) + (1,) * (3 - len(block)) != (1, 1, 1):
+            raise KernelError(f"sokpy kernel {self.name}: the host backend runs one thread per block; "
+                              f"launch with block (1,), not {tuple(block)} (see launch_shape)")
         conv = []
         for p, x in zip(self.params, args):
             if p.pointer:
@@ -223,7 +227,8 @@ class _HostKernel:
                 conv.append(x)
         if min(g) <= 0:
             return
-        self._fn(*g, *b, *conv)
+        with timed("kernels"):
+            self._fn(*g, *conv)
 
 
 class HostModule:
@@ -253,7 +258,8 @@ class _DeviceKernel:
                 conv.append(p.dtype.type(x))
         if min(grid) <= 0:
             return
-        self._fn(tuple(grid), tuple(block), tuple(conv))
+        with timed("kernels"):
+            self._fn(tuple(grid), tuple(block), tuple(conv))
 
 
 def _device_module(cu: Path):

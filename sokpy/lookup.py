@@ -106,8 +106,18 @@ class _Table:
                                                      self.batch, dim, self.combiner, out, self.den))
         return torch.from_numpy(out)
 
+    def check_finite(self, grad_out: np.ndarray) -> None:
+        """Marks the table when a bag that holds keys got a non-finite gradient. Its rows'
+        gradients are sums of finite terms otherwise, so checking the (small) pooled gradient
+        here spares the optimizer a pass over every gradient row."""
+        bad = np.flatnonzero(~np.isfinite(grad_out).all(axis=1) & (np.diff(self.bags.offsets) > 0))
+        if bad.size and self.var.nonfinite_grad is None:
+            key = int(self.bags.values[self.bags.offsets[bad[0]]])
+            self.var.nonfinite_grad = f"the gradient of key {key} (from rank {runtime.rank()}) is not finite"
+
     def grad_rows(self, grad_out: np.ndarray, dst: np.ndarray, dst_offset) -> None:
         """combine_forward's transpose: one gradient row per unique key into ``dst``."""
+        self.check_finite(grad_out)
         bag_of_value = np.repeat(np.arange(self.batch, dtype=np.int64), np.diff(self.bags.offsets))
         _launch("segment_sum", self.unique.size, self.var.dim,
                 (grad_out, bag_of_value, self.den, self.bags.weights, self.perm, self.seg, self.unique.size,
@@ -175,7 +185,7 @@ class _Plan:
                 t.dedup()
                 rows = np.empty((t.unique.size, t.var.dim), np.float32)
                 t.grad_rows(g, rows, None)
-                t.var._add_grad(t.unique, rows)
+                t.var._add_grad(t.unique, rows, unique=True)
             return
         flat = np.empty(int(self.send_elems.sum()), np.float32)
         for t, g in zip(self.tables, grads):

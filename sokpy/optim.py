@@ -86,22 +86,16 @@ class SparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work, error = [], None
-        for group, var in self.variables():
-            if not var._grad_chunks:
-                continue
-            keys, grads, perm, seg = var.merged_grad()
-            if self.check_finite and error is None:
-                bad = np.flatnonzero(~np.isfinite(grads).all(axis=1))
-                if bad.size:
-                    k = int(np.concatenate([c for c, _ in var._grad_chunks])[bad[0]])
-                    error = f"table {var.name!r}: the gradient of key {k} is not finite; no row or state was changed"
-            work.append((group, var, keys, grads, perm, seg))
+        error = next((f"table {var.name!r}: {var.nonfinite_grad}; no row or state was changed"
+                      for _, var in self.variables() if var.nonfinite_grad), None)
         if self.check_finite:
             names = ", ".join(v.describe() for _, v in self.variables())
             agree(runtime.comm(), f"{type(self).__name__}.step tables=[{names}]", error)
         self.steps += 1
-        for group, var, keys, grads, perm, seg in work:
+        for group, var in self.variables():
+            if not var._grad_chunks:
+                continue
+            keys, grads, perm, seg = var.merged_grad()
             state = self.state_of(var, group)
             state["step"] = self.steps
             n, dim = keys.size, var.dim
@@ -109,7 +103,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             grid, block = kernels.launch_shape(n, dim)
             kernels.get(self.kernel)(grid, block, (var.weight, *slots, var.local_index(keys), grads, perm, seg, n,
                                                    dim, *self.hyper(group, self.steps)))
-            if seg.size - 1 != perm.size:
+            if seg is not None and seg.size - 1 != perm.size:
                 # The kernel summed duplicates into the first row of each key: keep that as the
                 # (still valid) gradient, so var.grad reads the same after step() as before.
                 var._grad_chunks = [(keys, grads[perm[seg[:-1]]])]

@@ -85,7 +85,9 @@ class Variable:
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
         self._grad_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self._grad_unique = False  # the one chunk held has unique, sorted keys
         self._grad_view: SparseGrad | None = None
+        self.nonfinite_grad: str | None = None  # where a non-finite gradient came from, if one did
 
     # ---- placement -----------------------------------------------------------------------
     def owner_of(self, keys: np.ndarray) -> np.ndarray:
@@ -105,9 +107,9 @@ class Variable:
 
     def key_error(self, keys: np.ndarray) -> str | None:
         """A message naming the first key that is not in the table, or None."""
-        bad = np.flatnonzero((keys < 0) | (keys >= self.rows))
-        if bad.size == 0:
+        if keys.size == 0 or (keys.min() >= 0 and keys.max() < self.rows):
             return None
+        bad = np.flatnonzero((keys < 0) | (keys >= self.rows))
         i = int(bad[0])
         return f"key {int(keys[i])} at position {i} is out of range [0, {self.rows})"
 
@@ -130,9 +132,11 @@ class Variable:
                              self.seed & 0xFFFFFFFFFFFFFFFF))
 
     # ---- sparse gradient -------------------------------------------------------------------
-    def _add_grad(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Keeps (global key, gradient row) pairs; duplicates are summed when read or applied."""
+    def _add_grad(self, keys: np.ndarray, values: np.ndarray, unique: bool = False) -> None:
+        """Keeps (global key, gradient row) pairs; duplicates are summed when read or applied.
+        ``unique``: the keys are unique and sorted."""
         if keys.size:
+            self._grad_unique = unique and not self._grad_chunks
             self._grad_chunks.append((keys, values))
         self._grad_view = None
 
@@ -147,14 +151,21 @@ class Variable:
             out = np.empty((keys.size, self.dim), np.float32)
             if keys.size:
                 grid, block = kernels.launch_shape(keys.size, self.dim)
-                kernels.get("segment_sum")(grid, block, (grads, None, None, None, perm, seg, keys.size,
-                                                         self.dim, out, None))
+                if seg is None:
+                    out[...] = grads
+                else:
+                    kernels.get("segment_sum")(grid, block, (grads, None, None, None, perm, seg, keys.size,
+                                                             self.dim, out, None))
             self._grad_view = SparseGrad(torch.from_numpy(keys), torch.from_numpy(out))
         return self._grad_view
 
     def merged_grad(self):
         """``(unique_keys, grads, perm, seg)``: rows ``perm[seg[u]:seg[u+1]]`` of ``grads``
-        are the gradients that arrived for ``unique_keys[u]`` (sorted), in arrival order."""
+        are the gradients that arrived for ``unique_keys[u]`` (sorted), in arrival order.
+        ``perm`` and ``seg`` are None when every key arrived once, in order (row u is key u's)."""
+        if len(self._grad_chunks) == 1 and self._grad_unique:
+            keys, grads = self._grad_chunks[0]
+            return keys, grads, None, None
         if len(self._grad_chunks) == 1:
             keys, grads = self._grad_chunks[0]
         else:
@@ -171,7 +182,9 @@ class Variable:
 
     def zero_grad(self) -> None:
         self._grad_chunks = []
+        self._grad_unique = False
         self._grad_view = None
+        self.nonfinite_grad = None
 
 
 def export(var: Variable):
