@@ -21,6 +21,12 @@ from .timing import timed
 __all__ = ["Communicator", "MpiComm"]
 
 
+def _contiguous(arr) -> np.ndarray:
+    """A C-contiguous array of ``arr``'s shape (np.ascontiguousarray would turn 0-d into 1-d)."""
+    a = np.asarray(arr)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
 class Communicator:
     """What every backend's communicator provides. Counts are in rows (first axis)."""
 
@@ -113,7 +119,7 @@ class MpiComm(Communicator):
         return recv, recv_counts
 
     def allreduce(self, arr, op: str = "sum"):
-        arr = np.ascontiguousarray(arr)
+        arr = _contiguous(arr)
         out = np.empty_like(arr)
         if self.size == 1:
             out[...] = arr
@@ -123,7 +129,7 @@ class MpiComm(Communicator):
         return out
 
     def allgather(self, arr):
-        arr = np.ascontiguousarray(arr)
+        arr = _contiguous(arr)
         out = np.empty((self.size,) + arr.shape, dtype=arr.dtype)
         if self.size == 1:
             out[0] = arr

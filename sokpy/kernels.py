@@ -271,7 +271,7 @@ def _device_module(cu: Path):
     return {n: _DeviceKernel(n, mod.get_function(n), ps) for n, ps in sigs.items()}
 
 
-def nvrtc_compile(cu: Path, arch: str) -> str:
+def nvrtc_compile(cu: Path, arch: str) -> bytes:
     """Compiles one kernel source with NVRTC for ``arch`` (e.g. ``"compute_80"``) and returns
     the PTX. Needs no GPU: it goes through ``cupy.cuda.nvrtc`` directly. Raises KernelError
     with the NVRTC log when compilation fails."""

@@ -1,0 +1,54 @@
+"""The host communicator (MpiComm) in real mpirun jobs at 1 to 4 ranks.
+
+One job per world size runs every case of ``workers/comm_worker.py``: alltoallv with uneven,
+zero and one-sided counts (with and without ``recv_counts``), allreduce sum/max/min,
+allgather, allgather_object, bcast from every root and barrier, over float32, float64,
+int64 and int32 arrays of several shapes. Each rank checks its results against references
+it computes itself and reports per group of checks; each test below holds one group at one
+world size.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import mpi_job
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from comm_worker import GROUPS  # noqa: E402
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def comm_job(tmp_path_factory):
+    """``comm_job(n)``: the output of the comm worker's job at n ranks, run once per module."""
+    jobs = {}
+
+    def run(nranks):
+        if nranks not in jobs:
+            shared = tmp_path_factory.mktemp(f"comm{nranks}")
+            jobs[nranks] = mpi_job(nranks, "comm_worker.py", shared, timeout=120)
+        return jobs[nranks]
+
+    return run
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("nranks", WORLD_SIZES)
+def test_collectives(comm_job, nranks, group):
+    job = comm_job(nranks)
+    report = (f"comm_worker at {nranks} ranks, exit {job.returncode}\n--- stdout ---\n{job.stdout[-6000:]}\n"
+              f"--- stderr ---\n{job.stderr[-4000:]}")
+    if job.returncode != 0 and "comm_worker FAIL" not in job.stdout:
+        pytest.fail("the job failed outside the checks (an exception, a hang, a crash)\n" + report)
+    done = re.findall(rf"comm_worker rank=(\d+) size=(\d+) group={group} checks=(\d+) failures=(\d+)", job.stdout)
+    fails = re.findall(rf"comm_worker FAIL rank=\d+ group={group}: .*", job.stdout)
+    assert not fails, "\n".join(fails[:10]) + "\n\n" + report
+    assert sorted(int(r) for r, _, _, _ in done) == list(range(nranks)), f"not every rank finished {group}\n" + report
+    assert {int(s) for _, s, _, _ in done} == {nranks}, report
+    assert {int(f) for _, _, _, f in done} == {0}, report
+    assert len({c for _, _, c, _ in done}) == 1 and int(done[0][2]) > 0, "ranks ran different checks\n" + report
+

@@ -1,0 +1,303 @@
+"""The kernel runtime: cuda_src/*.cu built for the host (g++ + host_shim.h, OpenMP) and
+compiled with NVRTC for sm_80/sm_90, the on-disk cache, and the errors a bad kernel or a bad
+call gives."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+from sokpy import kernels
+from sokpy.kernels import KernelError
+
+SOURCES = kernels.kernel_sources()
+SRC_DIR = kernels.source_dir()
+
+
+def test_every_kernel_source_is_found():
+    assert {p.name for p in SOURCES} >= {"embedding.cu", "optimizers.cu"}
+    assert all(kernels.signatures(p.read_text()) for p in SOURCES), "a .cu file without kernels"
+
+
+# ---- copy_rows on the host against numpy ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def copy_rows():
+    return kernels.get("copy_rows", backend="host")
+
+
+SENTINEL = -7.0
+PAD = 3  # extra elements around each row of a strided buffer, and spare rows after the output
+
+
+def copy_case(mode, n, dim, seed=0):
+    """Arguments for copy_rows and the expected destination buffer, built with numpy indexing.
+
+    contiguous: null offsets on both sides; gather: src rows picked with repeats; scatter:
+    dst rows permuted; strided: both buffers have rows of dim + PAD elements starting PAD - 1
+    elements in, so the offsets are element offsets that are no multiple of dim.
+    """
+    rng = np.random.default_rng([seed, n, dim])
+    nsrc = n + PAD
+    if mode == "strided":
+        src_buf = rng.standard_normal((nsrc, dim + PAD)).astype(np.float32)
+        dst_buf = np.full((n + PAD, dim + PAD), SENTINEL, np.float32)
+        src_rows = rng.integers(0, nsrc, n)
+        dst_rows = rng.permutation(n + PAD)[:n]
+        want = dst_buf.copy()
+        want[dst_rows, PAD - 1:PAD - 1 + dim] = src_buf[src_rows, PAD - 1:PAD - 1 + dim]
+        src_off = src_rows * (dim + PAD) + PAD - 1
+        dst_off = dst_rows * (dim + PAD) + PAD - 1
+        return src_buf, src_off, dst_buf, dst_off, want
+    src_buf = rng.standard_normal((nsrc, dim)).astype(np.float32)
+    dst_buf = np.full((n + PAD, dim), SENTINEL, np.float32)
+    want = dst_buf.copy()
+    src_off = dst_off = None
+    if mode == "contiguous":
+        want[:n] = src_buf[:n]
+    elif mode == "gather":
+        rows = rng.integers(0, nsrc, n)
+        want[:n] = src_buf[rows]
+        src_off = rows * dim
+    elif mode == "scatter":
+        rows = rng.permutation(n + PAD)[:n]
+        want[rows] = src_buf[:n]
+        dst_off = rows * dim
+    else:
+        raise ValueError(mode)
+    return src_buf, src_off, dst_buf, dst_off, want
+
+
+def run_copy(copy_rows, case, n, dim, grid=None):
+    src, src_off, dst, dst_off, want = case
+    if grid is None:
+        grid, block = kernels.launch_shape(n, dim, backend="host")
+    else:
+        block = (1,)
+    as_i64 = lambda off: None if off is None else np.ascontiguousarray(off, dtype=np.int64)  # noqa: E731
+    copy_rows(grid, block, (src, as_i64(src_off), dst, as_i64(dst_off), n, dim))
+    return dst, want
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 1000, 40_000])
+@pytest.mark.parametrize("dim", [1, 3, 16, 64, 129])
+@pytest.mark.parametrize("mode", ["contiguous", "gather", "scatter", "strided"])
+def test_copy_rows_matches_numpy(copy_rows, mode, dim, n):
+    dst, want = run_copy(copy_rows, copy_case(mode, n, dim), n, dim)
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize("grid", [(1,), (7,), (1003,), (4096,)], ids=lambda g: f"grid{g[0]}")
+def test_copy_rows_any_grid(copy_rows, grid):
+    """Rows are a grid-stride loop: a grid smaller or larger than the rows covers them once."""
+    n, dim = 1003, 16
+    dst, want = run_copy(copy_rows, copy_case("gather", n, dim, seed=1), n, dim, grid=grid)
+    np.testing.assert_array_equal(dst, want)
+
+
+def test_copy_rows_takes_torch_tensors(copy_rows):
+    src, src_off, dst, dst_off, want = copy_case("gather", 100, 8, seed=2)
+    t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst.copy())
+    grid, block = kernels.launch_shape(100, 8, backend="host")
+    copy_rows(grid, block, (t_src, torch.from_numpy(src_off.astype(np.int64)), t_dst, None, 100, 8))
+    np.testing.assert_array_equal(t_dst.numpy(), want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 2**20])
+@pytest.mark.parametrize("dim", [1, 129])
+def test_launch_shape_host(n, dim):
+    grid, block = kernels.launch_shape(n, dim, backend="host")
+    assert tuple(block) == (1,), "the host runs one emulated thread per row"
+    assert tuple(grid) == (max(1, n),)
+
+
+def test_host_library_uses_openmp(copy_rows):
+    lib = kernels.HostModule(SRC_DIR / "embedding.cu").path
+    deps = subprocess.run(["ldd", str(lib)], capture_output=True, text=True).stdout
+    assert "libgomp" in deps, f"{lib} is not linked with OpenMP:\n{deps}"
+
+
+# ---- bad calls ------------------------------------------------------------------------------
+
+def _bad_args():
+    """(what is wrong, args for copy_rows(src, src_off, dst, dst_off, n, dim)) with n=4, dim=3."""
+    src, dst, off = np.zeros((4, 3), np.float32), np.zeros((4, 3), np.float32), np.arange(4, dtype=np.int64) * 3
+    return {
+        "float64 src": (src.astype(np.float64), off, dst, None, 4, 3),
+        "int32 offsets": (src, off.astype(np.int32), dst, None, 4, 3),
+        "float16 dst": (src, None, dst.astype(np.float16), None, 4, 3),
+        "int64 dst": (src, None, dst.astype(np.int64), None, 4, 3),
+        "torch float64 dst": (src, None, torch.zeros((4, 3), dtype=torch.float64), None, 4, 3),
+        "non-contiguous src": (np.zeros((4, 6), np.float32)[:, ::2], None, dst, None, 4, 3),
+        "a list for an array": (src.tolist(), None, dst, None, 4, 3),
+        "too few arguments": (src, None, dst, None, 4),
+        "too many arguments": (src, None, dst, None, 4, 3, 0),
+    }
+
+
+@pytest.mark.parametrize("what", list(_bad_args()))
+def test_bad_arguments_raise_kernel_error(copy_rows, what):
+    args = _bad_args()[what]
+    with pytest.raises(KernelError, match="copy_rows"):
+        copy_rows((4,), (1,), args)
+
+
+def test_unknown_kernel_name():
+    with pytest.raises(KernelError, match="no_such_kernel"):
+        kernels.get("no_such_kernel", backend="host")
+
+
+# ---- the on-disk cache --------------------------------------------------------------------
+
+BUILD_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+from sokpy import kernels
+
+sync, me, nprocs = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+(sync / f"ready-{me}").touch()
+deadline = time.time() + 60
+while len(list(sync.glob("ready-*"))) < nprocs:  # start building together
+    assert time.time() < deadline, "the other builder never started"
+    time.sleep(0.002)
+mods = {cu.name: kernels.HostModule(cu) for cu in kernels.kernel_sources()}
+n, dim = 50_000, 33  # many blocks: the OpenMP loop runs on OMP_NUM_THREADS threads
+src = np.random.default_rng(0).standard_normal((n, dim)).astype(np.float32)
+rows = np.random.default_rng(1).integers(0, n, n)
+dst = np.empty_like(src)
+mods["embedding.cu"].kernels["copy_rows"]((n,), (1,), (src, rows * dim, dst, None, n, dim))
+assert np.array_equal(dst, src[rows]), "copy_rows built by this process gave wrong rows"
+print("built " + json.dumps({name: str(m.path) for name, m in mods.items()}))
+"""
+
+
+def test_concurrent_builds_share_one_cache(tmp_path):
+    cache, sync = tmp_path / "cache", tmp_path / "sync"
+    sync.mkdir()
+    env = dict(os.environ, SOKPY_CACHE_DIR=str(cache), OMP_NUM_THREADS="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(sync), str(i), "2"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [p.communicate(timeout=180) + (p.returncode,) for p in procs]
+    built = []
+    for out, err, rc in results:
+        assert rc == 0, f"a builder failed (exit {rc}):\n{out}\n{err}"
+        built.append(json.loads(out.split("built ", 1)[1]))
+    assert built[0] == built[1], "the two processes loaded different libraries"
+    entries = sorted((cache / "kernels").iterdir())
+    libs = [p for p in entries if p.suffix == ".so"]
+    assert sorted(p.name.split("-")[0] for p in libs) == sorted(cu.stem for cu in SOURCES), entries
+    assert {str(p) for p in libs} == set(built[0].values())
+    leftovers = [p for p in entries if p not in libs and not (p.is_file() and p.name.endswith(".so.lock"))]
+    assert not leftovers, f"temporary files left in the cache: {leftovers}"
+
+
+@pytest.fixture
+def kernel_dir(tmp_path, monkeypatch):
+    """A private copy of the headers of cuda_src/ (write kernels next to them) and a private cache."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for header in [SRC_DIR / "host_shim.h", *SRC_DIR.glob("*.cuh")]:
+        shutil.copy(header, src)
+    monkeypatch.setenv("SOKPY_CACHE_DIR", str(tmp_path / "cache"))
+    return src
+
+
+def test_cache_is_reused_and_keyed_by_source(kernel_dir):
+    cu = kernel_dir / "copy.cu"
+    shutil.copy(SRC_DIR / "embedding.cu", cu)
+    first = kernels.HostModule(cu).path
+    mtime = first.stat().st_mtime_ns
+    again = kernels.HostModule(cu).path
+    assert again == first and again.stat().st_mtime_ns == mtime, "an unchanged source was rebuilt"
+    cu.write_text(cu.read_text() + "\n// an edit\n")
+    edited = kernels.HostModule(cu).path
+    assert edited != first and edited.exists(), "an edited source reused the old library"
+
+
+# ---- compile errors ---------------------------------------------------------------------------
+
+KERNEL_TEMPLATE = """\
+#include "sokpy_common.cuh"
+
+extern "C" __global__ void broken(float* x, i64 n) {{
+    for (i64 i = blockIdx.x; i < n; i += gridDim.x) {{
+        float v = x[i];
+{body}
+        x[i] = v;
+    }}
+}}
+"""
+BODY_LINE = 6  # the line of the .cu file that {body} starts on
+
+
+def write_kernel(folder, body):
+    cu = folder / "broken.cu"
+    cu.write_text(KERNEL_TEMPLATE.format(body=textwrap.indent(body, " " * 8)))
+    return cu
+
+
+SYNTAX_ERROR = "v = v + ;"
+
+
+def test_host_compile_error_reports_the_log(kernel_dir):
+    cu = write_kernel(kernel_dir, SYNTAX_ERROR)
+    with pytest.raises(KernelError) as err:
+        kernels.HostModule(cu)
+    msg = str(err.value)
+    assert f"broken.cu:{BODY_LINE}:" in msg and "error" in msg, msg
+    assert not list((kernel_dir.parent / "cache" / "kernels").glob("*.so")), "a failed build left a library"
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_nvrtc_compile_error_reports_the_log(kernel_dir, arch):
+    cu = write_kernel(kernel_dir, SYNTAX_ERROR)
+    with pytest.raises(KernelError) as err:
+        kernels.nvrtc_compile(cu, arch)
+    msg = str(err.value)
+    assert f"broken.cu({BODY_LINE})" in msg and "error" in msg, msg
+
+
+# Constructs of cooperating threads: valid CUDA, refused by the host shim.
+NOT_FLAT = {
+    "__shared__": "__shared__ float tile[32];\ntile[0] = v;\nv = tile[0];",
+    "__syncthreads": "__syncthreads();",
+    "__shfl_sync": "v = __shfl_sync(0xffffffffu, v, 0);",
+    "__shfl_down_sync": "v += __shfl_down_sync(0xffffffffu, v, 1);",
+    "__syncwarp": "__syncwarp();",
+    "__ballot_sync": "v += (float)__ballot_sync(0xffffffffu, v > 0.0f);",
+    "warpSize": "v += (float)warpSize;",
+}
+
+
+@pytest.mark.parametrize("construct", list(NOT_FLAT))
+def test_shim_rejects_cooperating_threads(kernel_dir, construct):
+    cu = write_kernel(kernel_dir, NOT_FLAT[construct])
+    ptx = kernels.nvrtc_compile(cu, "compute_80")  # the kernel itself is valid CUDA
+    assert b".entry broken" in (ptx if isinstance(ptx, bytes) else ptx.encode())
+    with pytest.raises(KernelError) as err:
+        kernels.HostModule(cu)
+    assert f"{construct} is not allowed" in str(err.value), str(err.value)
+
+
+# ---- NVRTC for the GPUs CI does not have ------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("cu", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles_every_kernel(cu, arch):
+    ptx = kernels.nvrtc_compile(cu, arch)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert f".target sm_{arch.split('_')[1]}" in ptx
+    names = list(kernels.signatures(cu.read_text()))
+    assert names
+    for name in names:
+        assert f".entry {name}(" in ptx, f"{name} missing from the PTX of {cu.name} for {arch}"

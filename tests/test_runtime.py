@@ -1,0 +1,172 @@
+"""sokpy.init and the process-wide runtime state: rank, world size, local rank, backend,
+idempotent init, refusal before init, and refusal under a launcher MPI does not see."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mpi_job
+
+
+def run_python(code, env=None):
+    """Runs ``python -c code`` in a fresh process (init state is process-global); returns the
+    CompletedProcess. Launcher variables of the surrounding shell are dropped."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          timeout=120, cwd=ROOT)
+
+
+def json_from(res, tag):
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    lines = [ln[len(tag) + 1:] for ln in res.stdout.splitlines() if ln.startswith(tag + " ")]
+    assert lines, f"no '{tag}' line\n{res.stdout}\n{res.stderr}"
+    return [json.loads(ln) for ln in lines]
+
+
+# ---- one rank, in this process ------------------------------------------------------------
+
+def test_single_rank_state(sokpy_host):
+    s = sokpy_host
+    assert s.is_initialized()
+    assert (s.rank(), s.world_size(), s.local_rank(), s.backend()) == (0, 1, 0, "host")
+
+
+def test_init_is_idempotent(sokpy_host):
+    from sokpy import runtime
+
+    c = runtime.comm()
+    assert sokpy_host.init() == "host"
+    assert sokpy_host.init(backend="host") == "host"
+    assert runtime.comm() is c and sokpy_host.backend() == "host"
+
+
+def test_init_cannot_switch_backend(sokpy_host):
+    with pytest.raises(RuntimeError, match="host"):
+        sokpy_host.init(backend="device")
+    assert sokpy_host.backend() == "host"
+
+
+@pytest.mark.parametrize("bogus", ["bogus", "cpu", "", None])
+def test_init_rejects_unknown_backend(sokpy_host, bogus):
+    with pytest.raises(ValueError, match="backend"):
+        sokpy_host.init(backend=bogus)
+    assert sokpy_host.backend() == "host"
+
+
+def test_public_comm_after_init(sokpy_host):
+    """``sokpy.comm()`` is the communicator after init (not shadowed by the sokpy.comm module)."""
+    from sokpy import runtime
+    from sokpy.comm import MpiComm
+
+    assert callable(sokpy_host.comm), f"sokpy.comm is {sokpy_host.comm!r} after sokpy.init()"
+    c = sokpy_host.comm()
+    assert isinstance(c, MpiComm) and c is runtime.comm()
+    assert (c.rank, c.size) == (0, 1)
+
+
+# ---- a process that never calls init ---------------------------------------------------------
+
+UNINITIALISED_CALLS = {
+    "rank": "sokpy.rank()",
+    "world_size": "sokpy.world_size()",
+    "local_rank": "sokpy.local_rank()",
+    "backend": "sokpy.backend()",
+    "comm": "sokpy.comm()",
+    "runtime.comm": "sokpy.runtime.comm()",
+    "xp": "sokpy.runtime.xp()",
+    "Variable": "sokpy.Variable(10, 4)",
+    "kernels.get": "sokpy.kernels.get('copy_rows')",
+}
+
+UNINITIALISED_SCRIPT = """
+import json, sokpy
+calls = json.loads({calls!r})
+out = {{"is_initialized": sokpy.is_initialized()}}
+for name, expr in calls.items():
+    try:
+        eval(expr)
+        out[name] = "no error"
+    except Exception as e:
+        out[name] = type(e).__name__
+try:
+    sokpy.init(backend="bogus")
+    out["init_bogus"] = "no error"
+except Exception as e:
+    out["init_bogus"] = type(e).__name__
+out["initialized_after_bogus"] = sokpy.is_initialized()
+print("uninit " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def uninitialised():
+    """What each API call raised in a process that never called sokpy.init()."""
+    res = run_python(UNINITIALISED_SCRIPT.format(calls=json.dumps(UNINITIALISED_CALLS)))
+    return json_from(res, "uninit")[0]
+
+
+@pytest.mark.parametrize("name", list(UNINITIALISED_CALLS))
+def test_api_before_init_raises(uninitialised, name):
+    assert uninitialised[name] == "NotInitializedError", f"{UNINITIALISED_CALLS[name]} -> {uninitialised[name]}"
+
+
+def test_uninitialised_state(uninitialised):
+    assert uninitialised["is_initialized"] is False
+    assert uninitialised["init_bogus"] == "ValueError"
+    assert uninitialised["initialized_after_bogus"] is False
+
+
+# ---- launched by something MPI does not see ------------------------------------------------
+
+LAUNCH_SCRIPT = """
+import json, sokpy
+try:
+    sokpy.init()
+    out = {"error": None}
+except sokpy.LaunchError as e:
+    out = {"error": str(e)}
+out["initialized"] = sokpy.is_initialized()
+print("launch " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"HOROVOD_SIZE": "2"}, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}],
+                         ids=["torchrun", "horovod", "horovod-gloo"])
+def test_launcher_mismatch_raises(env):
+    out = json_from(run_python(LAUNCH_SCRIPT, env), "launch")[0]
+    assert out["error"] is not None, f"init under {env} with a 1-process MPI world did not raise LaunchError"
+    for hint in ("sokrun", "mpirun", "horovodrun --mpi"):
+        assert hint in out["error"], f"{hint!r} not in: {out['error']}"
+    assert out["initialized"] is False
+
+
+def test_matching_launcher_size_is_accepted():
+    out = json_from(run_python(LAUNCH_SCRIPT, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "1"}), "launch")[0]
+    assert out == {"error": None, "initialized": True}
+
+
+# ---- several ranks under mpirun --------------------------------------------------------------
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_ranks_under_mpirun(nranks):
+    # The launcher variables agree with MPI here, so init must accept them.
+    res = mpi_job(nranks, "runtime_worker.py", timeout=120,
+                  env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)})
+    reports = sorted(json_from(res, "runtime_worker"), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == list(range(nranks))
+    for r in reports:
+        assert r["rank"] == r["launcher_rank"] == r["comm_rank"]
+        assert r["world_size"] == r["launcher_size"] == r["comm_size"] == nranks
+        # One node: the local rank is the rank. (Open MPI's own OMPI_COMM_WORLD_LOCAL_RANK may
+        # number the processes of a node in another order, so it is no reference here.)
+        assert r["local_rank"] == r["rank"]
+        assert r["first_init"] == r["second_init"] == r["second_init_host"] == r["backend"] == "host"
+        assert r["same_comm"] is True
+        assert r["switch_backend"] == "RuntimeError"
+        assert r["after_shutdown_initialized"] is False and r["after_shutdown_rank"] == "NotInitializedError"
+        assert (r["reinit"], r["reinit_rank"], r["reinit_size"], r["reinit_sum"]) == ("host", r["rank"], nranks, nranks)

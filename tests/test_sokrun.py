@@ -1,0 +1,128 @@
+"""sokrun (launch/sokrun, sokpy/launcher.py): the mpirun command line and environment it
+builds, and real jobs that fail or hang on one rank."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from conftest import mpi_job
+from sokpy import launcher
+
+
+PROGRAMS = (sys.executable, "hostname")  # the first word of every program the tests launch, once built
+
+
+@pytest.fixture
+def build(monkeypatch):
+    """``build(args, env=None, cores=8, euid=1000)``: build_command on a machine with ``cores``
+    cores, run by user id ``euid``; returns (mpirun options, program, environment)."""
+
+    def run(args, env=None, cores=8, euid=1000):
+        monkeypatch.setattr(launcher.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(launcher.os, "geteuid", lambda: euid)
+        cmd, out_env = launcher.build_command(list(args), dict(env or {}))
+        assert os.path.basename(cmd[0]).startswith("mpirun"), cmd
+        starts = [i for i, word in enumerate(cmd) if word in PROGRAMS]
+        assert starts, f"no program in {cmd}"
+        prog_start = starts[0]
+        return cmd[1:prog_start], cmd[prog_start:], out_env
+
+    return run
+
+
+def oversubscribes(opts, env):
+    """Whether mpirun is told to run more ranks than cores, by option or by environment."""
+    words = " ".join(opts).lower() + " " + " ".join(f"{k}={v}" for k, v in env.items()).lower()
+    return "oversubscribe" in words
+
+
+PY = [sys.executable, "-m", "mpi4py"]
+
+
+@pytest.mark.parametrize("program, want", [
+    (["python", "train.py", "--lr", "0.1"], PY + ["train.py", "--lr", "0.1"]),
+    (["python3", "train.py"], PY + ["train.py"]),
+    ([sys.executable, "train.py"], PY + ["train.py"]),
+    (["python", "-m", "mpi4py", "train.py"], PY + ["train.py"]),  # not twice
+    (["hostname"], ["hostname"]),  # not a Python program: unchanged
+], ids=["python", "python3", "sys.executable", "already-mpi4py", "not-python"])
+def test_program_runs_under_mpi4py(build, program, want):
+    opts, prog, _ = build(["-np", "2", *program])
+    assert prog == want
+    assert opts[:2] == ["-np", "2"]
+
+
+def test_timeout_is_passed_to_mpirun(build):
+    opts, prog, _ = build(["-np", "2", "--timeout", "30", "python", "train.py", "--timeout", "5"])
+    assert any(opts[i:i + 2] == ["--timeout", "30"] for i in range(len(opts))), opts
+    assert prog == PY + ["train.py", "--timeout", "5"], "the program's own --timeout stays with the program"
+
+
+@pytest.mark.parametrize("cores, nranks, want", [(8, 1, "8"), (8, 2, "4"), (8, 3, "2"), (8, 8, "1"), (2, 4, "1")])
+def test_omp_threads_are_cores_per_rank(build, cores, nranks, want):
+    _, _, env = build(["-np", str(nranks), "python", "train.py"], cores=cores)
+    assert env["OMP_NUM_THREADS"] == want
+
+
+def test_omp_threads_set_by_user_are_kept(build):
+    _, _, env = build(["-np", "2", "python", "train.py"], env={"OMP_NUM_THREADS": "7"}, cores=8)
+    assert env["OMP_NUM_THREADS"] == "7"
+
+
+ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+
+@pytest.mark.parametrize("euid", [0, 1000], ids=["root", "user"])
+def test_run_as_root_only_as_root(build, euid):
+    _, _, env = build(["-np", "2", "python", "train.py"], euid=euid)
+    if euid == 0:
+        assert all(env.get(v) == "1" for v in ROOT_VARS), {v: env.get(v) for v in ROOT_VARS}
+    else:
+        assert not any(v in env for v in ROOT_VARS), {v: env.get(v) for v in ROOT_VARS}
+
+
+@pytest.mark.parametrize("cores, np_args, want", [
+    (2, ["-np", "2"], False), (2, ["-np", "4"], True), (2, ["-n", "3"], True), (2, ["--np=3"], True),
+    (4, ["-np", "4"], False), (4, ["-c", "5"], True), (4, [], False),
+])
+def test_oversubscribe_only_beyond_cores(build, cores, np_args, want):
+    opts, _, env = build([*np_args, "python", "train.py"], cores=cores)
+    assert oversubscribes(opts, env) == want
+
+
+def test_callers_environment_is_not_changed(build):
+    env = {"PATH": "/usr/bin", "HOME": "/root"}
+    build(["-np", "4", "python", "train.py"], env=env, cores=2, euid=0)
+    assert env == {"PATH": "/usr/bin", "HOME": "/root"}
+
+
+def test_no_program_is_a_usage_error(build):
+    with pytest.raises(SystemExit):
+        build(["-np", "2"])
+
+
+# ---- real jobs --------------------------------------------------------------------------------
+
+def timed_job(nranks, mode, timeout):
+    start = time.monotonic()
+    res = mpi_job(nranks, "sokrun_worker.py", mode, timeout=timeout)
+    return res, time.monotonic() - start
+
+
+def test_failing_rank_aborts_the_job():
+    res, elapsed = timed_job(3, "raise", timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert elapsed < 30, f"the job took {elapsed:.1f}s to end after rank 1 failed:\n{out}"
+    assert out.count("sokrun_worker rank=") == 3 and "started" in out, "the ranks did not all start:\n" + out
+    assert "deliberate failure on rank 1" in out
+    assert "finished" not in out
+
+
+def test_timeout_ends_a_hung_job():
+    res, elapsed = timed_job(2, "hang", timeout=6)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert elapsed < 40, f"a job with --timeout 6 ran {elapsed:.1f}s"
+    assert "finished" not in res.stdout
