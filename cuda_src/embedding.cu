@@ -12,14 +12,15 @@ extern "C" __global__ void init_rows(float* out, const i64* keys, i64 n, int dim
                                      float b, u64 seed) {
     for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
         const u64 key = (u64)keys[i];
+        const u64 h0 = sokpy_row_hash(seed, key, 0), h1 = sokpy_row_hash(seed, key, 1);
         float* row = out + i * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) {
             double v;
             if (kind == SOKPY_INIT_UNIFORM) {
-                v = (double)a + ((double)b - (double)a) * sokpy_uniform01(seed, key, (u64)d, 0);
+                v = (double)a + ((double)b - (double)a) * sokpy_uniform01(h0, (u64)d);
             } else if (kind == SOKPY_INIT_NORMAL) {
-                const double u1 = sokpy_uniform01(seed, key, (u64)d, 1);
-                const double u2 = sokpy_uniform01(seed, key, (u64)d, 2);
+                const double u1 = sokpy_uniform01(h0, (u64)d);
+                const double u2 = sokpy_uniform01(h1, (u64)d);
                 v = (double)a + (double)b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
             } else {
                 v = (double)a;

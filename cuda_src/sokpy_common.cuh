@@ -32,12 +32,15 @@ __device__ __forceinline__ u64 sokpy_mix64(u64 x) {
     return x;
 }
 
-// Counter-based random number: a pure function of (seed, key, column, stream), the same on
-// host and device and for every world size. Returns a double in (0, 1) with 53 random bits.
-__device__ __forceinline__ double sokpy_uniform01(u64 seed, u64 key, u64 col, u64 stream) {
-    u64 h = sokpy_mix64(seed * 0x9e3779b97f4a7c15ULL + stream);
-    h = sokpy_mix64(h ^ key);
-    h = sokpy_mix64(h ^ (col * 0xd1b54a32d192ed03ULL));
+// Counter-based random numbers: a pure function of (seed, key, stream, column), the same on
+// host and device and for every world size. sokpy_row_hash mixes the per-row part once;
+// sokpy_uniform01 then costs one mix per column and returns a double in (0, 1) with 53
+// random bits.
+__device__ __forceinline__ u64 sokpy_row_hash(u64 seed, u64 key, u64 stream) {
+    return sokpy_mix64(sokpy_mix64(seed * 0x9e3779b97f4a7c15ULL + stream) ^ key);
+}
+__device__ __forceinline__ double sokpy_uniform01(u64 row_hash, u64 col) {
+    const u64 h = sokpy_mix64(row_hash ^ (col * 0xd1b54a32d192ed03ULL));
     return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
