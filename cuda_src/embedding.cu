@@ -91,6 +91,10 @@ extern "C" __global__ void segment_sum(const float* src, const i64* src_row, con
         float* t = dst + (dst_off ? dst_off[u] : u * dim);
         for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] = 0.0f;
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
+            if (k + SOKPY_PREFETCH_DISTANCE < seg[n]) {
+                const i64 jn = perm ? perm[k + SOKPY_PREFETCH_DISTANCE] : k + SOKPY_PREFETCH_DISTANCE;
+                sokpy_prefetch_row(src + (src_row ? src_row[jn] : jn) * dim, dim);
+            }
             const i64 j = perm ? perm[k] : k;
             const i64 r = src_row ? src_row[j] : j;
             const float dn = den ? den[r] : 1.0f;
