@@ -31,7 +31,7 @@ import torch
 
 from . import kernels, runtime
 from .errors import agree
-from .sparse import bags_error, to_ragged
+from .sparse import bags_error, dedup, to_ragged
 from .variable import Variable
 
 __all__ = ["lookup_sparse", "COMBINERS"]
@@ -73,17 +73,6 @@ def _launch(name: str, n: int, dim: int, args) -> None:
         kernels.get(name)(grid, block, args)
 
 
-def _dedup(values: np.ndarray):
-    """``(unique, perm, seg)``: ``values[perm[seg[u]:seg[u+1]]] == unique[u]``."""
-    perm = np.argsort(values)
-    s = values[perm]
-    first = np.empty(s.size, bool)
-    first[:1] = True
-    np.not_equal(s[1:], s[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    return s[starts], perm, np.append(starts, s.size).astype(np.int64)
-
-
 class _Table:
     """One table's part of a lookup call, on the requesting rank."""
 
@@ -96,7 +85,7 @@ class _Table:
 
     def dedup(self) -> None:
         if self.unique is None:
-            self.unique, self.perm, self.seg = _dedup(self.bags.values)
+            self.unique, self.perm, self.seg = dedup(self.bags.values, self.var.rows)
 
     def combine(self, rows: np.ndarray, value_offset: np.ndarray) -> torch.Tensor:
         dim = self.var.dim

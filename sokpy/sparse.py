@@ -10,6 +10,8 @@ per-key ``weights``. ``lookup_sparse`` also takes, and converts with :func:`to_r
 * a 2-D dense integer tensor ``[B, H]``: B bags of exactly H keys (``nn.EmbeddingBag``'s 2-D input);
 * a list of lists of ints, one list per bag.
 
+:func:`dedup` groups a key array by key (one sort), for the lookup and for merging gradients.
+
 The wrappers only hold data. Every value check (negative or out-of-range keys, offsets that are
 not monotone, weights of the wrong length) happens inside the collective call.
 
@@ -26,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Ragged", "to_ragged"]
+__all__ = ["Ragged", "to_ragged", "dedup"]
 
 
 class Ragged(NamedTuple):
@@ -136,3 +138,23 @@ def bags_error(bags: _Bags) -> str | None:
         if bad.size:
             return f"weight at position {int(bad[0])} is not finite ({bags.weights[bad[0]]})"
     return None
+
+
+def dedup(values: np.ndarray, bound: int):
+    """``(unique, perm, seg)``: ``values[perm[seg[u]:seg[u+1]]] == unique[u]``, each key's
+    positions in increasing order. ``bound`` > every value (all are >= 0)."""
+    shift = max(1, int(values.size - 1).bit_length())
+    if bound < 1 << (62 - shift):
+        # (key, position) packed into one int64: a plain sort (SIMD on x86) is about twice as
+        # fast as an argsort, and equal keys keep their order.
+        packed = np.left_shift(values, shift) | np.arange(values.size, dtype=np.int64)
+        packed.sort()
+        perm, s = packed & ((1 << shift) - 1), packed >> shift
+    else:
+        perm = np.argsort(values, kind="stable")
+        s = values[perm]
+    first = np.empty(s.size, bool)
+    first[:1] = True
+    np.not_equal(s[1:], s[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return s[starts], perm, np.append(starts, s.size).astype(np.int64)

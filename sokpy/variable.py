@@ -24,6 +24,7 @@ import torch
 from . import kernels, runtime
 from .errors import agree
 from .initializers import resolve
+from .sparse import dedup
 
 __all__ = ["Variable", "SparseGrad", "export", "assign"]
 
@@ -171,14 +172,8 @@ class Variable:
         else:
             keys = np.concatenate([k for k, _ in self._grad_chunks])
             grads = np.concatenate([g for _, g in self._grad_chunks])
-        perm = np.argsort(keys, kind="stable")
-        sorted_keys = keys[perm]
-        first = np.empty(sorted_keys.size, bool)
-        first[:1] = True
-        np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
-        starts = np.flatnonzero(first)
-        seg = np.append(starts, sorted_keys.size).astype(np.int64)
-        return sorted_keys[starts], grads, perm.astype(np.int64), seg
+        unique, perm, seg = dedup(keys, self.rows)
+        return unique, grads, perm, seg
 
     def zero_grad(self) -> None:
         self._grad_chunks = []
