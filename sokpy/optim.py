@@ -106,8 +106,8 @@ class SparseOptimizer(torch.optim.Optimizer):
             if seg is not None and seg.size - 1 != perm.size:
                 # The kernel summed duplicates into the first row of each key: keep that as the
                 # (still valid) gradient, so var.grad reads the same after step() as before.
-                var._grad_chunks = [(keys, grads[perm[seg[:-1]]])]
-                var._grad_view = None
+                var._grad_chunks = []
+                var._add_grad(keys, grads[perm[seg[:-1]]], unique=True)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -116,7 +116,8 @@ class SparseOptimizer(torch.optim.Optimizer):
             var.zero_grad()
 
     def state_dict(self) -> dict:
-        """Hyper-parameters and step counts (slot tensors are saved by ``sokpy.save``)."""
+        """Hyper-parameters and step counts. The slot tensors stay out (they are sharded and
+        large; they are ``self.state[var.handle]`` and belong to the checkpoint API)."""
         index = {}
         groups = []
         for group in self.param_groups:
