@@ -7,8 +7,8 @@
 #   REPEATS=1 benchmarks/run_scaling.sh --rows 20000 --steps 10   # quick
 #
 # Extra arguments go to every bench_scaling.py run. On a 2-core machine 4 ranks oversubscribe.
-# The 1 x 2 run gets --bind-to none: mpirun binds a single rank to one core, where its two
-# OpenMP threads would share that core.
+# sokrun gets OMP_NUM_THREADS = the threads per rank, so that its own rule decides binding:
+# a rank with 2 threads runs unbound (sokrun adds --bind-to none), 1-thread ranks stay bound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -25,9 +25,7 @@ for rep in $(seq 1 "$REPEATS"); do
     read -r np th <<< "$cfg"
     f="$OUT/scaling_runs/np${np}_t${th}_rep${rep}.json"
     echo "== ${np} rank(s) x ${th} thread(s), pass ${rep}/${REPEATS}"
-    # mpirun binds a lone rank to one core; a rank with 2 threads needs both cores.
-    bind=(); [ "$th" -gt 1 ] && bind=(--bind-to none)
-    "$SOKRUN" -np "$np" ${bind[@]+"${bind[@]}"} --timeout 900 python benchmarks/bench_scaling.py --threads "$th" --per-kernel --out "$f" ${EXTRA[@]+"${EXTRA[@]}"}
+    OMP_NUM_THREADS="$th" "$SOKRUN" -np "$np" --timeout 900 python benchmarks/bench_scaling.py --threads "$th" --per-kernel --out "$f" ${EXTRA[@]+"${EXTRA[@]}"}
     files+=("$f")
   done
 done
