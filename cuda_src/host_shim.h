@@ -14,7 +14,9 @@
 #include <cstring>
 
 // ---- qualifiers -----------------------------------------------------------------------
-#define __global__
+// A kernel is inlined into its generated launcher, so the block loop runs the kernel body
+// directly (no call per block).
+#define __global__ __attribute__((always_inline)) inline
 #define __device__ static inline
 #define __host__
 #define __forceinline__ __attribute__((always_inline))

@@ -130,8 +130,8 @@ def _check_array(kernel: str, p: _Param, x):
 
 # ---- host backend ---------------------------------------------------------------------------
 
-# -fno-semantic-interposition lets g++ inline each kernel into its launcher's block loop
-# (a shared library's global functions are otherwise called through the PLT).
+# host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
+# block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
 _HOST_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=native", "-fno-semantic-interposition",
                "-fno-math-errno", "-ffp-contract=off", "-w"]
 
