@@ -99,6 +99,8 @@ class _Table:
         """Marks the table when a bag that holds keys got a non-finite gradient. Its rows'
         gradients are sums of finite terms otherwise, so checking the (small) pooled gradient
         here spares the optimizer a pass over every gradient row."""
+        if np.isfinite(grad_out).all():  # the common case, one fast pass
+            return
         bad = np.flatnonzero(~np.isfinite(grad_out).all(axis=1) & (np.diff(self.bags.offsets) > 0))
         if bad.size and self.var.nonfinite_grad is None:
             key = int(self.bags.values[self.bags.offsets[bad[0]]])
