@@ -104,12 +104,23 @@ def signatures(source: str) -> dict[str, list[_Param]]:
 
 # ---- argument conversion (shared by both backends) --------------------------------------
 
-def _array_info(x):
-    """(data pointer, dtype, contiguous) of a numpy/cupy array or torch tensor, else None."""
-    if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # torch.Tensor
+_torch_dtypes: dict = {}
+
+
+def _numpy_dtype_of_torch(dtype) -> np.dtype:
+    if dtype not in _torch_dtypes:
         import torch
 
-        return x.data_ptr(), np.dtype(torch.empty((), dtype=x.dtype).numpy().dtype), x.is_contiguous()
+        _torch_dtypes[dtype] = torch.empty((), dtype=dtype).numpy().dtype
+    return _torch_dtypes[dtype]
+
+
+def _array_info(x):
+    """(data pointer, dtype, contiguous) of a numpy/cupy array or torch tensor, else None."""
+    if type(x) is np.ndarray:  # the common case, first
+        return x.ctypes.data, x.dtype, x.flags.c_contiguous
+    if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # torch.Tensor
+        return x.data_ptr(), _numpy_dtype_of_torch(x.dtype), x.is_contiguous()
     if hasattr(x, "__array_interface__") or hasattr(x, "__cuda_array_interface__"):
         iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
         return iface["data"][0], np.dtype(x.dtype), x.flags.c_contiguous
