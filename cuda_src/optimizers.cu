@@ -11,6 +11,7 @@
 extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* grad, const i64* perm,
                                       const i64* seg, i64 n, int dim, float lr) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+        sokpy_prefetch_update(rows, u, n, dim, weight, 0, 0);
         const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
         float* w = weight + rows[u] * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) w[d] -= lr * g[d];
@@ -22,10 +23,7 @@ extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64
                                           const i64* perm, const i64* seg, i64 n, int dim, float lr,
                                           float eps) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
-        if (u + SOKPY_PREFETCH_DISTANCE < n) {
-            sokpy_prefetch_row(weight + rows[u + SOKPY_PREFETCH_DISTANCE] * dim, dim);
-            sokpy_prefetch_row(accum + rows[u + SOKPY_PREFETCH_DISTANCE] * dim, dim);
-        }
+        sokpy_prefetch_update(rows, u, n, dim, weight, accum, 0);
         const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* a = accum + rows[u] * dim;
@@ -46,6 +44,7 @@ extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linea
     const float p = -lr_power;
     const int use_sqrt = (p == 0.5f);
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+        sokpy_prefetch_update(rows, u, n, dim, weight, accum, linear);
         const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* acc = accum + rows[u] * dim;
@@ -72,6 +71,7 @@ extern "C" __global__ void adam_update(float* weight, float* exp_avg, float* exp
                                        float* grad, const i64* perm, const i64* seg, i64 n, int dim,
                                        float step_size, float beta1, float beta2, float eps) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+        sokpy_prefetch_update(rows, u, n, dim, weight, exp_avg, exp_avg_sq);
         const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* m = exp_avg + rows[u] * dim;

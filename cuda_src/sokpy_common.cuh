@@ -22,6 +22,18 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 // How many rows ahead a kernel prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
 
+// For the optimizer kernels: prefetches the table row, and the state rows (null: none), that
+// unique key u + SOKPY_PREFETCH_DISTANCE will update.
+__device__ __forceinline__ void sokpy_prefetch_update(const i64* rows, i64 u, i64 n, int dim, const float* weight,
+                                                      const float* slot0, const float* slot1) {
+    const i64 ahead = u + SOKPY_PREFETCH_DISTANCE;
+    if (ahead >= n) return;
+    const i64 off = rows[ahead] * dim;
+    sokpy_prefetch_row(weight + off, dim);
+    if (slot0) sokpy_prefetch_row(slot0 + off, dim);
+    if (slot1) sokpy_prefetch_row(slot1 + off, dim);
+}
+
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).
 __device__ __forceinline__ u64 sokpy_mix64(u64 x) {
     x ^= x >> 30;
