@@ -12,7 +12,8 @@ CuPy's RawKernel shape::
 Arrays are numpy/cupy arrays or torch tensors (contiguous, of the dtype the kernel's
 signature names); ``None`` passes a null pointer; Python numbers are converted to the
 scalar type of the signature. ``launch_shape(n, dim)`` gives the backend's grid and block
-for a kernel with ``n`` rows of ``dim`` columns.
+for a kernel with ``n`` rows of ``dim`` columns; the host runs one thread per block, so a
+host launch takes block ``(1,)``.
 
 The host library is cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed
 by a hash of the sources, flags and compiler; ranks that build at once serialise on a file
