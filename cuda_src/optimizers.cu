@@ -2,17 +2,18 @@
 //
 // Every kernel takes the same middle arguments:
 //   rows[u]      local row of the table that unique key u updates, u < n
-//   grad         gradient rows as they arrived; duplicates of a key are listed by perm/seg
-//                and summed first (sokpy_merged_grad_row; seg == 0: no duplicates)
+//   grad         gradient rows as they arrived, at element offsets grad_off; duplicates of a
+//                key are grouped by seg and summed first (sokpy_merged_grad_row; seg == 0:
+//                no duplicates)
 // then the row's state slots and the hyper-parameters. Rows that are not listed are not touched.
 #include "sokpy_common.cuh"
 
 // w -= lr * g
-extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* grad, const i64* perm,
+extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* grad, const i64* grad_off,
                                       const i64* seg, i64 n, int dim, float lr) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
         sokpy_prefetch_update(rows, u, n, dim, weight, 0, 0);
-        const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
+        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) w[d] -= lr * g[d];
     }
@@ -20,11 +21,11 @@ extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* gra
 
 // acc += g*g; w -= lr * g / (sqrt(acc) + eps)
 extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64* rows, float* grad,
-                                          const i64* perm, const i64* seg, i64 n, int dim, float lr,
+                                          const i64* grad_off, const i64* seg, i64 n, int dim, float lr,
                                           float eps) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
         sokpy_prefetch_update(rows, u, n, dim, weight, accum, 0);
-        const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
+        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* a = accum + rows[u] * dim;
         for (int d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -39,13 +40,13 @@ extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64
 //   g2 = g + 2 l2_shrinkage w;  n_new = n + g^2;  z += g2 - (n_new^p - n^p) / lr * w;  n = n_new
 //   w = |z| <= l1 ? 0 : (sign(z) l1 - z) / (n_new^p / lr + 2 l2)
 extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linear, const i64* rows,
-                                       float* grad, const i64* perm, const i64* seg, i64 n, int dim,
+                                       float* grad, const i64* grad_off, const i64* seg, i64 n, int dim,
                                        float lr, float lr_power, float l1, float l2, float l2_shrinkage) {
     const float p = -lr_power;
     const int use_sqrt = (p == 0.5f);
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
         sokpy_prefetch_update(rows, u, n, dim, weight, accum, linear);
-        const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
+        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* acc = accum + rows[u] * dim;
         float* z = linear + rows[u] * dim;
@@ -68,11 +69,11 @@ extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linea
 // Lazy Adam (torch.optim.SparseAdam semantics), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t):
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  w -= step_size * m / (sqrt(v) + eps)
 extern "C" __global__ void adam_update(float* weight, float* exp_avg, float* exp_avg_sq, const i64* rows,
-                                       float* grad, const i64* perm, const i64* seg, i64 n, int dim,
+                                       float* grad, const i64* grad_off, const i64* seg, i64 n, int dim,
                                        float step_size, float beta1, float beta2, float eps) {
     for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
         sokpy_prefetch_update(rows, u, n, dim, weight, exp_avg, exp_avg_sq);
-        const float* g = sokpy_merged_grad_row(grad, perm, seg, u, dim);
+        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* m = exp_avg + rows[u] * dim;
         float* v = exp_avg_sq + rows[u] * dim;

@@ -56,17 +56,17 @@ __device__ __forceinline__ double sokpy_uniform01(u64 row_hash, u64 col) {
     return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
-// The gradient row of unique row u, summed over its duplicates. Duplicate gradient rows of a
-// key are listed by seg/perm (rows perm[seg[u]] .. perm[seg[u+1]-1] of grad); they are added,
-// in that order, into the first of them, which is returned. seg == 0 means no duplicates:
-// row u of grad is the gradient. Each thread touches only its own columns, so this needs no
-// synchronisation.
-__device__ __forceinline__ float* sokpy_merged_grad_row(float* grad, const i64* perm, const i64* seg,
+// The gradient row of unique row u, summed over its duplicates. The gradient rows that arrived
+// for it start at elements grad_off[seg[u]] .. grad_off[seg[u+1]-1] of grad; they are added, in
+// that order, into the first of them, which is returned. seg == 0 means no duplicates: row u
+// starts at grad_off[u] (or at u * dim when grad_off is 0 too). Each thread touches only its
+// own columns, so this needs no synchronisation.
+__device__ __forceinline__ float* sokpy_merged_grad_row(float* grad, const i64* grad_off, const i64* seg,
                                                         i64 u, int dim) {
-    if (seg == 0) return grad + u * dim;
-    float* g = grad + perm[seg[u]] * dim;
+    if (seg == 0) return grad + (grad_off ? grad_off[u] : u * dim);
+    float* g = grad + grad_off[seg[u]];
     for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
-        const float* o = grad + perm[k] * dim;
+        const float* o = grad + grad_off[k];
         for (int d = threadIdx.x; d < dim; d += blockDim.x) g[d] += o[d];
     }
     return g;

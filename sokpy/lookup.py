@@ -182,11 +182,8 @@ class _Plan:
         for t, g in zip(self.tables, grads):
             t.grad_rows(g, flat, t.unique_offset)
         recv, _ = self.comm.alltoallv(flat, self.send_elems, self.recv_elems)
-        for i, t in enumerate(self.tables):
-            keys, dim = self.own_keys[i], t.var.dim
-            rows = np.empty((keys.size, dim), np.float32)
-            _launch("copy_rows", keys.size, dim, (recv, self.own_offset[i], rows, None, keys.size, dim))
-            t.var._add_grad(keys, rows)
+        for i, t in enumerate(self.tables):  # the owners keep the received rows where they landed
+            t.var._add_grad(self.own_keys[i], recv, offsets=self.own_offset[i])
 
 
 class _LookupFunction(torch.autograd.Function):

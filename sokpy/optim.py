@@ -95,19 +95,19 @@ class SparseOptimizer(torch.optim.Optimizer):
         for group, var in self.variables():
             if not var._grad_chunks:
                 continue
-            keys, grads, perm, seg = var.merged_grad()
+            keys, grads, grad_off, seg = var.merged_grad()
             state = self.state_of(var, group)
             state["step"] = self.steps
             n, dim = keys.size, var.dim
             slots = [state[name] for name in self.slots]
             grid, block = kernels.launch_shape(n, dim)
-            kernels.get(self.kernel)(grid, block, (var.weight, *slots, var.local_index(keys), grads, perm, seg, n,
-                                                   dim, *self.hyper(group, self.steps)))
-            if seg is not None and seg.size - 1 != perm.size:
-                # The kernel summed duplicates into the first row of each key: keep that as the
-                # (still valid) gradient, so var.grad reads the same after step() as before.
+            kernels.get(self.kernel)(grid, block, (var.weight, *slots, var.local_index(keys), grads, grad_off, seg,
+                                                   n, dim, *self.hyper(group, self.steps)))
+            if seg is not None and seg.size - 1 != grad_off.size:
+                # The kernel summed duplicates into the first row of each key: keep those rows as
+                # the (still valid) gradient, so var.grad reads the same after step() as before.
                 var._grad_chunks = []
-                var._add_grad(keys, grads[perm[seg[:-1]]], unique=True)
+                var._add_grad(keys, var._contiguous_rows(grads, grad_off[seg[:-1]], n), unique=True)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

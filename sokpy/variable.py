@@ -133,13 +133,25 @@ class Variable:
                              self.seed & 0xFFFFFFFFFFFFFFFF))
 
     # ---- sparse gradient -------------------------------------------------------------------
-    def _add_grad(self, keys: np.ndarray, values: np.ndarray, unique: bool = False) -> None:
+    def _add_grad(self, keys: np.ndarray, values: np.ndarray, unique: bool = False, offsets=None) -> None:
         """Keeps (global key, gradient row) pairs; duplicates are summed when read or applied.
-        ``unique``: the keys are unique and sorted."""
+        ``values`` is ``[n, dim]``, or, with ``offsets``, a flat buffer in which row i starts at
+        element ``offsets[i]`` (the exchange's receive buffer, kept without a copy).
+        ``unique``: the keys are unique and sorted, and the rows contiguous."""
         if keys.size:
-            self._grad_unique = unique and not self._grad_chunks
-            self._grad_chunks.append((keys, values))
+            self._grad_unique = unique and offsets is None and not self._grad_chunks
+            self._grad_chunks.append((keys, values, offsets))
         self._grad_view = None
+
+    def _contiguous_rows(self, values: np.ndarray, offsets, n: int) -> np.ndarray:
+        """``[n, dim]`` rows of a gradient chunk (a copy only when they sit in a flat buffer)."""
+        if offsets is None:
+            return values
+        rows = np.empty((n, self.dim), np.float32)
+        if n:
+            grid, block = kernels.launch_shape(n, self.dim)
+            kernels.get("copy_rows")(grid, block, (values, offsets, rows, None, n, self.dim))
+        return rows
 
     @property
     def grad(self) -> SparseGrad | None:
@@ -148,32 +160,35 @@ class Variable:
         if not self._grad_chunks:
             return None
         if self._grad_view is None:
-            keys, grads, perm, seg = self.merged_grad()
-            out = np.empty((keys.size, self.dim), np.float32)
-            if keys.size:
+            keys, grads, grad_off, seg = self.merged_grad()
+            if seg is None:
+                out = self._contiguous_rows(grads, grad_off, keys.size).copy()
+            else:
+                arrivals = self._contiguous_rows(grads, grad_off, grad_off.size)  # in key order
+                out = np.empty((keys.size, self.dim), np.float32)
                 grid, block = kernels.launch_shape(keys.size, self.dim)
-                if seg is None:
-                    out[...] = grads
-                else:
-                    kernels.get("segment_sum")(grid, block, (grads, None, None, None, perm, seg, keys.size,
-                                                             self.dim, out, None))
+                kernels.get("segment_sum")(grid, block, (arrivals, None, None, None, None, seg, keys.size,
+                                                         self.dim, out, None))
             self._grad_view = SparseGrad(torch.from_numpy(keys), torch.from_numpy(out))
         return self._grad_view
 
     def merged_grad(self):
-        """``(unique_keys, grads, perm, seg)``: rows ``perm[seg[u]:seg[u+1]]`` of ``grads``
-        are the gradients that arrived for ``unique_keys[u]`` (sorted), in arrival order.
-        ``perm`` and ``seg`` are None when every key arrived once, in order (row u is key u's)."""
+        """``(unique_keys, grads, grad_off, seg)``: the gradient rows that arrived for
+        ``unique_keys[u]`` (sorted) start at elements ``grad_off[seg[u]:seg[u+1]]`` of ``grads``,
+        in arrival order. ``grad_off`` and ``seg`` are None when every key arrived once, in
+        order (row u of ``grads`` is key u's)."""
         if len(self._grad_chunks) == 1 and self._grad_unique:
-            keys, grads = self._grad_chunks[0]
+            keys, grads, _ = self._grad_chunks[0]
             return keys, grads, None, None
         if len(self._grad_chunks) == 1:
-            keys, grads = self._grad_chunks[0]
+            keys, grads, offsets = self._grad_chunks[0]
         else:
-            keys = np.concatenate([k for k, _ in self._grad_chunks])
-            grads = np.concatenate([g for _, g in self._grad_chunks])
+            keys = np.concatenate([k for k, _, _ in self._grad_chunks])
+            grads = np.concatenate([self._contiguous_rows(v, o, k.size) for k, v, o in self._grad_chunks])
+            offsets = None
         unique, perm, seg = dedup(keys, self.rows)
-        return unique, grads, perm, seg
+        grad_off = perm * self.dim if offsets is None else offsets[perm]
+        return unique, grads, grad_off, seg
 
     def zero_grad(self) -> None:
         self._grad_chunks = []
