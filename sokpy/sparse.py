@@ -66,11 +66,16 @@ def _np(x, dtype, what: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def _coo_rows_values(t: torch.Tensor):
+def _coo_entries(t: torch.Tensor, what: str):
+    """(indices [2, n], values) of a 2-D COO tensor in row-major order. Entries are never
+    summed: torch's coalesce() would add up the keys of repeated coordinates."""
     if t.dim() != 2:
-        raise ValueError(f"a sparse COO input must be 2-D [batch, hotness], got {t.dim()}-D")
-    t = t.coalesce()
-    return t.indices()[0].numpy(), t.values(), t.shape[0]
+        raise ValueError(f"a sparse COO {what} must be 2-D [batch, hotness], got {t.dim()}-D")
+    if t.is_coalesced():
+        return t.indices().numpy(), t.values()
+    index, values = t._indices().numpy(), t._values()
+    order = np.lexsort((index[1], index[0]))
+    return index[:, order], values[torch.from_numpy(order)]
 
 
 def to_ragged(ids, weights=None) -> _Bags:
@@ -84,17 +89,17 @@ def to_ragged(ids, weights=None) -> _Bags:
         return _Bags(_np(ids.values, np.int64, "values"), _np(ids.offsets, np.int64, "offsets"),
                      None if w is None else _np(w, np.float32, "weights"))
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
-        rows, values, batch = _coo_rows_values(ids)
+        index, values = _coo_entries(ids, "input")
+        batch = ids.shape[0]
         offsets = np.zeros(batch + 1, np.int64)
-        np.cumsum(np.bincount(rows, minlength=batch), out=offsets[1:])
+        np.cumsum(np.bincount(index[0], minlength=batch), out=offsets[1:])
         w = None
         if weights is not None:
             if not (isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_coo):
                 raise TypeError("with COO ids, sp_weights must be a COO tensor of the same indices")
-            weights = weights.coalesce()
-            if not torch.equal(weights.indices(), ids.coalesce().indices()):
+            w_index, w = _coo_entries(weights, "sp_weights")
+            if not np.array_equal(w_index, index):
                 raise ValueError("COO sp_weights must have the same indices as the ids")
-            w = weights.values()
         return _Bags(_np(values, np.int64, "values"), offsets, None if w is None else _np(w, np.float32, "weights"))
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_csr:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights

@@ -79,6 +79,19 @@ def test_input_formats_agree(sokpy_host, combiner):
     torch.testing.assert_close(out, _reference(table, [[1, 5], [19, 0]], [[1, 1], [1, 1]], combiner))
 
 
+def test_uncoalesced_coo_keeps_every_entry(sokpy_host):
+    """Entries out of order and a repeated coordinate: each key counts once per entry (torch's
+    coalesce() would add the two keys at (1, 0) into one key 12)."""
+    sokpy = sokpy_host
+    v = sokpy.Variable(20, 2, initializer=sokpy.initializers.normal(0, 1))
+    index = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0]])
+    ids = torch.sparse_coo_tensor(index, torch.tensor([5, 3, 2, 7]), (2, 3))
+    weights = torch.sparse_coo_tensor(index, torch.tensor([1.0, 2.0, 3.0, 4.0]), (2, 3))
+    out = sokpy.lookup_sparse(v, ids, sp_weights=weights, combiners="sum")
+    t = sokpy.export(v)[1]
+    torch.testing.assert_close(out, torch.stack([3 * t[2] + 2 * t[3], t[5] + 4 * t[7]]))
+
+
 def test_single_variable_returns_a_tensor_and_mean_is_default(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(10, 3, initializer=sokpy.initializers.uniform(-1, 1))
