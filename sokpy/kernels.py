@@ -169,9 +169,17 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    d = Path(os.environ.get("SOKPY_CACHE_DIR") or Path.home() / ".cache" / "sokpy") / "kernels"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    """``$SOKPY_CACHE_DIR/kernels`` (default ``~/.cache/sokpy/kernels``); a per-user folder
+    under the temp directory when that cannot be written (a read-only home, say)."""
+    base = Path(os.environ.get("SOKPY_CACHE_DIR") or Path.home() / ".cache" / "sokpy")
+    for d in (base / "kernels", Path(tempfile.gettempdir()) / f"sokpy-{os.getuid()}" / "kernels"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    raise KernelError(f"sokpy: no writable kernel cache folder (tried {base / 'kernels'}); set SOKPY_CACHE_DIR")
 
 
 def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:

@@ -301,3 +301,11 @@ def test_nvrtc_compiles_every_kernel(cu, arch):
     assert names
     for name in names:
         assert f".entry {name}(" in ptx, f"{name} missing from the PTX of {cu.name} for {arch}"
+
+
+def test_unwritable_cache_folder_falls_back_to_temp(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SOKPY_CACHE_DIR", str(blocker / "cache"))  # below a file: cannot be created
+    d = kernels._cache_dir()
+    assert d.is_dir() and os.access(d, os.W_OK) and not str(d).startswith(str(blocker))
