@@ -35,6 +35,12 @@ def test_bad_input_raises_on_every_rank_and_changes_nothing(nranks):
     assert out.count("errors ok") == nranks
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_assign_routes_any_keys_to_their_owners(nranks):
+    out = run_mpi(nranks, "lookup_worker.py", "assign")
+    assert out.count("assign ok") == nranks
+
+
 # ---- single process ------------------------------------------------------------------------
 
 def _reference(table, bags, weights, combiner):

@@ -4,6 +4,7 @@ Modes (argv[1]):
   values SEED   forward values and per-owner sparse gradients, many table shapes in one call
   init PATH     rank 0 writes every test table's full initial values to PATH (.npz)
   errors        each validation error raises on every rank, leaves tables unchanged, no hang
+  assign        every rank assigns its own keys (one rank none) to tables of both placements
 """
 
 import sys
@@ -150,6 +151,30 @@ def check_errors():
     print(f"rank {RANK}: errors ok")
 
 
+def check_assign():
+    for target in (-1, WORLD - 1):
+        var = sokpy.Variable(23, 3, target_gpu=target, initializer=0.0, name=f"assigned{target}")
+        expected = np.zeros((23, 3), np.float32)
+        for r in range(WORLD):
+            keys = np.arange(r, 23, WORLD + 1) if r != 1 else np.empty(0, np.int64)  # rank 1 passes none
+            values = np.random.default_rng([r, target + 1]).normal(size=(keys.size, 3)).astype(np.float32)
+            expected[keys] = values
+            if r == RANK:
+                mine = (torch.from_numpy(keys), torch.from_numpy(values))
+        sokpy.assign(var, *mine)
+        assert np.array_equal(full_table(sokpy, var).numpy(), expected), f"rank {RANK}: assign, target {target}"
+        # A bad key on the last rank: every rank raises, nothing changes.
+        bad = torch.tensor([23 if RANK == WORLD - 1 else 0])
+        try:
+            sokpy.assign(var, bad, torch.ones(1, 3))
+        except sokpy.InputError as e:
+            assert "key 23" in str(e) and f"rank {WORLD - 1}" in str(e), str(e)
+        else:
+            raise AssertionError(f"rank {RANK}: a bad key was assigned")
+        assert np.array_equal(full_table(sokpy, var).numpy(), expected), f"rank {RANK}: refused assign changed rows"
+    print(f"rank {RANK}: assign ok")
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "values":
@@ -158,5 +183,7 @@ if __name__ == "__main__":
         write_init(sys.argv[2])
     elif mode == "errors":
         check_errors()
+    elif mode == "assign":
+        check_assign()
     else:
         raise SystemExit(f"unknown mode {mode}")
