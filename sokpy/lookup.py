@@ -241,7 +241,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None):
     """Looks up and pools bags of keys in sharded tables; collective over all ranks.
 
     ``params`` is a list of :class:`sokpy.Variable` (or one Variable); ``sp_ids`` holds one
-    input per table (:class:`sokpy.Ragged`, torch sparse COO ``[B, H]`` or CSR, a 2-D integer
+    input per table (:class:`sokpy.Ragged`, torch sparse COO ``[B, H]`` or CSR, a 1-D or 2-D integer
     tensor, or a list of lists); ``sp_weights`` the same structure of per-key weights (or None:
     every weight is 1); ``combiners`` one of "sum", "mean" (default) or "sqrtn" per table, as
     ``tf.nn.embedding_lookup_sparse``. Returns one float32 tensor ``[B_t, dim_t]`` per table (a

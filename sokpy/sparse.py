@@ -7,7 +7,8 @@ per-key ``weights``. ``lookup_sparse`` also takes, and converts with :func:`to_r
 * a torch sparse COO tensor ``[B, H]`` (TensorFlow's / SOK's SparseTensor shape): row i of
   the indices is the bag, the values are the keys; weights are a COO tensor of the same indices;
 * a torch sparse CSR tensor ``[B, H]``: ``crow_indices`` are the offsets, ``values`` the keys;
-* a 2-D dense integer tensor ``[B, H]``: B bags of exactly H keys (``nn.EmbeddingBag``'s 2-D input);
+* a 2-D dense integer tensor ``[B, H]``: B bags of exactly H keys (``nn.EmbeddingBag``'s 2-D input),
+  or a 1-D one ``[B]``: one key per bag (a one-hot feature);
 * a list of lists of ints, one list per bag.
 
 :func:`dedup` groups a key array by key (one sort), for the lookup and for merging gradients.
@@ -105,6 +106,9 @@ def to_ragged(ids, weights=None) -> _Bags:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights
         return _Bags(_np(ids.values(), np.int64, "values"), _np(ids.crow_indices(), np.int64, "offsets"),
                      None if w is None else _np(w, np.float32, "weights"))
+    if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 1:  # one key per bag (one-hot)
+        w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
+        return _Bags(_np(torch.as_tensor(ids), np.int64, "values"), np.arange(len(ids) + 1, dtype=np.int64), w)
     if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 2:
         b, h = ids.shape
         w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
@@ -120,7 +124,7 @@ def to_ragged(ids, weights=None) -> _Bags:
             w = np.fromiter((x for bag in weights for x in bag), dtype=np.float32)
         return _Bags(values, offsets, w)
     raise TypeError(f"unsupported ids type {type(ids).__name__}: pass sokpy.Ragged, a torch sparse COO/CSR "
-                    "tensor, a 2-D integer tensor or a list of lists")
+                    "tensor, a 1-D or 2-D integer tensor or a list of lists")
 
 
 def bags_error(bags: _Bags) -> str | None:

@@ -79,10 +79,12 @@ def test_input_formats_agree(sokpy_host, combiner):
     for ids, w in forms:
         out = sokpy.lookup_sparse(v, ids, sp_weights=w, combiners=combiner)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    # A 2-D dense tensor: fixed-length bags, unweighted.
+    # A 2-D dense tensor: fixed-length bags; a 1-D one: one key per bag.
     dense = torch.tensor([[1, 5], [19, 0]])
     out = sokpy.lookup_sparse(v, dense, combiners=combiner)
     torch.testing.assert_close(out, _reference(table, [[1, 5], [19, 0]], [[1, 1], [1, 1]], combiner))
+    out = sokpy.lookup_sparse(v, torch.tensor([7, 7, 2]), sp_weights=torch.tensor([2.0, 1.0, 0.5]), combiners=combiner)
+    torch.testing.assert_close(out, _reference(table, [[7], [7], [2]], [[2.0], [1.0], [0.5]], combiner))
 
 
 def test_uncoalesced_coo_keeps_every_entry(sokpy_host):
