@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -148,6 +149,7 @@ _HOST_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=nati
                "-fno-math-errno", "-ffp-contract=off", "-w"]
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_signature() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -166,6 +168,11 @@ def _compiler() -> str:
         raise KernelError(f"sokpy: the host backend needs a C++ compiler, and {cxx!r} was not found "
                           "(install g++, or set CXX)")
     return cxx
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
 
 
 def _cache_dir() -> Path:
@@ -200,7 +207,7 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
     sigs = signatures(source)
     launcher = _launcher_source(cu, sigs)
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(cxx)
     h = hashlib.sha256()
     for part in [source, launcher, (src_dir / "host_shim.h").read_text(), *_headers(src_dir).values(),
                  " ".join(_HOST_FLAGS), version, _cpu_signature()]:

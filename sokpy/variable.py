@@ -85,7 +85,7 @@ class Variable:
         # A leaf tensor that ties lookups into autograd and stands for this table in an
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
-        self._grad_chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self._grad_chunks: list[tuple] = []  # (keys, rows or flat buffer, element offsets or None)
         self._grad_unique = False  # the one chunk held has unique, sorted keys
         self._grad_view: SparseGrad | None = None
         self.nonfinite_grad: str | None = None  # where a non-finite gradient came from, if one did
