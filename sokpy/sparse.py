@@ -106,14 +106,11 @@ def to_ragged(ids, weights=None) -> _Bags:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights
         return _Bags(_np(ids.values(), np.int64, "values"), _np(ids.crow_indices(), np.int64, "offsets"),
                      None if w is None else _np(w, np.float32, "weights"))
-    if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 1:  # one key per bag (one-hot)
-        w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
-        return _Bags(_np(torch.as_tensor(ids), np.int64, "values"), np.arange(len(ids) + 1, dtype=np.int64), w)
-    if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim == 2:
-        b, h = ids.shape
+    if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim in (1, 2):  # [B] one-hot, [B, H] fixed bags
+        batch, hotness = ids.shape[0], (ids.shape[1] if ids.ndim == 2 else 1)
         w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
         return _Bags(_np(torch.as_tensor(ids).reshape(-1), np.int64, "values"),
-                     np.arange(0, b * h + 1, h, dtype=np.int64) if h else np.zeros(b + 1, np.int64), w)
+                     np.arange(batch + 1, dtype=np.int64) * hotness, w)
     if isinstance(ids, (list, tuple)):
         lengths = [len(bag) for bag in ids]
         offsets = np.zeros(len(ids) + 1, np.int64)

@@ -161,8 +161,8 @@ class Variable:
             return None
         if self._grad_view is None:
             keys, grads, grad_off, seg = self.merged_grad()
-            if seg is None:
-                out = self._contiguous_rows(grads, grad_off, keys.size).copy()
+            if seg is None:  # every key arrived once, in order: grads is [n, dim] already
+                out = grads.copy()
             else:
                 arrivals = self._contiguous_rows(grads, grad_off, grad_off.size)  # in key order
                 out = np.empty((keys.size, self.dim), np.float32)
