@@ -112,22 +112,16 @@ static inline T max(T a, T b) { return a < b ? b : a; }
 template <class Body>
 static void sokpy_host_launch(dim3 grid, Body body) {
     const long long nblocks = (long long)grid.x * grid.y * grid.z;
+    const bool flat = grid.y == 1 && grid.z == 1;
 #pragma omp parallel if (nblocks > 16)
     {
         gridDim = grid;
-        if (grid.y == 1 && grid.z == 1) {
 #pragma omp for schedule(static)
-            for (long long b = 0; b < nblocks; ++b) {
-                blockIdx = dim3{(unsigned)b, 0, 0};
-                body();
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (long long b = 0; b < nblocks; ++b) {
-                blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
-                                (unsigned)(b / ((long long)grid.x * grid.y))};
-                body();
-            }
+        for (long long b = 0; b < nblocks; ++b) {
+            blockIdx = flat ? dim3{(unsigned)b, 0, 0}
+                            : dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
+                                   (unsigned)(b / ((long long)grid.x * grid.y))};
+            body();
         }
     }
 }
