@@ -106,8 +106,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             if seg is not None and seg.size - 1 != grad_off.size:
                 # The kernel summed duplicates into the first row of each key: keep those rows as
                 # the (still valid) gradient, so var.grad reads the same after step() as before.
-                var._grad_chunks = []
-                var._add_grad(keys, var._contiguous_rows(grads, grad_off[seg[:-1]], n), unique=True)
+                var._replace_grad(keys, var._contiguous_rows(grads, grad_off[seg[:-1]], n))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

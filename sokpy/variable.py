@@ -143,6 +143,11 @@ class Variable:
             self._grad_chunks.append((keys, values, offsets))
         self._grad_view = None
 
+    def _replace_grad(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Holds exactly these unique, sorted keys and their merged ``[n, dim]`` gradient rows."""
+        self._grad_chunks = []
+        self._add_grad(keys, rows, unique=True)
+
     def _contiguous_rows(self, values: np.ndarray, offsets, n: int) -> np.ndarray:
         """``[n, dim]`` rows of a gradient chunk (a copy only when they sit in a flat buffer)."""
         if offsets is None:
