@@ -1,11 +1,11 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make demo   a short 2-rank training run on CPU
-#   make test   the whole test suite
+#   make test   lint and format check (ruff), then the whole test suite
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sokrun -np 2 --timeout 900 python examples/train_dlrm.py
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(VENV)/bin/python -m pytest -q -ra
 
 clean:

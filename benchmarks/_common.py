@@ -31,21 +31,21 @@ def set_threads_early(argv=None, default: int = 1) -> int:
 
 # ---- workload ------------------------------------------------------------------------------
 
+
 class Workload:
     """W1-style data: ``tables`` tables of ``rows`` x ``dim``; each batch has, per table,
     ``batch`` bags of ``hotness`` keys. Keys are Zipf(``alpha``) over the rows (rank r gets
     probability proportional to (r+1)^-alpha), then scattered by a fixed random permutation
     of the rows, so hot keys are not clustered at low row numbers."""
 
-    def __init__(self, tables=4, rows=1_000_000, dim=64, batch=4096, hotness=8, alpha=1.05, nbatches=8,
-                 seed=1234):
+    def __init__(self, tables=4, rows=1_000_000, dim=64, batch=4096, hotness=8, alpha=1.05, nbatches=8, seed=1234):
         import numpy as np
 
         self.tables, self.rows, self.dim, self.batch, self.hotness = tables, rows, dim, batch, hotness
         self.alpha, self.nbatches, self.seed = alpha, nbatches, seed
         rng = np.random.default_rng(seed)
         ranks = np.arange(1, rows + 1, dtype=np.float64)
-        cdf = np.cumsum(ranks ** -alpha)
+        cdf = np.cumsum(ranks**-alpha)
         cdf /= cdf[-1]
         # batches[i][t] = int64 keys [batch * hotness]; one permutation per table.
         self.batches = []
@@ -62,8 +62,16 @@ class Workload:
         self.upstream = [rng.standard_normal((batch, dim)).astype(np.float32) for _ in range(tables)]
 
     def describe(self) -> dict:
-        return dict(tables=self.tables, rows=self.rows, dim=self.dim, batch=self.batch, hotness=self.hotness,
-                    zipf_alpha=self.alpha, batches=self.nbatches, seed=self.seed)
+        return dict(
+            tables=self.tables,
+            rows=self.rows,
+            dim=self.dim,
+            batch=self.batch,
+            hotness=self.hotness,
+            zipf_alpha=self.alpha,
+            batches=self.nbatches,
+            seed=self.seed,
+        )
 
     def unique_stats(self) -> dict:
         """Mean unique keys per table per batch, and per step over all tables."""
@@ -71,12 +79,16 @@ class Workload:
 
         per = [[int(np.unique(b[t]).size) for t in range(self.tables)] for b in self.batches]
         per = np.array(per)
-        return dict(keys_per_table=self.batch * self.hotness, unique_per_table_mean=float(per.mean()),
-                    unique_per_step_mean=float(per.sum(axis=1).mean()),
-                    unique_fraction=float(per.mean() / (self.batch * self.hotness)))
+        return dict(
+            keys_per_table=self.batch * self.hotness,
+            unique_per_table_mean=float(per.mean()),
+            unique_per_step_mean=float(per.sum(axis=1).mean()),
+            unique_fraction=float(per.mean() / (self.batch * self.hotness)),
+        )
 
 
 # ---- statistics ------------------------------------------------------------------------------
+
 
 def summary(times_s) -> dict:
     """Median / p10 / p90 / mean in milliseconds of a list of seconds."""
@@ -85,11 +97,18 @@ def summary(times_s) -> dict:
     a = np.asarray(times_s, dtype=np.float64) * 1e3
     if a.size == 0:
         return dict(n=0)
-    return dict(n=int(a.size), median_ms=float(np.median(a)), p10_ms=float(np.percentile(a, 10)),
-                p90_ms=float(np.percentile(a, 90)), mean_ms=float(a.mean()), min_ms=float(a.min()))
+    return dict(
+        n=int(a.size),
+        median_ms=float(np.median(a)),
+        p10_ms=float(np.percentile(a, 10)),
+        p90_ms=float(np.percentile(a, 90)),
+        mean_ms=float(a.mean()),
+        min_ms=float(a.min()),
+    )
 
 
 # ---- memory bandwidth ----------------------------------------------------------------------------
+
 
 def stream_copy_bandwidth(mbytes: int = 256, repeats: int = 7) -> dict:
     """STREAM-like copy ``b[:] = a`` of two ``mbytes`` MB float64 arrays with numpy (one
@@ -133,6 +152,7 @@ def random_row_gather_bandwidth(rows: int = 1_000_000, dim: int = 64, nidx: int 
 
 # ---- byte model ------------------------------------------------------------------------------------
 
+
 def step_bytes(workload: Workload) -> dict:
     """Bytes one W1 step with a row-wise Adagrad must move to and from memory (float32 rows,
     int64 keys), counted from the actual batches, averaged over them.
@@ -165,6 +185,7 @@ def step_bytes(workload: Workload) -> dict:
 
 # ---- machine load ------------------------------------------------------------------------------------
 
+
 def _proc_stat():
     """(total, idle, steal) jiffies over all CPUs from /proc/stat, or None where there is none."""
     try:
@@ -195,8 +216,13 @@ class LoadMonitor:
         hz = os.sysconf("SC_CLK_TCK")
         busy = ((s1[0] - self.s0[0]) - (s1[1] - self.s0[1])) / hz / wall
         steal = (s1[2] - self.s0[2]) / hz / wall
-        return dict(wall_s=round(wall, 2), busy_cores=round(busy, 2), own_cores=round(own / wall, 2),
-                    others_cores=round(max(0.0, busy - own / wall - steal), 2), steal_cores=round(steal, 2))
+        return dict(
+            wall_s=round(wall, 2),
+            busy_cores=round(busy, 2),
+            own_cores=round(own / wall, 2),
+            others_cores=round(max(0.0, busy - own / wall - steal), 2),
+            steal_cores=round(steal, 2),
+        )
 
 
 def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3, sample_s: float = 1.0) -> dict:
@@ -215,6 +241,7 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3, sample_s: float 
 
 # ---- machine --------------------------------------------------------------------------------------
 
+
 def machine_info() -> dict:
     model = "unknown"
     try:
@@ -231,8 +258,13 @@ def machine_info() -> dict:
                 mem = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    info = dict(nproc=os.cpu_count(), cpu_model=model, mem_gib=mem, python=platform.python_version(),
-                platform=platform.platform())
+    info = dict(
+        nproc=os.cpu_count(),
+        cpu_model=model,
+        mem_gib=mem,
+        python=platform.python_version(),
+        platform=platform.platform(),
+    )
     try:
         import numpy
         import torch

@@ -42,13 +42,13 @@ def exchange_volume(wl, world: int) -> dict:
     if world == 1:
         return dict(remote_unique_keys=0.0, bytes=0.0)
     per_bag = wl.batch // world
-    keys, rows = [], []
+    keys = []
     for b in wl.batches:
         k = 0
         for r in range(world):
             lo, hi = r * per_bag, (r + 1) * per_bag if r < world - 1 else wl.batch
             for t in range(wl.tables):
-                u = np.unique(b[t][lo * wl.hotness:hi * wl.hotness])
+                u = np.unique(b[t][lo * wl.hotness : hi * wl.hotness])
                 k += int(np.count_nonzero(u % world != r))
         keys.append(k)
     k = float(np.mean(keys))
@@ -72,6 +72,7 @@ def time_each_kernel(sokpy) -> dict:
             t = time.perf_counter()
             fn(grid, block, kargs)
             seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t
+
         return call
 
     sokpy.kernels.get = timed_get
@@ -87,23 +88,44 @@ def run(args) -> dict | None:
     rank, world = sokpy.rank(), sokpy.world_size()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} is not divisible by {world} ranks")
-    wl = _common.Workload(tables=args.tables, rows=args.rows, dim=args.dim, batch=args.batch, hotness=args.hotness,
-                          alpha=args.alpha, nbatches=args.nbatches, seed=args.seed)
+    wl = _common.Workload(
+        tables=args.tables,
+        rows=args.rows,
+        dim=args.dim,
+        batch=args.batch,
+        hotness=args.hotness,
+        alpha=args.alpha,
+        nbatches=args.nbatches,
+        seed=args.seed,
+    )
     per = args.batch // world
     lo, hi = rank * per, (rank + 1) * per
     offsets = torch.from_numpy(np.arange(0, per * args.hotness + 1, args.hotness, dtype=np.int64))
-    inputs = [[sokpy.Ragged(torch.from_numpy(b[t][lo * args.hotness:hi * args.hotness].copy()), offsets)
-               for t in range(args.tables)] for b in wl.batches]
+    inputs = [
+        [
+            sokpy.Ragged(torch.from_numpy(b[t][lo * args.hotness : hi * args.hotness].copy()), offsets)
+            for t in range(args.tables)
+        ]
+        for b in wl.batches
+    ]
     upstream = [torch.from_numpy(u[lo:hi].copy()) for u in wl.upstream]
-    tables = [sokpy.Variable(args.rows, args.dim, initializer=sokpy.initializers.uniform(-0.05, 0.05), seed=t,
-                             name=f"t{t}") for t in range(args.tables)]
+    tables = [
+        sokpy.Variable(args.rows, args.dim, initializer=sokpy.initializers.uniform(-0.05, 0.05), seed=t, name=f"t{t}")
+        for t in range(args.tables)
+    ]
     opt = sokpy.optim.Adagrad(tables, lr=LR, eps=EPS)
     cores = os.cpu_count() or 1
     if rank == 0:
-        note = (f"OVERSUBSCRIBED: {world} ranks x {args.threads} thread(s) on {cores} cores"
-                if world * args.threads > cores else f"{world} ranks x {args.threads} thread(s) on {cores} cores")
-        print(f"# scaling: W1 {args.tables}x{args.rows}x{args.dim}, global batch {args.batch} "
-              f"({per} bags per rank), {note}", flush=True)
+        note = (
+            f"OVERSUBSCRIBED: {world} ranks x {args.threads} thread(s) on {cores} cores"
+            if world * args.threads > cores
+            else f"{world} ranks x {args.threads} thread(s) on {cores} cores"
+        )
+        print(
+            f"# scaling: W1 {args.tables}x{args.rows}x{args.dim}, global batch {args.batch} "
+            f"({per} bags per rank), {note}",
+            flush=True,
+        )
 
     def step(i):
         t0 = time.perf_counter()
@@ -152,31 +174,50 @@ def run(args) -> dict | None:
     res = _common.summary(step_wall)
     mean = all_rec.mean(axis=(0, 1)) * 1e3  # averaged over ranks and steps
     res.update(forward_ms=mean[1], backward_ms=mean[2], optimizer_ms=mean[3])
-    res["split_ms"] = dict(exchange=float(mean[4]), kernels=float(mean[5]),
-                           overhead=float(mean[0] - mean[4] - mean[5]), wall=float(mean[0]))
+    res["split_ms"] = dict(
+        exchange=float(mean[4]),
+        kernels=float(mean[5]),
+        overhead=float(mean[0] - mean[4] - mean[5]),
+        wall=float(mean[0]),
+    )
     res["per_rank_median_ms"] = [float(np.median(r[:, 0]) * 1e3) for r in all_rec]
     if per_kernel is not None:
         res["per_kernel_ms_rank0"] = {k: 1e3 * v / args.steps for k, v in sorted(per_kernel.items())}
     vol = exchange_volume(wl, world)
     report = dict(
-        ranks=world, threads_per_rank=args.threads, cores=cores, oversubscribed=world * args.threads > cores,
-        machine=_common.machine_info(), data=dict(wl.describe(), **wl.unique_stats()), steps_timed=args.steps,
-        result=res, exchange_volume=vol, load_during_timing=load,
+        ranks=world,
+        threads_per_rank=args.threads,
+        cores=cores,
+        oversubscribed=world * args.threads > cores,
+        machine=_common.machine_info(),
+        data=dict(wl.describe(), **wl.unique_stats()),
+        steps_timed=args.steps,
+        result=res,
+        exchange_volume=vol,
+        load_during_timing=load,
         wait_quiet=q,
         notes="step time = slowest rank's wall time per step (after a barrier); split = mean per rank and step; "
-              "exchange includes waiting in collectives for slower ranks")
-    print(f"# {world} rank(s): median {res['median_ms']:.2f} ms/step (p10 {res['p10_ms']:.2f}, "
-          f"p90 {res['p90_ms']:.2f}); mean split: exchange {res['split_ms']['exchange']:.2f} ms, kernels "
-          f"{res['split_ms']['kernels']:.2f} ms, overhead {res['split_ms']['overhead']:.2f} ms; "
-          f"{vol['bytes'] / 1e6:.1f} MB crosses ranks per step; other processes used "
-          f"{load.get('others_cores')} cores meanwhile", flush=True)
+        "exchange includes waiting in collectives for slower ranks",
+    )
+    print(
+        f"# {world} rank(s): median {res['median_ms']:.2f} ms/step (p10 {res['p10_ms']:.2f}, "
+        f"p90 {res['p90_ms']:.2f}); mean split: exchange {res['split_ms']['exchange']:.2f} ms, kernels "
+        f"{res['split_ms']['kernels']:.2f} ms, overhead {res['split_ms']['overhead']:.2f} ms; "
+        f"{vol['bytes'] / 1e6:.1f} MB crosses ranks per step; other processes used "
+        f"{load.get('others_cores')} cores meanwhile",
+        flush=True,
+    )
     if per_kernel is not None:
-        print("# rank 0, ms per step in each kernel: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in res["per_kernel_ms_rank0"].items()), flush=True)
+        print(
+            "# rank 0, ms per step in each kernel: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in res["per_kernel_ms_rank0"].items()),
+            flush=True,
+        )
     return report
 
 
 # ---- merge ---------------------------------------------------------------------------------------------
+
 
 def label(r) -> str:
     return f"{r['ranks']}r x {r['threads_per_rank']}t"
@@ -194,8 +235,10 @@ def merge(paths, out_json, out_png) -> None:
     configs = sorted(best)
     base = best.get((1, 1), best[configs[0]])
     rows = []
-    print(f"{'config':<9} {'cores':>5} {'median ms':>10} {'p10':>7} {'p90':>7} {'exchange':>9} {'kernels':>8} "
-          f"{'overhead':>9} {'speedup':>8} {'MB x-rank':>10} {'others':>6}  all runs' medians")
+    print(
+        f"{'config':<9} {'cores':>5} {'median ms':>10} {'p10':>7} {'p90':>7} {'exchange':>9} {'kernels':>8} "
+        f"{'overhead':>9} {'speedup':>8} {'MB x-rank':>10} {'others':>6}  all runs' medians"
+    )
     for key in configs:
         r = best[key]
         res, sp = r["result"], r["result"]["split_ms"]
@@ -203,25 +246,45 @@ def merge(paths, out_json, out_png) -> None:
         used = r["ranks"] * r["threads_per_rank"]
         medians = sorted(x["result"]["median_ms"] for x in groups[key])
         flag = " (oversubscribed)" if r["oversubscribed"] else ""
-        print(f"{label(r):<9} {used:>5} {res['median_ms']:>10.2f} {res['p10_ms']:>7.2f} {res['p90_ms']:>7.2f} "
-              f"{sp['exchange']:>9.2f} {sp['kernels']:>8.2f} {sp['overhead']:>9.2f} {speed:>8.2f} "
-              f"{r['exchange_volume']['bytes'] / 1e6:>10.1f} {r['load_during_timing'].get('others_cores', 0):>6.2f}  {', '.join(f'{m:.1f}' for m in medians)}{flag}")
-        rows.append(dict(config=label(r), ranks=r["ranks"], threads_per_rank=r["threads_per_rank"],
-                         oversubscribed=r["oversubscribed"], median_ms=res["median_ms"], p10_ms=res["p10_ms"],
-                         p90_ms=res["p90_ms"], split_ms=sp, speedup_vs_1rank_1thread=speed,
-                         exchange_MB=r["exchange_volume"]["bytes"] / 1e6, per_rank_median_ms=res["per_rank_median_ms"],
-                         all_medians_ms=medians, others_cores=r["load_during_timing"].get("others_cores"),
-                         per_kernel_ms_rank0=res.get("per_kernel_ms_rank0")))
-    print("config = ranks x threads per rank; split = mean ms per rank per step (exchange includes waiting for "
-          "slower ranks); speedup = 1r x 1t median / this median; best of the repeated runs; others = cores used by "
-          "other processes while timing. The machine has "
-          f"{base['cores']} cores: configurations using more are oversubscribed.")
+        print(
+            f"{label(r):<9} {used:>5} {res['median_ms']:>10.2f} {res['p10_ms']:>7.2f} {res['p90_ms']:>7.2f} "
+            f"{sp['exchange']:>9.2f} {sp['kernels']:>8.2f} {sp['overhead']:>9.2f} {speed:>8.2f} "
+            f"{r['exchange_volume']['bytes'] / 1e6:>10.1f} {r['load_during_timing'].get('others_cores', 0):>6.2f}  {', '.join(f'{m:.1f}' for m in medians)}{flag}"
+        )
+        rows.append(
+            dict(
+                config=label(r),
+                ranks=r["ranks"],
+                threads_per_rank=r["threads_per_rank"],
+                oversubscribed=r["oversubscribed"],
+                median_ms=res["median_ms"],
+                p10_ms=res["p10_ms"],
+                p90_ms=res["p90_ms"],
+                split_ms=sp,
+                speedup_vs_1rank_1thread=speed,
+                exchange_MB=r["exchange_volume"]["bytes"] / 1e6,
+                per_rank_median_ms=res["per_rank_median_ms"],
+                all_medians_ms=medians,
+                others_cores=r["load_during_timing"].get("others_cores"),
+                per_kernel_ms_rank0=res.get("per_kernel_ms_rank0"),
+            )
+        )
+    print(
+        "config = ranks x threads per rank; split = mean ms per rank per step (exchange includes waiting for "
+        "slower ranks); speedup = 1r x 1t median / this median; best of the repeated runs; others = cores used by "
+        "other processes while timing. The machine has "
+        f"{base['cores']} cores: configurations using more are oversubscribed."
+    )
     for x in rows:
         if x["per_kernel_ms_rank0"]:
-            print(f"  {x['config']}: rank 0 ms/step per kernel: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in x["per_kernel_ms_rank0"].items()))
-    _common.write_json(out_json, dict(workload="W1 scaling", machine=base["machine"], data=base["data"],
-                                      runs=rows, sources=list(paths)))
+            print(
+                f"  {x['config']}: rank 0 ms/step per kernel: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in x["per_kernel_ms_rank0"].items())
+            )
+    _common.write_json(
+        out_json,
+        dict(workload="W1 scaling", machine=base["machine"], data=base["data"], runs=rows, sources=list(paths)),
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,8 +302,10 @@ def merge(paths, out_json, out_png) -> None:
         ax.text(i + 0.12, x["median_ms"], f"{x['median_ms']:.1f}", ha="left", va="center", fontsize=9)
     ax.set_ylabel("ms / step")
     d = base["data"]
-    ax.set_title(f"W1 scaling, global batch {d['batch']}, {d['tables']}x{d['rows']:,}x{d['dim']} "
-                 f"({base['cores']} cores)", fontsize=10)
+    ax.set_title(
+        f"W1 scaling, global batch {d['batch']}, {d['tables']}x{d['rows']:,}x{d['dim']} ({base['cores']} cores)",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
@@ -261,8 +326,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--per-kernel", action="store_true", help="also time each kernel (rank 0's, per step)")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                   help="first wait up to S seconds for other jobs to leave the CPUs idle")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="first wait up to S seconds for other jobs to leave the CPUs idle",
+    )
     p.add_argument("--out", default=None, help="JSON of this run (default bench_out/scaling_np<W>_t<threads>.json)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' JSON instead of running")
     p.add_argument("--merged-out", default="bench_out/scaling.json")

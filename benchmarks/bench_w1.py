@@ -42,6 +42,7 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 # Each: name, step(i) -> (forward s, backward s, optimizer s), tables() -> list of [rows, dim]
 # float32 tensors (for the correctness check), load(tables) to start from given weights.
 
+
 class SokpyContestant:
     name = "sokpy"
 
@@ -51,8 +52,10 @@ class SokpyContestant:
         self.sokpy = sokpy
         sokpy.init(backend="host")
         self.wl = wl
-        self.vars = [sokpy.Variable(wl.rows, wl.dim, initializer=sokpy.initializers.uniform(-0.05, 0.05), seed=t,
-                                    name=f"t{t}") for t in range(wl.tables)]
+        self.vars = [
+            sokpy.Variable(wl.rows, wl.dim, initializer=sokpy.initializers.uniform(-0.05, 0.05), seed=t, name=f"t{t}")
+            for t in range(wl.tables)
+        ]
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
         off = torch.from_numpy(wl.offsets)
         self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), off) for t in range(wl.tables)] for b in wl.batches]
@@ -88,8 +91,9 @@ class TorchContestant:
 
     def __init__(self, wl, init_tables):
         self.wl = wl
-        self.bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(wl.rows, wl.dim, mode="sum", sparse=True)
-                                        for _ in range(wl.tables))
+        self.bags = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(wl.rows, wl.dim, mode="sum", sparse=True) for _ in range(wl.tables)
+        )
         with torch.no_grad():
             for bag, w in zip(self.bags, init_tables):
                 bag.weight.copy_(w)
@@ -120,7 +124,9 @@ def fbgemm_available():
         import fbgemm_gpu  # noqa: F401
         from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: F401
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
     except Exception as e:  # ImportError, or an OSError from a library that does not load
         return False, f"fbgemm_gpu not importable: {type(e).__name__}: {e}".splitlines()[0]
     return True, None
@@ -133,8 +139,10 @@ class FbgemmContestant:
         import fbgemm_gpu
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
-                                                                            SplitTableBatchedEmbeddingBagsCodegen)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
 
         self.version = getattr(fbgemm_gpu, "__version__", "unknown")
         self.wl = wl
@@ -142,9 +150,15 @@ class FbgemmContestant:
         # EXACT_ADAGRAD: acc += g*g; w -= lr * g / (sqrt(acc) + eps), acc starting at 0; the
         # update is fused into the backward pass (there is no separate optimizer step).
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=specs, optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=LR, eps=EPS,
-            pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
-            device=torch.device("cpu"))
+            embedding_specs=specs,
+            optimizer=EmbOptimType.EXACT_ADAGRAD,
+            learning_rate=LR,
+            eps=EPS,
+            pooling_mode=PoolingMode.SUM,
+            weights_precision=SparseType.FP32,
+            output_dtype=SparseType.FP32,
+            device=torch.device("cpu"),
+        )
         with torch.no_grad():
             for w, src in zip(self.tbe.split_embedding_weights(), init_tables):
                 w.copy_(src)
@@ -169,6 +183,7 @@ class FbgemmContestant:
 
 # ---- run ---------------------------------------------------------------------------------------------
 
+
 def max_table_diff(a_tables, b_tables) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(a_tables, b_tables))
 
@@ -176,33 +191,52 @@ def max_table_diff(a_tables, b_tables) -> float:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     report = dict(workload="W1", threads=args.threads, machine=_common.machine_info(), lr=LR, eps=EPS)
-    print(f"# W1: {args.tables} tables x {args.rows} rows x dim {args.dim}, batch {args.batch}, "
-          f"{args.hotness} keys/bag/table, Zipf({args.alpha}); threads={args.threads} "
-          f"(torch {torch.__version__}, {report['machine']['cpu_model']}, nproc {report['machine']['nproc']})",
-          flush=True)
+    print(
+        f"# W1: {args.tables} tables x {args.rows} rows x dim {args.dim}, batch {args.batch}, "
+        f"{args.hotness} keys/bag/table, Zipf({args.alpha}); threads={args.threads} "
+        f"(torch {torch.__version__}, {report['machine']['cpu_model']}, nproc {report['machine']['nproc']})",
+        flush=True,
+    )
 
     if args.wait_quiet > 0:
         q = _common.wait_quiet(args.wait_quiet)
         report["wait_quiet"] = q
-        print(f"# waited {q['waited_s']}s for a quiet machine: others used {q.get('busy_cores')} cores in the "
-              f"last second", flush=True)
+        print(
+            f"# waited {q['waited_s']}s for a quiet machine: others used {q.get('busy_cores')} cores in the "
+            f"last second",
+            flush=True,
+        )
 
     # Memory bandwidth first, while nothing else is resident.
     bw = _common.stream_copy_bandwidth(args.stream_mb, repeats=7)
     gather = _common.random_row_gather_bandwidth(rows=max(args.rows, 100_000), dim=args.dim)
     report["bandwidth"] = dict(stream_copy=bw, random_row_gather=gather)
-    print(f"# memory bandwidth (1 thread): STREAM-like copy {bw['best_Bps'] / 1e9:.1f} GB/s best "
-          f"({bw['median_Bps'] / 1e9:.1f} median, {args.stream_mb} MB arrays); "
-          f"random {args.dim * 4}-byte row gather {gather['best_Bps'] / 1e9:.2f} GB/s", flush=True)
+    print(
+        f"# memory bandwidth (1 thread): STREAM-like copy {bw['best_Bps'] / 1e9:.1f} GB/s best "
+        f"({bw['median_Bps'] / 1e9:.1f} median, {args.stream_mb} MB arrays); "
+        f"random {args.dim * 4}-byte row gather {gather['best_Bps'] / 1e9:.2f} GB/s",
+        flush=True,
+    )
 
     t = time.perf_counter()
-    wl = _common.Workload(tables=args.tables, rows=args.rows, dim=args.dim, batch=args.batch, hotness=args.hotness,
-                          alpha=args.alpha, nbatches=args.nbatches, seed=args.seed)
+    wl = _common.Workload(
+        tables=args.tables,
+        rows=args.rows,
+        dim=args.dim,
+        batch=args.batch,
+        hotness=args.hotness,
+        alpha=args.alpha,
+        nbatches=args.nbatches,
+        seed=args.seed,
+    )
     uniq = wl.unique_stats()
     report["data"] = dict(wl.describe(), **uniq)
-    print(f"# data: {args.nbatches} batches generated in {time.perf_counter() - t:.1f}s; unique keys per table "
-          f"per batch {uniq['unique_per_table_mean']:.0f} of {uniq['keys_per_table']} "
-          f"({100 * uniq['unique_fraction']:.1f}%)", flush=True)
+    print(
+        f"# data: {args.nbatches} batches generated in {time.perf_counter() - t:.1f}s; unique keys per table "
+        f"per batch {uniq['unique_per_table_mean']:.0f} of {uniq['keys_per_table']} "
+        f"({100 * uniq['unique_fraction']:.1f}%)",
+        flush=True,
+    )
 
     # Contestants, all starting from sokpy's initial tables.
     contestants = [SokpyContestant(wl)]
@@ -237,9 +271,12 @@ def run(args) -> dict:
     report["correctness"] = check
     del init, ref
     gc.collect()
-    print("# correctness after one step from identical tables: " + ", ".join(
-        f"{k} = {v:.3g}" for k, v in check.items() if k.endswith("_diff")) +
-        f" (step changed rows by up to {changed:.3g}) -> {'OK' if check['passed'] else 'MISMATCH'}", flush=True)
+    print(
+        "# correctness after one step from identical tables: "
+        + ", ".join(f"{k} = {v:.3g}" for k, v in check.items() if k.endswith("_diff"))
+        + f" (step changed rows by up to {changed:.3g}) -> {'OK' if check['passed'] else 'MISMATCH'}",
+        flush=True,
+    )
 
     # Warm-up: every batch touched at least once by every contestant.
     for c in contestants:
@@ -255,7 +292,7 @@ def run(args) -> dict:
     done, rnd = 0, 0
     while done < args.steps:
         n = min(args.nbatches, args.steps - done)
-        order = contestants[rnd % len(contestants):] + contestants[:rnd % len(contestants)]
+        order = contestants[rnd % len(contestants) :] + contestants[: rnd % len(contestants)]
         for c in order:
             for i in range(done, done + n):
                 f, b, o = c.step(i)
@@ -277,9 +314,11 @@ def run(args) -> dict:
     results["sokpy"]["split_ms"] = dict(
         exchange=1e3 * sok_totals.get("exchange", 0.0) / steps_sok,
         kernels=1e3 * sok_totals.get("kernels", 0.0) / steps_sok,
-        overhead=1e3 * (sum(times["sokpy"]) - sok_totals.get("exchange", 0.0) - sok_totals.get("kernels", 0.0))
-        / steps_sok)
-    for name, r in results.items():
+        overhead=1e3
+        * (sum(times["sokpy"]) - sok_totals.get("exchange", 0.0) - sok_totals.get("kernels", 0.0))
+        / steps_sok,
+    )
+    for r in results.values():
         r["vs_torch"] = r["median_ms"] / results["torch"]["median_ms"]
         r["vs_fbgemm"] = r["median_ms"] / results["fbgemm"]["median_ms"] if "fbgemm" in results else None
         sec = r["median_ms"] / 1e3
@@ -287,15 +326,19 @@ def run(args) -> dict:
         r["roofline_fraction"] = step["compulsory_bytes"] / sec / bw["best_Bps"]
     report["results"] = results
     report["roofline"] = dict(
-        step_bytes_compulsory=step["compulsory_bytes"], step_bytes_as_executed=step["as_executed_bytes"],
+        step_bytes_compulsory=step["compulsory_bytes"],
+        step_bytes_as_executed=step["as_executed_bytes"],
         bandwidth_Bps=bw["best_Bps"],
         lower_bound_ms=1e3 * step["compulsory_bytes"] / bw["best_Bps"],
         lower_bound_ms_as_executed=1e3 * step["as_executed_bytes"] / bw["best_Bps"],
         all_bytes_at_random_gather_rate_ms=1e3 * step["compulsory_bytes"] / gather["best_Bps"],
-        sokpy_fraction=results["sokpy"]["roofline_fraction"])
+        sokpy_fraction=results["sokpy"]["roofline_fraction"],
+    )
     report["steps_timed"] = args.steps
-    report["notes"] = ("ratio columns are this contestant's median ms / the other's median ms (< 1: faster). "
-                       "fbgemm's optimizer is fused into its backward (optimizer_ms = 0).")
+    report["notes"] = (
+        "ratio columns are this contestant's median ms / the other's median ms (< 1: faster). "
+        "fbgemm's optimizer is fused into its backward (optimizer_ms = 0)."
+    )
     print_table(report)
     return report
 
@@ -304,28 +347,38 @@ def print_table(report) -> None:
     res = report["results"]
     fb = "fbgemm" in res
     print()
-    print(f"{'contestant':<10} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
-          f"{'vs torch':>9} {'vs fbgemm':>10} {'GB/s':>6} {'roof':>6}")
+    print(
+        f"{'contestant':<10} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
+        f"{'vs torch':>9} {'vs fbgemm':>10} {'GB/s':>6} {'roof':>6}"
+    )
     for name, r in res.items():
         vf = f"{r['vs_fbgemm']:.2f}" if fb else "-"
-        print(f"{name:<10} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['forward_ms']:>7.2f} "
-              f"{r['backward_ms']:>7.2f} {r['optimizer_ms']:>7.2f} {r['vs_torch']:>9.2f} {vf:>10} "
-              f"{r['achieved_GBps']:>6.2f} {100 * r['roofline_fraction']:>5.1f}%")
+        print(
+            f"{name:<10} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['forward_ms']:>7.2f} "
+            f"{r['backward_ms']:>7.2f} {r['optimizer_ms']:>7.2f} {r['vs_torch']:>9.2f} {vf:>10} "
+            f"{r['achieved_GBps']:>6.2f} {100 * r['roofline_fraction']:>5.1f}%"
+        )
     if not fb:
         print(f"fbgemm     {report['fbgemm']}")
     rf = report["roofline"]
     sp = res["sokpy"]["split_ms"]
-    print(f"\nroofline: a step must move {rf['step_bytes_compulsory'] / 1e6:.1f} MB (compulsory; "
-          f"{rf['step_bytes_as_executed'] / 1e6:.1f} MB counting a row read per key lookup); at the measured "
-          f"{rf['bandwidth_Bps'] / 1e9:.1f} GB/s that is >= {rf['lower_bound_ms']:.2f} ms/step; "
-          f"sokpy reaches {100 * rf['sokpy_fraction']:.1f}% of the streaming bandwidth. (Random 256-byte rows come "
-          f"at only {report['bandwidth']['random_row_gather']['best_Bps'] / 1e9:.1f} GB/s through numpy's gather: "
-          f"access latency, not bandwidth, is the practical roof.)")
-    print(f"sokpy split per step (mean): kernels {sp['kernels']:.2f} ms, exchange {sp['exchange']:.2f} ms, "
-          f"Python/numpy/autograd overhead {sp['overhead']:.2f} ms")
+    print(
+        f"\nroofline: a step must move {rf['step_bytes_compulsory'] / 1e6:.1f} MB (compulsory; "
+        f"{rf['step_bytes_as_executed'] / 1e6:.1f} MB counting a row read per key lookup); at the measured "
+        f"{rf['bandwidth_Bps'] / 1e9:.1f} GB/s that is >= {rf['lower_bound_ms']:.2f} ms/step; "
+        f"sokpy reaches {100 * rf['sokpy_fraction']:.1f}% of the streaming bandwidth. (Random 256-byte rows come "
+        f"at only {report['bandwidth']['random_row_gather']['best_Bps'] / 1e9:.1f} GB/s through numpy's gather: "
+        f"access latency, not bandwidth, is the practical roof.)"
+    )
+    print(
+        f"sokpy split per step (mean): kernels {sp['kernels']:.2f} ms, exchange {sp['exchange']:.2f} ms, "
+        f"Python/numpy/autograd overhead {sp['overhead']:.2f} ms"
+    )
     ld = report["load_during_timing"]
-    print(f"machine load while timing: {ld.get('busy_cores')} cores busy, of which other processes "
-          f"{ld.get('others_cores')} (this one {ld.get('own_cores')}); nproc {report['machine']['nproc']}")
+    print(
+        f"machine load while timing: {ld.get('busy_cores')} cores busy, of which other processes "
+        f"{ld.get('others_cores')} (this one {ld.get('own_cores')}); nproc {report['machine']['nproc']}"
+    )
     print(f"ratio = median / other median (< 1 is faster). {report['notes'].split('. ')[1]}")
 
 
@@ -340,8 +393,10 @@ def plot(report, path) -> None:
     colors = {"sokpy": "#1f77b4", "torch": "#ff7f0e", "fbgemm": "#2ca02c"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     med = [res[n]["median_ms"] for n in names]
-    err = [[res[n]["median_ms"] - res[n]["p10_ms"] for n in names], [res[n]["p90_ms"] - res[n]["median_ms"]
-                                                                      for n in names]]
+    err = [
+        [res[n]["median_ms"] - res[n]["p10_ms"] for n in names],
+        [res[n]["p90_ms"] - res[n]["median_ms"] for n in names],
+    ]
     ax1.bar(names, med, yerr=err, capsize=5, color=[colors.get(n, "grey") for n in names])
     lb = report["roofline"]["lower_bound_ms"]
     ax1.axhline(lb, color="k", ls="--", lw=1)
@@ -350,11 +405,15 @@ def plot(report, path) -> None:
         ax1.text(i + 0.08, res[n]["p90_ms"], f"{res[n]['median_ms']:.1f}", ha="left", va="bottom", fontsize=9)
     ax1.set_ylabel("ms / step (median, p10-p90)")
     d = report["data"]
-    ax1.set_title(f"W1: {d['tables']}x{d['rows']:,}x{d['dim']}, batch {d['batch']}, {report['threads']} thread(s)",
-                  fontsize=10)
+    ax1.set_title(
+        f"W1: {d['tables']}x{d['rows']:,}x{d['dim']}, batch {d['batch']}, {report['threads']} thread(s)", fontsize=10
+    )
     bottom = np.zeros(len(names))
-    for key, label, col in (("forward_ms", "forward", "#9ecae1"), ("backward_ms", "backward", "#3182bd"),
-                            ("optimizer_ms", "optimizer", "#08519c")):
+    for key, label, col in (
+        ("forward_ms", "forward", "#9ecae1"),
+        ("backward_ms", "backward", "#3182bd"),
+        ("optimizer_ms", "optimizer", "#08519c"),
+    ):
         vals = np.array([res[n][key] for n in names])
         ax2.bar(names, vals, bottom=bottom, label=label, color=col)
         bottom += vals
@@ -381,8 +440,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stream-mb", type=int, default=256, help="array size of the bandwidth probe")
     p.add_argument("--skip-fbgemm", action="store_true")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                   help="first wait up to S seconds for other processes to leave the CPUs idle")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="first wait up to S seconds for other processes to leave the CPUs idle",
+    )
     p.add_argument("--out", default="bench_out/w1.json")
     p.add_argument("--png", default=None, help="plot path (default: --out with .png)")
     args = p.parse_args(argv)

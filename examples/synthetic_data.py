@@ -60,15 +60,15 @@ class SparseFeature:
 
 
 class Batch(NamedTuple):
-    dense: torch.Tensor       # float32 [b, num_dense]
-    sparse: list              # one sokpy.Ragged of b bags per sparse feature
-    labels: torch.Tensor      # float32 [b], 0 or 1
-    true_logit: np.ndarray    # float64 [b], the planted noise-free logit (for the oracle AUC)
+    dense: torch.Tensor  # float32 [b, num_dense]
+    sparse: list  # one sokpy.Ragged of b bags per sparse feature
+    labels: torch.Tensor  # float32 [b], 0 or 1
+    true_logit: np.ndarray  # float64 [b], the planted noise-free logit (for the oracle AUC)
 
 
 class _Bags(NamedTuple):
     lengths: np.ndarray  # int64 [n]
-    keys: np.ndarray     # int64 [lengths.sum()]
+    keys: np.ndarray  # int64 [lengths.sum()]
 
 
 class _FeatureTruth:
@@ -80,7 +80,7 @@ class _FeatureTruth:
         self.cdf = np.cumsum(popularity / popularity.sum())
         self.key_of_rank = rng.permutation(feature.rows).astype(np.int64)
         self.score = rng.normal(0.0, feature.score_std, feature.rows)
-        self.factor = rng.normal(0.0, factor_dim ** -0.5, (feature.rows, factor_dim))
+        self.factor = rng.normal(0.0, factor_dim**-0.5, (feature.rows, factor_dim))
 
     def sample(self, rng: np.random.Generator, n: int) -> _Bags:
         lengths = rng.integers(1, self.feature.max_hotness + 1, size=n)
@@ -99,8 +99,15 @@ class _FeatureTruth:
 class SyntheticClicks:
     """The click stream: ``batch(split, step, lo, hi)`` gives samples ``[lo, hi)`` of a step's global batch."""
 
-    def __init__(self, features: list[SparseFeature], num_dense: int = 13, seed: int = 0, bias: float = -1.0,
-                 noise_std: float = 0.3, factor_dim: int = 4):
+    def __init__(
+        self,
+        features: list[SparseFeature],
+        num_dense: int = 13,
+        seed: int = 0,
+        bias: float = -1.0,
+        noise_std: float = 0.3,
+        factor_dim: int = 4,
+    ):
         truth_rng = np.random.default_rng([seed, 0])
         self.features = list(features)
         self.num_dense = num_dense
@@ -137,7 +144,14 @@ class SyntheticClicks:
             keys = np.concatenate([c[t].keys for c in bags])
             offsets = np.zeros(lengths.size + 1, np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            sparse.append(sokpy.Ragged(torch.from_numpy(keys[offsets[a]:offsets[b]]),
-                                       torch.from_numpy(offsets[a:b + 1] - offsets[a])))
-        return Batch(torch.from_numpy(np.concatenate(dense)[a:b]).float(), sparse,
-                     torch.from_numpy(np.concatenate(labels)[a:b]).float(), np.concatenate(logit)[a:b])
+            sparse.append(
+                sokpy.Ragged(
+                    torch.from_numpy(keys[offsets[a] : offsets[b]]), torch.from_numpy(offsets[a : b + 1] - offsets[a])
+                )
+            )
+        return Batch(
+            torch.from_numpy(np.concatenate(dense)[a:b]).float(),
+            sparse,
+            torch.from_numpy(np.concatenate(labels)[a:b]).float(),
+            np.concatenate(logit)[a:b],
+        )

@@ -46,18 +46,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from synthetic_data import SparseFeature, SyntheticClicks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sokpy
-from synthetic_data import SparseFeature, SyntheticClicks
 
 TRAIN, EVAL = 0, 1  # stream ids of the synthetic data
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=5000, help="training steps")
     p.add_argument("--batch-size", type=int, default=4096, help="global batch size (split over the ranks)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches (of --batch-size) for the AUC")
@@ -108,8 +109,8 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, embeddings: list[torch.Tensor]) -> torch.Tensor:
         x = self.bottom(dense)
-        vectors = torch.stack([x, *embeddings], dim=1)            # [B, F, dim]
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))         # [B, F, F]
+        vectors = torch.stack([x, *embeddings], dim=1)  # [B, F, dim]
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F, F]
         i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)
         return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)
 
@@ -158,9 +159,17 @@ class Trainer:
         placed = sparse_features(world)
         self.features = [f for f, _ in placed]
         self.combiners = [f.combiner for f in self.features]
-        self.tables = [sokpy.Variable(f.rows, args.dim, target_gpu=target, seed=args.seed + i, name=f.name,
-                                      initializer=sokpy.initializers.uniform(-0.05, 0.05))
-                       for i, (f, target) in enumerate(placed)]
+        self.tables = [
+            sokpy.Variable(
+                f.rows,
+                args.dim,
+                target_gpu=target,
+                seed=args.seed + i,
+                name=f.name,
+                initializer=sokpy.initializers.uniform(-0.05, 0.05),
+            )
+            for i, (f, target) in enumerate(placed)
+        ]
         self.data = SyntheticClicks(self.features, num_dense=args.num_dense, seed=args.seed)
 
         torch.manual_seed(args.seed)
@@ -238,8 +247,11 @@ def main(argv=None) -> None:
     rank, world = sokpy.rank(), sokpy.world_size()
     trainer = Trainer(args)
     if rank == 0:
-        print(f"sokpy {sokpy.__version__} backend={sokpy.backend()} ranks={world} global batch={args.batch_size} "
-              f"steps={args.steps}\n{trainer.describe()}", flush=True)
+        print(
+            f"sokpy {sokpy.__version__} backend={sokpy.backend()} ranks={world} global batch={args.batch_size} "
+            f"steps={args.steps}\n{trainer.describe()}",
+            flush=True,
+        )
 
     losses = trainer.train()
     labels, logits, true_logits = trainer.evaluate()
@@ -251,11 +263,16 @@ def main(argv=None) -> None:
         auc, oracle = roc_auc(labels, logits), roc_auc(labels, true_logits)
         rate = args.steps * args.batch_size / trainer.train_seconds
         print(f"training loss: first {tenth} steps {loss_start:.4f}, last {tenth} steps {loss_end:.4f}")
-        print(f"held-out ({labels.size} samples, CTR {labels.mean():.3f}): AUC {auc:.4f}, log loss {eval_loss:.4f} "
-              f"(the planted noise-free logit scores AUC {oracle:.4f})")
-        print(f"RESULT auc={auc:.4f} loss_start={loss_start:.4f} loss_end={loss_end:.4f} eval_loss={eval_loss:.4f} "
-              f"oracle_auc={oracle:.4f} samples_per_s={rate:.0f} ranks={world} "
-              f"wall_s={time.perf_counter() - wall_start:.1f}", flush=True)
+        print(
+            f"held-out ({labels.size} samples, CTR {labels.mean():.3f}): AUC {auc:.4f}, log loss {eval_loss:.4f} "
+            f"(the planted noise-free logit scores AUC {oracle:.4f})"
+        )
+        print(
+            f"RESULT auc={auc:.4f} loss_start={loss_start:.4f} loss_end={loss_end:.4f} eval_loss={eval_loss:.4f} "
+            f"oracle_auc={oracle:.4f} samples_per_s={rate:.0f} ranks={world} "
+            f"wall_s={time.perf_counter() - wall_start:.1f}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -15,17 +15,46 @@ from . import comm as _comm_module  # noqa: F401  (loaded before the function co
 from . import initializers, kernels, optim, timing
 from .errors import InputError
 from .lookup import lookup_sparse
-from .sparse import Ragged
-from .variable import SparseGrad, Variable, assign, export
 
 # Last, so that the function sokpy.comm() is not shadowed by the submodule sokpy.comm.
-from .runtime import (LaunchError, NotInitializedError, backend, comm, init, is_initialized, local_rank, rank,  # noqa: E402
-                      shutdown, world_size)
+from .runtime import (
+    LaunchError,
+    NotInitializedError,
+    backend,
+    comm,
+    init,
+    is_initialized,
+    local_rank,
+    rank,  # noqa: E402
+    shutdown,
+    world_size,
+)
+from .sparse import Ragged
+from .variable import SparseGrad, Variable, assign, export
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "world_size", "local_rank", "backend", "comm",
-    "Variable", "SparseGrad", "export", "assign", "Ragged", "lookup_sparse", "initializers", "optim",
-    "kernels", "timing", "InputError", "LaunchError", "NotInitializedError", "__version__",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "local_rank",
+    "backend",
+    "comm",
+    "Variable",
+    "SparseGrad",
+    "export",
+    "assign",
+    "Ragged",
+    "lookup_sparse",
+    "initializers",
+    "optim",
+    "kernels",
+    "timing",
+    "InputError",
+    "LaunchError",
+    "NotInitializedError",
+    "__version__",
 ]

@@ -35,6 +35,8 @@ def agree(comm, call: str, error: str | None) -> None:
     lines = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err is not None]
     calls = {c for c, _ in reports}
     if len(calls) > 1:
-        lines.append("the ranks made different collective calls (each rank must pass the same tables in "
-                     "the same order): " + "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(reports)))
+        lines.append(
+            "the ranks made different collective calls (each rank must pass the same tables in "
+            "the same order): " + "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(reports))
+        )
     raise InputError(f"sokpy.{call.split()[0]}: " + "\n".join(lines))

@@ -37,8 +37,16 @@ import numpy as np
 
 from .timing import timed
 
-__all__ = ["KernelError", "get", "launch_shape", "source_dir", "kernel_sources", "signatures",
-           "nvrtc_compile", "HostModule"]
+__all__ = [
+    "KernelError",
+    "get",
+    "launch_shape",
+    "source_dir",
+    "kernel_sources",
+    "signatures",
+    "nvrtc_compile",
+    "HostModule",
+]
 
 
 class KernelError(RuntimeError):
@@ -145,11 +153,21 @@ def _check_array(kernel: str, p: _Param, x):
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
-_HOST_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-march=native", "-fno-semantic-interposition",
-               "-fno-math-errno", "-ffp-contract=off", "-w"]
+_HOST_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-march=native",
+    "-fno-semantic-interposition",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-w",
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_signature() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -165,12 +183,13 @@ def _cpu_signature() -> str:
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
-        raise KernelError(f"sokpy: the host backend needs a C++ compiler, and {cxx!r} was not found "
-                          "(install g++, or set CXX)")
+        raise KernelError(
+            f"sokpy: the host backend needs a C++ compiler, and {cxx!r} was not found (install g++, or set CXX)"
+        )
     return cxx
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
 
@@ -197,7 +216,8 @@ def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:
         lines.append(
             f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz'
             f"{', ' if decl else ''}{decl}) {{\n"
-            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, [&] {{ {name}({call}); }});\n}}")
+            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, [&] {{ {name}({call}); }});\n}}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -209,8 +229,15 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
     cxx = _compiler()
     version = _compiler_version(cxx)
     h = hashlib.sha256()
-    for part in [source, launcher, (src_dir / "host_shim.h").read_text(), *_headers(src_dir).values(),
-                 " ".join(_HOST_FLAGS), version, _cpu_signature()]:
+    for part in [
+        source,
+        launcher,
+        (src_dir / "host_shim.h").read_text(),
+        *_headers(src_dir).values(),
+        " ".join(_HOST_FLAGS),
+        version,
+        _cpu_signature(),
+    ]:
         h.update(part.encode())
         h.update(b"\0")
     cache = _cache_dir()
@@ -228,8 +255,9 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
             cmd = [cxx, *_HOST_FLAGS, "-I", str(src_dir), str(tu), "-o", str(out)]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
-                raise KernelError(f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n"
-                                  f"{res.stderr}{res.stdout}")
+                raise KernelError(
+                    f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n{res.stderr}{res.stdout}"
+                )
             os.replace(out, lib)  # atomic: a reader sees no library or a whole one
     return lib, sigs
 
@@ -246,8 +274,10 @@ class _HostKernel:
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
         g = (tuple(grid) + (1, 1))[:3]
         if tuple(block) + (1,) * (3 - len(block)) != (1, 1, 1):
-            raise KernelError(f"sokpy kernel {self.name}: the host backend runs one thread per block; "
-                              f"launch with block (1,), not {tuple(block)} (see launch_shape)")
+            raise KernelError(
+                f"sokpy kernel {self.name}: the host backend runs one thread per block; "
+                f"launch with block (1,), not {tuple(block)} (see launch_shape)"
+            )
         conv = []
         for p, x in zip(self.params, args):
             if p.pointer:
@@ -271,6 +301,7 @@ class HostModule:
 
 
 # ---- device backend -------------------------------------------------------------------------
+
 
 class _DeviceKernel:
     def __init__(self, name: str, fn, params: list[_Param]):
@@ -308,8 +339,9 @@ def nvrtc_compile(cu: Path, arch: str) -> bytes:
 
     nvrtc = cupy.cuda.nvrtc
     headers = _headers(cu.parent)
-    prog = nvrtc.createProgram(cu.read_text(), cu.name, [h.encode() for h in headers.values()],
-                               [n.encode() for n in headers])
+    prog = nvrtc.createProgram(
+        cu.read_text(), cu.name, [h.encode() for h in headers.values()], [n.encode() for n in headers]
+    )
     try:
         try:
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", "-std=c++14"])
@@ -321,6 +353,7 @@ def nvrtc_compile(cu: Path, arch: str) -> bytes:
 
 
 # ---- registry ---------------------------------------------------------------------------------
+
 
 def _load(backend: str):
     kernels = {}

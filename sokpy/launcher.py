@@ -44,8 +44,23 @@ def _np(args: list[str]) -> int:
 def _split(args: list[str]) -> tuple[list[str], list[str]]:
     """(mpirun options, program and its arguments): the program starts at the first word that
     is not an option or an option's value."""
-    takes_value = {"-np", "-n", "--np", "-c", "--timeout", "-x", "--map-by", "--bind-to", "--host", "-H",
-                   "--hostfile", "--rank-by", "-wdir", "--wdir", "--output-filename"}
+    takes_value = {
+        "-np",
+        "-n",
+        "--np",
+        "-c",
+        "--timeout",
+        "-x",
+        "--map-by",
+        "--bind-to",
+        "--host",
+        "-H",
+        "--hostfile",
+        "--rank-by",
+        "-wdir",
+        "--wdir",
+        "--output-filename",
+    }
     takes_two = {"--mca", "--prtemca", "--pmixmca"}
     i = 0
     while i < len(args) and args[i].startswith("-"):

@@ -91,8 +91,12 @@ class _Table:
         dim = self.var.dim
         out = np.empty((self.batch, dim), np.float32)
         self.den = np.empty(self.batch, np.float32)
-        _launch("combine_forward", self.batch, dim, (rows, value_offset, self.bags.offsets, self.bags.weights,
-                                                     self.batch, dim, self.combiner, out, self.den))
+        _launch(
+            "combine_forward",
+            self.batch,
+            dim,
+            (rows, value_offset, self.bags.offsets, self.bags.weights, self.batch, dim, self.combiner, out, self.den),
+        )
         return torch.from_numpy(out)
 
     def check_finite(self, grad_out: np.ndarray) -> None:
@@ -110,9 +114,23 @@ class _Table:
         """combine_forward's transpose: one gradient row per unique key into ``dst``."""
         self.check_finite(grad_out)
         bag_of_value = np.repeat(np.arange(self.batch, dtype=np.int64), np.diff(self.bags.offsets))
-        _launch("segment_sum", self.unique.size, self.var.dim,
-                (grad_out, bag_of_value, self.den, self.bags.weights, self.perm, self.seg, self.unique.size,
-                 self.var.dim, dst, dst_offset))
+        _launch(
+            "segment_sum",
+            self.unique.size,
+            self.var.dim,
+            (
+                grad_out,
+                bag_of_value,
+                self.den,
+                self.bags.weights,
+                self.perm,
+                self.seg,
+                self.unique.size,
+                self.var.dim,
+                dst,
+                dst_offset,
+            ),
+        )
 
 
 class _Plan:
@@ -159,8 +177,12 @@ class _Plan:
         flat = np.empty(int(self.recv_elems.sum()), np.float32)
         for i, t in enumerate(self.tables):
             keys, var = self.own_keys[i], t.var
-            _launch("copy_rows", keys.size, var.dim, (var.weight.numpy(), var.local_index(keys) * var.dim, flat,
-                                                      self.own_offset[i], keys.size, var.dim))
+            _launch(
+                "copy_rows",
+                keys.size,
+                var.dim,
+                (var.weight.numpy(), var.local_index(keys) * var.dim, flat, self.own_offset[i], keys.size, var.dim),
+            )
         rows, _ = comm.alltoallv(flat, self.recv_elems, self.send_elems)
         outs = []
         for t in self.tables:

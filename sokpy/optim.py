@@ -52,8 +52,10 @@ class SparseOptimizer(torch.optim.Optimizer):
             ps = [ps] if isinstance(ps, Variable) else list(ps)
             for v in ps:
                 if not isinstance(v, Variable):
-                    raise TypeError(f"{type(self).__name__} optimizes sokpy Variables; got a {type(v).__name__} "
-                                    "(use a torch optimizer for dense parameters)")
+                    raise TypeError(
+                        f"{type(self).__name__} optimizes sokpy Variables; got a {type(v).__name__} "
+                        "(use a torch optimizer for dense parameters)"
+                    )
                 self._var_of[id(v.handle)] = v
             group["params"] = [v.handle for v in ps]
             converted.append(group)
@@ -86,8 +88,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        error = next((f"table {var.name!r}: {var.nonfinite_grad}; no row or state was changed"
-                      for _, var in self.variables() if var.nonfinite_grad), None)
+        error = next(
+            (
+                f"table {var.name!r}: {var.nonfinite_grad}; no row or state was changed"
+                for _, var in self.variables()
+                if var.nonfinite_grad
+            ),
+            None,
+        )
         if self.check_finite:
             names = ", ".join(v.describe() for _, v in self.variables())
             agree(runtime.comm(), f"{type(self).__name__}.step tables=[{names}]", error)
@@ -101,8 +109,21 @@ class SparseOptimizer(torch.optim.Optimizer):
             n, dim = keys.size, var.dim
             slots = [state[name] for name in self.slots]
             grid, block = kernels.launch_shape(n, dim)
-            kernels.get(self.kernel)(grid, block, (var.weight, *slots, var.local_index(keys), grads, grad_off, seg,
-                                                   n, dim, *self.hyper(group, self.steps)))
+            kernels.get(self.kernel)(
+                grid,
+                block,
+                (
+                    var.weight,
+                    *slots,
+                    var.local_index(keys),
+                    grads,
+                    grad_off,
+                    seg,
+                    n,
+                    dim,
+                    *self.hyper(group, self.steps),
+                ),
+            )
             if seg is not None and seg.size - 1 != grad_off.size:
                 # The kernel summed duplicates into the first row of each key: keep those rows as
                 # the (still valid) gradient, so var.grad reads the same after step() as before.
@@ -123,14 +144,16 @@ class SparseOptimizer(torch.optim.Optimizer):
             g = {k: v for k, v in group.items() if k != "params"}
             g["params"] = [index.setdefault(id(h), len(index)) for h in group["params"]]
             groups.append(g)
-        state = {index[id(h)]: {"step": self.state[h].get("step", 0)} for group in self.param_groups
-                 for h in group["params"]}
+        state = {
+            index[id(h)]: {"step": self.state[h].get("step", 0)} for group in self.param_groups for h in group["params"]
+        }
         return {"state": state, "param_groups": groups, "steps": self.steps}
 
     def load_state_dict(self, state_dict: dict) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the saved groups do not match this optimizer's")
         handles = [h for group in self.param_groups for h in group["params"]]
         for saved, group in zip(groups, self.param_groups):
@@ -174,13 +197,20 @@ class Adagrad(SparseOptimizer):
     kernel = "adagrad_update"
     slots = {"sum": lambda g: g["initial_accumulator_value"]}
 
-    def __init__(self, params, lr: float = 0.01, initial_accumulator_value: float = 0.0, eps: float = 1e-10,
-                 check_finite: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.01,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        check_finite: bool = True,
+    ):
         _check("lr", lr, lr >= 0, ">= 0")
         _check("eps", eps, eps >= 0, ">= 0")
         _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
-        super().__init__(params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps),
-                         check_finite)
+        super().__init__(
+            params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps), check_finite
+        )
 
     def hyper(self, group, step):
         return group["lr"], group["eps"]
@@ -197,16 +227,36 @@ class Ftrl(SparseOptimizer):
     kernel = "ftrl_update"
     slots = {"accumulator": lambda g: g["initial_accumulator_value"], "linear": lambda g: 0.0}
 
-    def __init__(self, params, lr: float = 0.001, lr_power: float = -0.5, initial_accumulator_value: float = 0.1,
-                 l1: float = 0.0, l2: float = 0.0, l2_shrinkage: float = 0.0, beta: float = 0.0,
-                 check_finite: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.001,
+        lr_power: float = -0.5,
+        initial_accumulator_value: float = 0.1,
+        l1: float = 0.0,
+        l2: float = 0.0,
+        l2_shrinkage: float = 0.0,
+        beta: float = 0.0,
+        check_finite: bool = True,
+    ):
         _check("lr", lr, lr > 0, "> 0")
         _check("lr_power", lr_power, lr_power <= 0, "<= 0")
         _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
         for name, value in (("l1", l1), ("l2", l2), ("l2_shrinkage", l2_shrinkage), ("beta", beta)):
             _check(name, value, value >= 0, ">= 0")
-        super().__init__(params, dict(lr=lr, lr_power=lr_power, initial_accumulator_value=initial_accumulator_value,
-                                      l1=l1, l2=l2, l2_shrinkage=l2_shrinkage, beta=beta), check_finite)
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                lr_power=lr_power,
+                initial_accumulator_value=initial_accumulator_value,
+                l1=l1,
+                l2=l2,
+                l2_shrinkage=l2_shrinkage,
+                beta=beta,
+            ),
+            check_finite,
+        )
 
     def hyper(self, group, step):
         lr = np.float32(group["lr"])
@@ -239,5 +289,5 @@ class Adam(SparseOptimizer):
 
     def hyper(self, group, step):
         b1, b2 = group["betas"]
-        step_size = group["lr"] * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+        step_size = group["lr"] * math.sqrt(1 - b2**step) / (1 - b1**step)
         return step_size, b1, b2, group["eps"]

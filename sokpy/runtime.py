@@ -11,8 +11,19 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "local_rank", "backend",
-           "comm", "xp", "NotInitializedError", "LaunchError"]
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "local_rank",
+    "backend",
+    "comm",
+    "xp",
+    "NotInitializedError",
+    "LaunchError",
+]
 
 
 class NotInitializedError(RuntimeError):
@@ -59,7 +70,8 @@ def _check_launch(mpi_size: int) -> None:
                 f"sokpy.init: the launcher says {var}={value} but MPI sees a world of {mpi_size} "
                 f"process(es), so the processes cannot exchange embeddings. Launch with MPI: "
                 f"`sokrun -np N python train.py`, `mpirun -np N python train.py`, or "
-                f"`horovodrun --mpi -np N python train.py` (not horovodrun's gloo mode or torchrun).")
+                f"`horovodrun --mpi -np N python train.py` (not horovodrun's gloo mode or torchrun)."
+            )
 
 
 def init(backend: str = "auto") -> str:
@@ -78,8 +90,9 @@ def init(backend: str = "auto") -> str:
         raise ValueError(f"sokpy.init: backend must be 'auto', 'host' or 'device', not {backend!r}")
     if _state.comm is not None:
         if backend not in ("auto", _state.backend):
-            raise RuntimeError(f"sokpy.init: already initialised with backend {_state.backend!r}, "
-                               f"cannot switch to {backend!r}")
+            raise RuntimeError(
+                f"sokpy.init: already initialised with backend {_state.backend!r}, cannot switch to {backend!r}"
+            )
         return _state.backend
     if backend == "auto":
         backend = "device" if DEVICE_BACKEND_READY and _gpu_usable() else "host"
@@ -87,8 +100,10 @@ def init(backend: str = "auto") -> str:
         if not _gpu_usable():
             raise RuntimeError("sokpy.init(backend='device'): no usable GPU is visible to CuPy")
         if not DEVICE_BACKEND_READY:
-            raise NotImplementedError("sokpy.init(backend='device'): the device backend (NCCL exchange) "
-                                      "is not available in this version; use backend='host'")
+            raise NotImplementedError(
+                "sokpy.init(backend='device'): the device backend (NCCL exchange) "
+                "is not available in this version; use backend='host'"
+            )
     from mpi4py import MPI
 
     from .comm import MpiComm
@@ -119,8 +134,9 @@ def is_initialized() -> bool:
 def comm():
     """The communicator of the initialised runtime."""
     if _state.comm is None:
-        raise NotInitializedError("sokpy is not initialised: call sokpy.init() first "
-                                  "(once per process, after the launcher started the ranks)")
+        raise NotInitializedError(
+            "sokpy is not initialised: call sokpy.init() first (once per process, after the launcher started the ranks)"
+        )
     return _state.comm
 
 

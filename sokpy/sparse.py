@@ -47,7 +47,7 @@ class Ragged(NamedTuple):
 class _Bags(NamedTuple):
     """Host arrays of one table's input, as the lookup uses them."""
 
-    values: np.ndarray   # int64 [n]
+    values: np.ndarray  # int64 [n]
     offsets: np.ndarray  # int64 [B+1]
     weights: np.ndarray | None  # float32 [n] or None
 
@@ -87,8 +87,11 @@ def to_ragged(ids, weights=None) -> _Bags:
         w = ids.weights if ids.weights is not None else weights
         if isinstance(w, Ragged):
             w = w.values
-        return _Bags(_np(ids.values, np.int64, "values"), _np(ids.offsets, np.int64, "offsets"),
-                     None if w is None else _np(w, np.float32, "weights"))
+        return _Bags(
+            _np(ids.values, np.int64, "values"),
+            _np(ids.offsets, np.int64, "offsets"),
+            None if w is None else _np(w, np.float32, "weights"),
+        )
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
         index, values = _coo_entries(ids, "input")
         batch = ids.shape[0]
@@ -104,13 +107,17 @@ def to_ragged(ids, weights=None) -> _Bags:
         return _Bags(_np(values, np.int64, "values"), offsets, None if w is None else _np(w, np.float32, "weights"))
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_csr:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights
-        return _Bags(_np(ids.values(), np.int64, "values"), _np(ids.crow_indices(), np.int64, "offsets"),
-                     None if w is None else _np(w, np.float32, "weights"))
+        return _Bags(
+            _np(ids.values(), np.int64, "values"),
+            _np(ids.crow_indices(), np.int64, "offsets"),
+            None if w is None else _np(w, np.float32, "weights"),
+        )
     if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim in (1, 2):  # [B] one-hot, [B, H] fixed bags
         batch, hotness = ids.shape[0], (ids.shape[1] if ids.ndim == 2 else 1)
         w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
-        return _Bags(_np(torch.as_tensor(ids).reshape(-1), np.int64, "values"),
-                     np.arange(batch + 1, dtype=np.int64) * hotness, w)
+        return _Bags(
+            _np(torch.as_tensor(ids).reshape(-1), np.int64, "values"), np.arange(batch + 1, dtype=np.int64) * hotness, w
+        )
     if isinstance(ids, (list, tuple)):
         lengths = [len(bag) for bag in ids]
         offsets = np.zeros(len(ids) + 1, np.int64)
@@ -120,8 +127,10 @@ def to_ragged(ids, weights=None) -> _Bags:
         if weights is not None:
             w = np.fromiter((x for bag in weights for x in bag), dtype=np.float32)
         return _Bags(values, offsets, w)
-    raise TypeError(f"unsupported ids type {type(ids).__name__}: pass sokpy.Ragged, a torch sparse COO/CSR "
-                    "tensor, a 1-D or 2-D integer tensor or a list of lists")
+    raise TypeError(
+        f"unsupported ids type {type(ids).__name__}: pass sokpy.Ragged, a torch sparse COO/CSR "
+        "tensor, a 1-D or 2-D integer tensor or a list of lists"
+    )
 
 
 def bags_error(bags: _Bags) -> str | None:

@@ -61,8 +61,9 @@ class Variable:
         print(item.local_rows, item.weight.shape)
     """
 
-    def __init__(self, rows: int, dim: int, target_gpu: int = -1, initializer=None, seed: int = 0,
-                 name: str | None = None):
+    def __init__(
+        self, rows: int, dim: int, target_gpu: int = -1, initializer=None, seed: int = 0, name: str | None = None
+    ):
         world = runtime.world_size()
         if int(rows) != rows or rows < 0:
             raise ValueError(f"sokpy.Variable: rows must be a non-negative integer, got {rows!r}")
@@ -118,8 +119,10 @@ class Variable:
         return f"{self.name}[{self.rows}x{self.dim}@{self.target_gpu}]"
 
     def __repr__(self) -> str:
-        return (f"sokpy.Variable(name={self.name!r}, rows={self.rows}, dim={self.dim}, "
-                f"target_gpu={self.target_gpu}, local_rows={self.local_rows})")
+        return (
+            f"sokpy.Variable(name={self.name!r}, rows={self.rows}, dim={self.dim}, "
+            f"target_gpu={self.target_gpu}, local_rows={self.local_rows})"
+        )
 
     def _initialise(self) -> None:
         init = self.initializer
@@ -129,8 +132,20 @@ class Variable:
             stop = min(start + _INIT_CHUNK, self.local_rows)
             keys = self.local_keys(start, stop)
             grid, block = kernels.launch_shape(stop - start, self.dim)
-            fn(grid, block, (out[start:stop], keys, stop - start, self.dim, init.code, init.a, init.b,
-                             self.seed & 0xFFFFFFFFFFFFFFFF))
+            fn(
+                grid,
+                block,
+                (
+                    out[start:stop],
+                    keys,
+                    stop - start,
+                    self.dim,
+                    init.code,
+                    init.a,
+                    init.b,
+                    self.seed & 0xFFFFFFFFFFFFFFFF,
+                ),
+            )
 
     # ---- sparse gradient -------------------------------------------------------------------
     def _add_grad(self, keys: np.ndarray, values: np.ndarray, unique: bool = False, offsets=None) -> None:
@@ -172,8 +187,9 @@ class Variable:
                 arrivals = self._contiguous_rows(grads, grad_off, grad_off.size)  # in key order
                 out = np.empty((keys.size, self.dim), np.float32)
                 grid, block = kernels.launch_shape(keys.size, self.dim)
-                kernels.get("segment_sum")(grid, block, (arrivals, None, None, None, None, seg, keys.size,
-                                                         self.dim, out, None))
+                kernels.get("segment_sum")(
+                    grid, block, (arrivals, None, None, None, None, seg, keys.size, self.dim, out, None)
+                )
             self._grad_view = SparseGrad(torch.from_numpy(keys), torch.from_numpy(out))
         return self._grad_view
 

@@ -19,8 +19,17 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 
 def mpi_job(nranks, script, *args, timeout=240, env=None):
     """Runs a worker under sokrun; returns the CompletedProcess (does not check the exit code)."""
-    cmd = [sys.executable, str(ROOT / "launch" / "sokrun"), "-np", str(nranks), "--timeout", str(timeout),
-           "python", str(WORKERS / script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch" / "sokrun"),
+        "-np",
+        str(nranks),
+        "--timeout",
+        str(timeout),
+        "python",
+        str(WORKERS / script),
+        *map(str, args),
+    ]
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -31,8 +40,10 @@ def run_mpi(nranks, script, *args, timeout=240, env=None):
     """Runs a worker under sokrun and fails the test if the job fails; returns its stdout."""
     res = mpi_job(nranks, script, *args, timeout=timeout, env=env)
     if res.returncode != 0:
-        pytest.fail(f"{script} {' '.join(map(str, args))} at {nranks} ranks failed (exit {res.returncode})\n"
-                    f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}")
+        pytest.fail(
+            f"{script} {' '.join(map(str, args))} at {nranks} ranks failed (exit {res.returncode})\n"
+            f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"
+        )
     return res.stdout
 
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import mpi_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -40,8 +39,10 @@ def comm_job(tmp_path_factory):
 @pytest.mark.parametrize("nranks", WORLD_SIZES)
 def test_collectives(comm_job, nranks, group):
     job = comm_job(nranks)
-    report = (f"comm_worker at {nranks} ranks, exit {job.returncode}\n--- stdout ---\n{job.stdout[-6000:]}\n"
-              f"--- stderr ---\n{job.stderr[-4000:]}")
+    report = (
+        f"comm_worker at {nranks} ranks, exit {job.returncode}\n--- stdout ---\n{job.stdout[-6000:]}\n"
+        f"--- stderr ---\n{job.stderr[-4000:]}"
+    )
     if job.returncode != 0 and "comm_worker FAIL" not in job.stdout:
         pytest.fail("the job failed outside the checks (an exception, a hang, a crash)\n" + report)
     done = re.findall(rf"comm_worker rank=(\d+) size=(\d+) group={group} checks=(\d+) failures=(\d+)", job.stdout)
@@ -51,4 +52,3 @@ def test_collectives(comm_job, nranks, group):
     assert {int(s) for _, s, _, _ in done} == {nranks}, report
     assert {int(f) for _, _, _, f in done} == {0}, report
     assert len({c for _, _, c, _ in done}) == 1 and int(done[0][2]) > 0, "ranks ran different checks\n" + report
-

@@ -5,12 +5,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_mpi
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCKS = [(page, i, code) for page in PAGES
-          for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
+BLOCKS = [
+    (page, i, code)
+    for page in PAGES
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+]
 
 
 def test_docs_have_examples():

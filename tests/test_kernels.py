@@ -8,13 +8,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT
+
 from sokpy import kernels
 from sokpy.kernels import KernelError
 
@@ -28,6 +27,7 @@ def test_every_kernel_source_is_found():
 
 
 # ---- copy_rows on the host against numpy ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def copy_rows():
@@ -53,7 +53,7 @@ def copy_case(mode, n, dim, seed=0):
         src_rows = rng.integers(0, nsrc, n)
         dst_rows = rng.permutation(n + PAD)[:n]
         want = dst_buf.copy()
-        want[dst_rows, PAD - 1:PAD - 1 + dim] = src_buf[src_rows, PAD - 1:PAD - 1 + dim]
+        want[dst_rows, PAD - 1 : PAD - 1 + dim] = src_buf[src_rows, PAD - 1 : PAD - 1 + dim]
         src_off = src_rows * (dim + PAD) + PAD - 1
         dst_off = dst_rows * (dim + PAD) + PAD - 1
         return src_buf, src_off, dst_buf, dst_off, want
@@ -127,6 +127,7 @@ def test_host_library_uses_openmp(copy_rows):
 
 # ---- bad calls ------------------------------------------------------------------------------
 
+
 def _bad_args():
     """(what is wrong, args for copy_rows(src, src_off, dst, dst_off, n, dim)) with n=4, dim=3."""
     src, dst, off = np.zeros((4, 3), np.float32), np.zeros((4, 3), np.float32), np.arange(4, dtype=np.int64) * 3
@@ -183,10 +184,22 @@ print("built " + json.dumps({name: str(m.path) for name, m in mods.items()}))
 def test_concurrent_builds_share_one_cache(tmp_path):
     cache, sync = tmp_path / "cache", tmp_path / "sync"
     sync.mkdir()
-    env = dict(os.environ, SOKPY_CACHE_DIR=str(cache), OMP_NUM_THREADS="2",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(sync), str(i), "2"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    env = dict(
+        os.environ,
+        SOKPY_CACHE_DIR=str(cache),
+        OMP_NUM_THREADS="2",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, str(sync), str(i), "2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     results = [p.communicate(timeout=180) + (p.returncode,) for p in procs]
     built = []
     for out, err, rc in results:
@@ -290,6 +303,7 @@ def test_shim_rejects_cooperating_threads(kernel_dir, construct):
 
 
 # ---- NVRTC for the GPUs CI does not have ------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 @pytest.mark.parametrize("cu", SOURCES, ids=lambda p: p.name)

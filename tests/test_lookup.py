@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_mpi
 
 
@@ -42,6 +41,7 @@ def test_assign_routes_any_keys_to_their_owners(nranks):
 
 
 # ---- single process ------------------------------------------------------------------------
+
 
 def _reference(table, bags, weights, combiner):
     out = []

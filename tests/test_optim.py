@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_mpi
 
 KINDS = "sgd,adagrad,ftrl,ftrl_power,adam"
@@ -36,6 +35,7 @@ def test_nonfinite_gradient_refused_on_every_rank(nranks):
 
 # ---- single process: parity with torch's own optimizers --------------------------------------
 
+
 def _train_both(sokpy, make_sok_opt, make_torch_opt, steps=20, combiner="sum"):
     rows, dim = 30, 6
     v = sokpy.Variable(rows, dim, initializer=sokpy.initializers.uniform(-1, 1), seed=4)
@@ -59,24 +59,33 @@ def _train_both(sokpy, make_sok_opt, make_torch_opt, steps=20, combiner="sum"):
 
 
 def test_adagrad_matches_torch(sokpy_host):
-    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
-                               lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1))
+    ours, theirs = _train_both(
+        sokpy_host,
+        lambda p: sokpy_host.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+        lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_adam_matches_torch_sparse_adam(sokpy_host):
-    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.Adam(p, lr=0.05),
-                               lambda p: torch.optim.SparseAdam(list(p), lr=0.05), combiner="mean")
+    ours, theirs = _train_both(
+        sokpy_host,
+        lambda p: sokpy_host.optim.Adam(p, lr=0.05),
+        lambda p: torch.optim.SparseAdam(list(p), lr=0.05),
+        combiner="mean",
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_sgd_matches_torch(sokpy_host):
-    ours, theirs = _train_both(sokpy_host, lambda p: sokpy_host.optim.SGD(p, lr=0.05),
-                               lambda p: torch.optim.SGD(p, lr=0.05))
+    ours, theirs = _train_both(
+        sokpy_host, lambda p: sokpy_host.optim.SGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 # ---- torch.optim conventions --------------------------------------------------------------------
+
 
 def _one_step(sokpy, opt, v, key=3):
     before = sokpy.export(v)[1][key].clone()
@@ -137,13 +146,16 @@ def test_gradient_kept_after_step_until_zero_grad(sokpy_host):
     assert v.grad is None
 
 
-@pytest.mark.parametrize("make", [
-    lambda o, p: o.SGD(p, lr=-1.0),
-    lambda o, p: o.Adagrad(p, eps=-1.0),
-    lambda o, p: o.Ftrl(p, lr_power=0.5),
-    lambda o, p: o.Adam(p, betas=(1.0, 0.9)),
-    lambda o, p: o.Adagrad([torch.zeros(2, requires_grad=True)]),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o, p: o.SGD(p, lr=-1.0),
+        lambda o, p: o.Adagrad(p, eps=-1.0),
+        lambda o, p: o.Ftrl(p, lr_power=0.5),
+        lambda o, p: o.Adam(p, betas=(1.0, 0.9)),
+        lambda o, p: o.Adagrad([torch.zeros(2, requires_grad=True)]),
+    ],
+)
 def test_bad_hyper_parameters_rejected(sokpy_host, make):
     v = sokpy_host.Variable(4, 2)
     with pytest.raises((ValueError, TypeError)):

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, mpi_job
 
 
@@ -17,18 +16,20 @@ def run_python(code, env=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120, cwd=ROOT
+    )
 
 
 def json_from(res, tag):
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
-    lines = [ln[len(tag) + 1:] for ln in res.stdout.splitlines() if ln.startswith(tag + " ")]
+    lines = [ln[len(tag) + 1 :] for ln in res.stdout.splitlines() if ln.startswith(tag + " ")]
     assert lines, f"no '{tag}' line\n{res.stdout}\n{res.stderr}"
     return [json.loads(ln) for ln in lines]
 
 
 # ---- one rank, in this process ------------------------------------------------------------
+
 
 def test_single_rank_state(sokpy_host):
     s = sokpy_host
@@ -135,8 +136,11 @@ print("launch " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"HOROVOD_SIZE": "2"}, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}],
-                         ids=["torchrun", "horovod", "horovod-gloo"])
+@pytest.mark.parametrize(
+    "env",
+    [{"WORLD_SIZE": "2"}, {"HOROVOD_SIZE": "2"}, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}],
+    ids=["torchrun", "horovod", "horovod-gloo"],
+)
 def test_launcher_mismatch_raises(env):
     out = json_from(run_python(LAUNCH_SCRIPT, env), "launch")[0]
     assert out["error"] is not None, f"init under {env} with a 1-process MPI world did not raise LaunchError"
@@ -152,11 +156,13 @@ def test_matching_launcher_size_is_accepted():
 
 # ---- several ranks under mpirun --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_ranks_under_mpirun(nranks):
     # The launcher variables agree with MPI here, so init must accept them.
-    res = mpi_job(nranks, "runtime_worker.py", timeout=120,
-                  env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)})
+    res = mpi_job(
+        nranks, "runtime_worker.py", timeout=120, env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)}
+    )
     reports = sorted(json_from(res, "runtime_worker"), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == list(range(nranks))
     for r in reports:

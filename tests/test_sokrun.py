@@ -6,10 +6,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import mpi_job
-from sokpy import launcher
 
+from sokpy import launcher
 
 PROGRAMS = (sys.executable, "hostname")  # the first word of every program the tests launch, once built
 
@@ -41,13 +40,17 @@ def oversubscribes(opts, env):
 PY = [sys.executable, "-m", "mpi4py"]
 
 
-@pytest.mark.parametrize("program, want", [
-    (["python", "train.py", "--lr", "0.1"], PY + ["train.py", "--lr", "0.1"]),
-    (["python3", "train.py"], PY + ["train.py"]),
-    ([sys.executable, "train.py"], PY + ["train.py"]),
-    (["python", "-m", "mpi4py", "train.py"], PY + ["train.py"]),  # not twice
-    (["hostname"], ["hostname"]),  # not a Python program: unchanged
-], ids=["python", "python3", "sys.executable", "already-mpi4py", "not-python"])
+@pytest.mark.parametrize(
+    "program, want",
+    [
+        (["python", "train.py", "--lr", "0.1"], PY + ["train.py", "--lr", "0.1"]),
+        (["python3", "train.py"], PY + ["train.py"]),
+        ([sys.executable, "train.py"], PY + ["train.py"]),
+        (["python", "-m", "mpi4py", "train.py"], PY + ["train.py"]),  # not twice
+        (["hostname"], ["hostname"]),  # not a Python program: unchanged
+    ],
+    ids=["python", "python3", "sys.executable", "already-mpi4py", "not-python"],
+)
 def test_program_runs_under_mpi4py(build, program, want):
     opts, prog, _ = build(["-np", "2", *program])
     assert prog == want
@@ -56,7 +59,7 @@ def test_program_runs_under_mpi4py(build, program, want):
 
 def test_timeout_is_passed_to_mpirun(build):
     opts, prog, _ = build(["-np", "2", "--timeout", "30", "python", "train.py", "--timeout", "5"])
-    assert any(opts[i:i + 2] == ["--timeout", "30"] for i in range(len(opts))), opts
+    assert any(opts[i : i + 2] == ["--timeout", "30"] for i in range(len(opts))), opts
     assert prog == PY + ["train.py", "--timeout", "5"], "the program's own --timeout stays with the program"
 
 
@@ -72,14 +75,17 @@ def test_omp_threads_set_by_user_are_kept(build):
 
 
 def bound_to_one_core(opts):
-    return not any(opts[i:i + 2] == ["--bind-to", "none"] for i in range(len(opts)))
+    return not any(opts[i : i + 2] == ["--bind-to", "none"] for i in range(len(opts)))
 
 
-@pytest.mark.parametrize("cores, nranks, user_opts, bound", [
-    (8, 2, [], False),                       # 4 threads per rank: not pinned to one core
-    (8, 8, [], True),                        # 1 thread per rank: mpirun's binding stays
-    (8, 2, ["--bind-to", "socket"], True),   # the user's own binding is kept, nothing added
-])
+@pytest.mark.parametrize(
+    "cores, nranks, user_opts, bound",
+    [
+        (8, 2, [], False),  # 4 threads per rank: not pinned to one core
+        (8, 8, [], True),  # 1 thread per rank: mpirun's binding stays
+        (8, 2, ["--bind-to", "socket"], True),  # the user's own binding is kept, nothing added
+    ],
+)
 def test_multithreaded_ranks_are_not_bound_to_one_core(build, cores, nranks, user_opts, bound):
     opts, _, _ = build(["-np", str(nranks), *user_opts, "python", "train.py"], cores=cores)
     assert bound_to_one_core(opts) == bound, opts
@@ -97,10 +103,18 @@ def test_run_as_root_only_as_root(build, euid):
         assert not any(v in env for v in ROOT_VARS), {v: env.get(v) for v in ROOT_VARS}
 
 
-@pytest.mark.parametrize("cores, np_args, want", [
-    (2, ["-np", "2"], False), (2, ["-np", "4"], True), (2, ["-n", "3"], True), (2, ["--np=3"], True),
-    (4, ["-np", "4"], False), (4, ["-c", "5"], True), (4, [], False),
-])
+@pytest.mark.parametrize(
+    "cores, np_args, want",
+    [
+        (2, ["-np", "2"], False),
+        (2, ["-np", "4"], True),
+        (2, ["-n", "3"], True),
+        (2, ["--np=3"], True),
+        (4, ["-np", "4"], False),
+        (4, ["-c", "5"], True),
+        (4, [], False),
+    ],
+)
 def test_oversubscribe_only_beyond_cores(build, cores, np_args, want):
     opts, _, env = build([*np_args, "python", "train.py"], cores=cores)
     assert oversubscribes(opts, env) == want
@@ -118,6 +132,7 @@ def test_no_program_is_a_usage_error(build):
 
 
 # ---- real jobs --------------------------------------------------------------------------------
+
 
 def timed_job(nranks, mode, timeout):
     start = time.monotonic()

@@ -28,7 +28,9 @@ def table_var(sokpy, name):
 
 def check(actual, expected, exact, what):
     if exact:
-        assert np.array_equal(actual, expected), f"{what}: not bit-identical, max diff {np.abs(actual - expected).max()}"
+        assert np.array_equal(actual, expected), (
+            f"{what}: not bit-identical, max diff {np.abs(actual - expected).max()}"
+        )
     else:
         np.testing.assert_allclose(actual, expected, rtol=2e-6, atol=2e-6, err_msg=what)
 
@@ -44,8 +46,9 @@ def test_pooling_and_gradient_match_tensorflow(sokpy_host, bags, combiner, weigh
     want_out, want_grad = REF[key + "_out"], REF[key + "_grad"]
     v = table_var(sokpy, key)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    out = sokpy.lookup_sparse(v, sokpy.Ragged(torch.from_numpy(ids), torch.from_numpy(offsets), weights),
-                              combiners=combiner)
+    out = sokpy.lookup_sparse(
+        v, sokpy.Ragged(torch.from_numpy(ids), torch.from_numpy(offsets), weights), combiners=combiner
+    )
     n = want_out.shape[0]  # TensorFlow's output ends at the last non-empty bag
     (out[:n] * torch.from_numpy(REF[f"{bags}_upstream"][:n])).sum().backward()
     grad = np.zeros_like(TABLE)
@@ -73,11 +76,14 @@ def train(sokpy, name, make_opt, every_row=False):
     return sokpy.export(v)[1].numpy(), [s.numpy() for k, s in opt.state[v.handle].items() if torch.is_tensor(s)]
 
 
-@pytest.mark.parametrize("name, make", [
-    ("adagrad", lambda o, p: o.Adagrad(p, lr=0.1, initial_accumulator_value=0.1, eps=1e-7)),
-    ("ftrl", lambda o, p: o.Ftrl(p, lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1)),
-    ("ftrl_power", lambda o, p: o.Ftrl(p, lr=0.05, l1=0.001, lr_power=-0.7, initial_accumulator_value=0.2)),
-])
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("adagrad", lambda o, p: o.Adagrad(p, lr=0.1, initial_accumulator_value=0.1, eps=1e-7)),
+        ("ftrl", lambda o, p: o.Ftrl(p, lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1)),
+        ("ftrl_power", lambda o, p: o.Ftrl(p, lr=0.05, l1=0.001, lr_power=-0.7, initial_accumulator_value=0.2)),
+    ],
+)
 def test_optimizers_match_tensorflow_sparse_ops_bit_for_bit(sokpy_host, name, make):
     weights, slots = train(sokpy_host, name, lambda p: make(sokpy_host.optim, p))
     check(weights, REF[f"opt_{name}"], True, f"{name} weights")
@@ -86,6 +92,7 @@ def test_optimizers_match_tensorflow_sparse_ops_bit_for_bit(sokpy_host, name, ma
 
 
 def test_ftrl_matches_keras_ftrl_with_beta(sokpy_host):
-    weights, _ = train(sokpy_host, "keras", lambda p: sokpy_host.optim.Ftrl(p, lr=0.05, l1=0.002, l2=0.01, beta=0.1),
-                       every_row=True)
+    weights, _ = train(
+        sokpy_host, "keras", lambda p: sokpy_host.optim.Ftrl(p, lr=0.05, l1=0.002, l2=0.01, beta=0.1), every_row=True
+    )
     check(weights, REF["opt_keras_ftrl_every_row"], False, "Ftrl vs Keras Ftrl(beta=0.1)")

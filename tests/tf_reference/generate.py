@@ -36,8 +36,14 @@ def lookups(out, prefix, rng, lengths, table):
     index = np.stack([rows, cols], 1).astype(np.int64)
     shape = [len(lengths), int(lengths.max())]
     upstream = rng.normal(size=(len(lengths), DIM)).astype(np.float32)
-    out.update({f"{prefix}_ids": ids, f"{prefix}_weights": weights, f"{prefix}_lengths": lengths,
-                f"{prefix}_upstream": upstream})
+    out.update(
+        {
+            f"{prefix}_ids": ids,
+            f"{prefix}_weights": weights,
+            f"{prefix}_lengths": lengths,
+            f"{prefix}_upstream": upstream,
+        }
+    )
     for combiner in ("sum", "mean", "sqrtn"):
         for weighted in (False, True):
             params = tf.Variable(table)
@@ -65,19 +71,44 @@ def optimizers(out, rng, table):
         for j, s in enumerate(slots):
             out[f"opt_{name}_slot{j}"] = s.numpy()
 
-    run("adagrad", [0.1], lambda v, s, g, i: tf.raw_ops.ResourceSparseApplyAdagradV2(
-        var=v.handle, accum=s[0].handle, lr=0.1, epsilon=1e-7, grad=g, indices=i))
-    ftrl_cases = {"ftrl": dict(lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1, lr_power=-0.5, init=0.1),
-                  "ftrl_power": dict(lr=0.05, l1=0.001, l2=0.0, l2_shrinkage=0.0, beta=0.0, lr_power=-0.7, init=0.2)}
+    run(
+        "adagrad",
+        [0.1],
+        lambda v, s, g, i: tf.raw_ops.ResourceSparseApplyAdagradV2(
+            var=v.handle, accum=s[0].handle, lr=0.1, epsilon=1e-7, grad=g, indices=i
+        ),
+    )
+    ftrl_cases = {
+        "ftrl": dict(lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1, lr_power=-0.5, init=0.1),
+        "ftrl_power": dict(lr=0.05, l1=0.001, l2=0.0, l2_shrinkage=0.0, beta=0.0, lr_power=-0.7, init=0.2),
+    }
     for name, hp in ftrl_cases.items():
         l2 = np.float32(hp["l2"]) + np.float32(hp["beta"]) / (np.float32(2.0) * np.float32(hp["lr"]))  # as Keras
-        run(name, [hp["init"], 0.0], lambda v, s, g, i, hp=hp, l2=l2: tf.raw_ops.ResourceSparseApplyFtrlV2(
-            var=v.handle, accum=s[0].handle, linear=s[1].handle, grad=g, indices=i, lr=hp["lr"], l1=hp["l1"],
-            l2=l2, l2_shrinkage=hp["l2_shrinkage"], lr_power=hp["lr_power"]))
+        run(
+            name,
+            [hp["init"], 0.0],
+            lambda v, s, g, i, hp=hp, l2=l2: tf.raw_ops.ResourceSparseApplyFtrlV2(
+                var=v.handle,
+                accum=s[0].handle,
+                linear=s[1].handle,
+                grad=g,
+                indices=i,
+                lr=hp["lr"],
+                l1=hp["l1"],
+                l2=l2,
+                l2_shrinkage=hp["l2_shrinkage"],
+                lr_power=hp["lr_power"],
+            ),
+        )
 
     var = tf.Variable(table)
-    keras = tf.keras.optimizers.Ftrl(learning_rate=0.05, l1_regularization_strength=0.002,
-                                     l2_regularization_strength=0.01, beta=0.1, initial_accumulator_value=0.1)
+    keras = tf.keras.optimizers.Ftrl(
+        learning_rate=0.05,
+        l1_regularization_strength=0.002,
+        l2_regularization_strength=0.01,
+        beta=0.1,
+        initial_accumulator_value=0.1,
+    )
     for i, g in zip(gidx, gval):
         dense = np.zeros_like(table)
         dense[i] = g

@@ -87,18 +87,24 @@ def check_alltoallv(c):
                     case += 1
                     seed = 1000 + case
                     counts = count_matrix(pattern, SIZE, seed)
-                    send = np.concatenate([payload(seed, RANK, d, counts[RANK, d], row_shape, dtype)
-                                           for d in range(SIZE)])
-                    want = np.concatenate([payload(seed, s, RANK, counts[s, RANK], row_shape, dtype)
-                                           for s in range(SIZE)])
+                    send = np.concatenate(
+                        [payload(seed, RANK, d, counts[RANK, d], row_shape, dtype) for d in range(SIZE)]
+                    )
+                    want = np.concatenate(
+                        [payload(seed, s, RANK, counts[s, RANK], row_shape, dtype) for s in range(SIZE)]
+                    )
                     send_copy = send.copy()
                     kwargs = {"recv_counts": counts[:, RANK].copy()} if pass_recv_counts else {}
                     recv, recv_counts = c.alltoallv(send, counts[RANK].copy(), **kwargs)
-                    what = (f"alltoallv pattern={pattern} dtype={np.dtype(dtype)} row_shape={row_shape} "
-                            f"recv_counts_given={pass_recv_counts}")
+                    what = (
+                        f"alltoallv pattern={pattern} dtype={np.dtype(dtype)} row_shape={row_shape} "
+                        f"recv_counts_given={pass_recv_counts}"
+                    )
                     check_equal(recv, want, what)
-                    check(np.array_equal(np.asarray(recv_counts), counts[:, RANK]),
-                          f"{what}: recv_counts {recv_counts} != {counts[:, RANK]}")
+                    check(
+                        np.array_equal(np.asarray(recv_counts), counts[:, RANK]),
+                        f"{what}: recv_counts {recv_counts} != {counts[:, RANK]}",
+                    )
                     check_equal(send, send_copy, f"{what}: the send buffer was modified")
 
 
@@ -116,8 +122,10 @@ def check_alltoallv_views(c):
 
 
 def check_alltoallv_errors(c):
-    for bad_counts, what in [(np.ones(SIZE + 1, np.int64), "one count too many"),
-                             (np.full(SIZE, 2, np.int64), "counts that do not sum to the rows")]:
+    for bad_counts, what in [
+        (np.ones(SIZE + 1, np.int64), "one count too many"),
+        (np.full(SIZE, 2, np.int64), "counts that do not sum to the rows"),
+    ]:
         try:
             c.alltoallv(np.zeros(SIZE, np.float32), bad_counts)
         except ValueError:
@@ -144,11 +152,10 @@ def rank_array(r, shape, dtype, seed):
     if np.issubdtype(dtype, np.integer):
         bound = np.iinfo(dtype).max // 8  # large values, yet four of them never overflow
         return rng.integers(-bound, bound, size=shape, dtype=dtype)
-    return rng.integers(-2**20, 2**20, size=shape).astype(dtype)
+    return rng.integers(-(2**20), 2**20, size=shape).astype(dtype)
 
 
-REDUCERS = {"sum": lambda a: np.sum(a, axis=0), "max": lambda a: np.max(a, axis=0),
-            "min": lambda a: np.min(a, axis=0)}
+REDUCERS = {"sum": lambda a: np.sum(a, axis=0), "max": lambda a: np.max(a, axis=0), "min": lambda a: np.min(a, axis=0)}
 
 
 def check_allreduce(c, shapes=((1,), (17,), (3, 4), (0,))):
@@ -183,7 +190,8 @@ def rank_object(r):
 
 def objects_equal(a, b):
     return a.keys() == b.keys() and all(
-        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a)
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
+    )
 
 
 def check_allgather_object(c):

@@ -23,7 +23,9 @@ def close(actual, expected, what, rtol=1e-5, atol=1e-5):
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=rtol, atol=atol):
         diff = (actual - expected).abs().max().item() if actual.shape == expected.shape else None
-        raise AssertionError(f"rank {RANK}: {what}: shape {list(actual.shape)} vs {list(expected.shape)}, max diff {diff}")
+        raise AssertionError(
+            f"rank {RANK}: {what}: shape {list(actual.shape)} vs {list(expected.shape)}, max diff {diff}"
+        )
 
 
 # (rows, dim, target_gpu, combiner, weighted, max bag length)
@@ -43,20 +45,33 @@ def batch_size(rank, table):
 
 
 def inputs_of(seed, rank):
-    return [make_bags(np.random.default_rng([seed, rank, i]), rows, batch_size(rank, i), max_len, weighted)
-            for i, (rows, dim, _, _, weighted, max_len) in enumerate(SPECS)]
+    return [
+        make_bags(np.random.default_rng([seed, rank, i]), rows, batch_size(rank, i), max_len, weighted)
+        for i, (rows, dim, _, _, weighted, max_len) in enumerate(SPECS)
+    ]
 
 
 def upstream_of(seed, rank):
-    return [np.random.default_rng([seed, rank, i, 7]).normal(size=(batch_size(rank, i), spec[1])).astype(np.float32)
-            for i, spec in enumerate(SPECS)]
+    return [
+        np.random.default_rng([seed, rank, i, 7]).normal(size=(batch_size(rank, i), spec[1])).astype(np.float32)
+        for i, spec in enumerate(SPECS)
+    ]
 
 
 def make_tables(seed):
-    inits = [None, sokpy.initializers.normal(0.0, 0.5), sokpy.initializers.uniform(-1, 1), None,
-             sokpy.initializers.normal(1.0, 0.1), 0.25, sokpy.initializers.uniform(0, 3)]
-    return [sokpy.Variable(rows, dim, target_gpu=tg, initializer=init, seed=seed + i, name=f"t{i}")
-            for i, ((rows, dim, tg, *_), init) in enumerate(zip(SPECS, inits))]
+    inits = [
+        None,
+        sokpy.initializers.normal(0.0, 0.5),
+        sokpy.initializers.uniform(-1, 1),
+        None,
+        sokpy.initializers.normal(1.0, 0.1),
+        0.25,
+        sokpy.initializers.uniform(0, 3),
+    ]
+    return [
+        sokpy.Variable(rows, dim, target_gpu=tg, initializer=init, seed=seed + i, name=f"t{i}")
+        for i, ((rows, dim, tg, *_), init) in enumerate(zip(SPECS, inits))
+    ]
 
 
 def owner(key, target_gpu):
@@ -79,8 +94,10 @@ def check_values(seed):
         close(outs[i].detach(), pool(full, *mine[i], spec[3]), f"forward of table {i}")
         # Reference gradient: autograd on the full table over every rank's bags.
         table = full.clone().requires_grad_()
-        loss = sum((pool(table, *inputs_of(seed, r)[i], spec[3]) * torch.from_numpy(upstream_of(seed, r)[i])).sum()
-                   for r in range(WORLD))
+        loss = sum(
+            (pool(table, *inputs_of(seed, r)[i], spec[3]) * torch.from_numpy(upstream_of(seed, r)[i])).sum()
+            for r in range(WORLD)
+        )
         loss.backward()
         used = np.unique(np.concatenate([inputs_of(seed, r)[i][0] for r in range(WORLD)]))
         expected_keys = np.array([k for k in used if owner(k, spec[2]) == RANK], np.int64)
@@ -127,12 +144,21 @@ def check_errors():
     cases = [
         ([[[1, 2], [50 if bad else 3]], good[1]], {}, ["'t0'", "key 50", f"rank {bad_rank}"]),
         ([[[1, -4 if bad else 2]], good[1]], {}, ["'t0'", "key -4", f"rank {bad_rank}"]),
-        ([sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3] if bad else [0, 1, 2, 3])), good[1]], {},
-         ["'t0'", "offsets", f"rank {bad_rank}"]),
-        ([sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2] if bad else [0, 3])), good[1]], {},
-         ["'t0'", "offsets must end", f"rank {bad_rank}"]),
-        ([good[0], sokpy.Ragged(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(3 if bad else 2))], {},
-         ["'t1'", "weights", f"rank {bad_rank}"]),
+        (
+            [sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3] if bad else [0, 1, 2, 3])), good[1]],
+            {},
+            ["'t0'", "offsets", f"rank {bad_rank}"],
+        ),
+        (
+            [sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2] if bad else [0, 3])), good[1]],
+            {},
+            ["'t0'", "offsets must end", f"rank {bad_rank}"],
+        ),
+        (
+            [good[0], sokpy.Ragged(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(3 if bad else 2))],
+            {},
+            ["'t1'", "weights", f"rank {bad_rank}"],
+        ),
         (good, {"combiners": ["sum", "max" if bad else "mean"]}, ["'t1'", "'max'", f"rank {bad_rank}"]),
     ]
     for ids, kw, expect in cases:
@@ -146,8 +172,11 @@ def check_errors():
         assert v.grad is None
     # Every rank is still in step: a valid call works.
     out = sokpy.lookup_sparse(p2, good, combiners="sum")
-    close(out[0].detach(), pool(full_table(sokpy, tables[0]), np.array([1, 2, 3]), np.array([0, 2, 3]), None, "sum"),
-          "lookup after errors")
+    close(
+        out[0].detach(),
+        pool(full_table(sokpy, tables[0]), np.array([1, 2, 3]), np.array([0, 2, 3]), None, "sum"),
+        "lookup after errors",
+    )
     print(f"rank {RANK}: errors ok")
 
 

@@ -31,13 +31,17 @@ STEPS = 20
 
 
 def step_inputs(seed, step, rank):
-    return [make_bags(np.random.default_rng([seed, step, rank, t]), rows, 6, 5, weighted=True)
-            for t, (rows, _, _) in enumerate(SPECS)]
+    return [
+        make_bags(np.random.default_rng([seed, step, rank, t]), rows, 6, 5, weighted=True)
+        for t, (rows, _, _) in enumerate(SPECS)
+    ]
 
 
 def step_upstream(seed, step, rank):
-    return [np.random.default_rng([seed, step, rank, t, 1]).normal(size=(6, dim)).astype(np.float32)
-            for t, (_, dim, _) in enumerate(SPECS)]
+    return [
+        np.random.default_rng([seed, step, rank, t, 1]).normal(size=(6, dim)).astype(np.float32)
+        for t, (_, dim, _) in enumerate(SPECS)
+    ]
 
 
 def train_step(tables, opt, inputs, upstream):
@@ -50,8 +54,10 @@ def train_step(tables, opt, inputs, upstream):
 
 def check_formula(kind, seed):
     cls, hp = CONFIGS[kind]
-    tables = [sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=seed + i)
-              for i, (r, d, t) in enumerate(SPECS)]
+    tables = [
+        sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=seed + i)
+        for i, (r, d, t) in enumerate(SPECS)
+    ]
     refs = [NumpyOptimizer(cls.lower(), full_table(sokpy, v).numpy(), **hp) for v in tables]
     opt = getattr(sokpy.optim, cls)(tables, **hp)
     for step in range(STEPS):
@@ -63,8 +69,10 @@ def check_formula(kind, seed):
     for t, (v, ref) in enumerate(zip(tables, refs)):
         got = full_table(sokpy, v).numpy()
         if not np.allclose(got, ref.w, rtol=2e-4, atol=2e-5):
-            raise AssertionError(f"rank {RANK}: {kind} table {t} differs from the reference after {STEPS} steps: "
-                                 f"max diff {np.abs(got - ref.w).max()}")
+            raise AssertionError(
+                f"rank {RANK}: {kind} table {t} differs from the reference after {STEPS} steps: "
+                f"max diff {np.abs(got - ref.w).max()}"
+            )
     print(f"rank {RANK}: {kind} ok")
 
 
@@ -77,7 +85,7 @@ def train_global_batch(path):
         inputs, upstream = [], []
         for t, (rows, dim, _) in enumerate(SPECS):
             v, o, w = make_bags(np.random.default_rng([3, step, t]), rows, 24, 5, weighted=True)
-            inputs.append((v[o[lo]:o[hi]], o[lo:hi + 1] - o[lo], w[o[lo]:o[hi]]))
+            inputs.append((v[o[lo] : o[hi]], o[lo : hi + 1] - o[lo], w[o[lo] : o[hi]]))
             upstream.append(np.random.default_rng([4, step, t]).normal(size=(24, dim)).astype(np.float32)[lo:hi])
         train_step(tables, opt, inputs, upstream)
     full = [full_table(sokpy, v).numpy() for v in tables]
@@ -94,8 +102,10 @@ def check_nonfinite():
     upstream = step_upstream(1, 1, RANK)
     if RANK == WORLD - 1:
         upstream[0][0, 0] = np.nan
-    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w))
-           for v, o, w in step_inputs(1, 1, RANK)]
+    ids = [
+        sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w))
+        for v, o, w in step_inputs(1, 1, RANK)
+    ]
     ids[0] = sokpy.Ragged(torch.tensor([0, 1, 2, 3]), torch.tensor([0] + [4] * 6))  # every rank sends NaN somewhere
     outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
     sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()

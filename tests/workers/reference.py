@@ -103,10 +103,10 @@ class NumpyOptimizer:
             n = self.n[rows]
             g2 = g + f32(2) * shrink * w
             n_new = n + g * g
-            sigma = (n_new ** p - n ** p) / lr
+            sigma = (n_new**p - n**p) / lr
             z = self.z[rows] + g2 - sigma * w
             self.z[rows], self.n[rows] = z, n_new
-            w = np.where(np.abs(z) <= l1, f32(0), (np.sign(z) * l1 - z) / ((beta + n_new ** p) / lr + f32(2) * l2))
+            w = np.where(np.abs(z) <= l1, f32(0), (np.sign(z) * l1 - z) / ((beta + n_new**p) / lr + f32(2) * l2))
         elif self.kind == "adam":
             b1, b2 = (f32(b) for b in hp.get("betas", (0.9, 0.999)))
             m = b1 * self.m[rows] + (f32(1) - b1) * g

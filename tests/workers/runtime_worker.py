@@ -25,18 +25,27 @@ def main():
     report = {"first_init": sokpy.init()}
     c = runtime.comm()
     report.update(
-        rank=sokpy.rank(), world_size=sokpy.world_size(), local_rank=sokpy.local_rank(), backend=sokpy.backend(),
-        launcher_rank=int(os.environ["OMPI_COMM_WORLD_RANK"]), launcher_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
-        second_init=sokpy.init(), second_init_host=sokpy.init("host"),
-        same_comm=runtime.comm() is c, comm_size=c.size, comm_rank=c.rank,
+        rank=sokpy.rank(),
+        world_size=sokpy.world_size(),
+        local_rank=sokpy.local_rank(),
+        backend=sokpy.backend(),
+        launcher_rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+        launcher_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
+        second_init=sokpy.init(),
+        second_init_host=sokpy.init("host"),
+        same_comm=runtime.comm() is c,
+        comm_size=c.size,
+        comm_rank=c.rank,
         switch_backend=outcome(lambda: sokpy.init("device"))[0],
     )
     sokpy.shutdown()
-    report.update(after_shutdown_initialized=sokpy.is_initialized(),
-                  after_shutdown_rank=outcome(sokpy.rank)[0])
+    report.update(after_shutdown_initialized=sokpy.is_initialized(), after_shutdown_rank=outcome(sokpy.rank)[0])
     report["reinit"] = sokpy.init("host")
-    report.update(reinit_rank=sokpy.rank(), reinit_size=sokpy.world_size(),
-                  reinit_sum=int(runtime.comm().allreduce(__import__("numpy").array([1]))[0]))
+    report.update(
+        reinit_rank=sokpy.rank(),
+        reinit_size=sokpy.world_size(),
+        reinit_sum=int(runtime.comm().allreduce(__import__("numpy").array([1]))[0]),
+    )
     print("runtime_worker " + json.dumps(report), flush=True)
 
 
