@@ -10,11 +10,11 @@
 // with mean a and standard deviation b (Box-Muller on two counter-based streams).
 extern "C" __global__ void init_rows(float* out, const i64* keys, i64 n, int dim, int kind, float a,
                                      float b, u64 seed) {
-    for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+    SOKPY_FOR_ROWS(i, n) {
         const u64 key = (u64)keys[i];
         const u64 h0 = sokpy_row_hash(seed, key, 0), h1 = sokpy_row_hash(seed, key, 1);
         float* row = out + i * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        SOKPY_FOR_COLS(d, dim) {
             double v;
             if (kind == SOKPY_INIT_UNIFORM) {
                 v = (double)a + ((double)b - (double)a) * sokpy_uniform01(h0, (u64)d);
@@ -34,12 +34,12 @@ extern "C" __global__ void init_rows(float* out, const i64* keys, i64 n, int dim
 // the rows are contiguous (offset i * dim).
 extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float* dst, const i64* dst_off,
                                      i64 n, int dim) {
-    for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+    SOKPY_FOR_ROWS(i, n) {
         const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
         if (ahead < n) sokpy_prefetch_row(src + (src_off ? src_off[ahead] : ahead * dim), dim);
         const float* s = src + (src_off ? src_off[i] : i * dim);
         float* t = dst + (dst_off ? dst_off[i] : i * dim);
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] = s[d];
+        SOKPY_FOR_COLS(d, dim) t[d] = s[d];
     }
 }
 
@@ -50,7 +50,7 @@ extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float
 extern "C" __global__ void combine_forward(const float* rows, const i64* row_off, const i64* offsets,
                                            const float* weights, i64 nbags, int dim, int combiner,
                                            float* out, float* den) {
-    for (i64 b = blockIdx.x; b < nbags; b += gridDim.x) {
+    SOKPY_FOR_ROWS(b, nbags) {
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
         if (combiner != SOKPY_SUM) {
@@ -66,14 +66,14 @@ extern "C" __global__ void combine_forward(const float* rows, const i64* row_off
             for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) sokpy_prefetch_row(rows + row_off[j], dim);
         }
         float* o = out + b * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = 0.0f;
+        SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         for (i64 j = begin; j < end; ++j) {
             const float w = weights ? weights[j] : 1.0f;
             const float* r = rows + row_off[j];
-            for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] += w * r[d];
+            SOKPY_FOR_COLS(d, dim) o[d] += w * r[d];
         }
         if (combiner != SOKPY_SUM) {
-            for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = denom != 0.0f ? o[d] / denom : 0.0f;
+            SOKPY_FOR_COLS(d, dim) o[d] = denom != 0.0f ? o[d] / denom : 0.0f;
         }
         if (threadIdx.x == 0) den[b] = denom;
     }
@@ -89,9 +89,9 @@ extern "C" __global__ void combine_forward(const float* rows, const i64* row_off
 extern "C" __global__ void segment_sum(const float* src, const i64* src_row, const float* den,
                                        const float* weights, const i64* perm, const i64* seg, i64 n,
                                        int dim, float* dst, const i64* dst_off) {
-    for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+    SOKPY_FOR_ROWS(u, n) {
         float* t = dst + (dst_off ? dst_off[u] : u * dim);
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] = 0.0f;
+        SOKPY_FOR_COLS(d, dim) t[d] = 0.0f;
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
             if (k + SOKPY_PREFETCH_DISTANCE < seg[n]) {
                 const i64 jn = perm ? perm[k + SOKPY_PREFETCH_DISTANCE] : k + SOKPY_PREFETCH_DISTANCE;
@@ -104,9 +104,9 @@ extern "C" __global__ void segment_sum(const float* src, const i64* src_row, con
             const float w = weights ? weights[j] : 1.0f;
             const float* s = src + r * dim;
             if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
-                for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] += s[d] * w;
+                SOKPY_FOR_COLS(d, dim) t[d] += s[d] * w;
             } else {
-                for (int d = threadIdx.x; d < dim; d += blockDim.x) t[d] += (s[d] / dn) * w;
+                SOKPY_FOR_COLS(d, dim) t[d] += (s[d] / dn) * w;
             }
         }
     }

@@ -11,11 +11,11 @@
 // w -= lr * g
 extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* grad, const i64* grad_off,
                                       const i64* seg, i64 n, int dim, float lr) {
-    for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+    SOKPY_FOR_ROWS(u, n) {
         sokpy_prefetch_update(rows, u, n, dim, weight, 0, 0);
         const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) w[d] -= lr * g[d];
+        SOKPY_FOR_COLS(d, dim) w[d] -= lr * g[d];
     }
 }
 
@@ -23,12 +23,12 @@ extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* gra
 extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64* rows, float* grad,
                                           const i64* grad_off, const i64* seg, i64 n, int dim, float lr,
                                           float eps) {
-    for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+    SOKPY_FOR_ROWS(u, n) {
         sokpy_prefetch_update(rows, u, n, dim, weight, accum, 0);
         const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* a = accum + rows[u] * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        SOKPY_FOR_COLS(d, dim) {
             const float acc = a[d] + g[d] * g[d];
             a[d] = acc;
             w[d] -= lr * g[d] / (sqrtf(acc) + eps);
@@ -44,13 +44,13 @@ extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linea
                                        float lr, float lr_power, float l1, float l2, float l2_shrinkage) {
     const float p = -lr_power;
     const int use_sqrt = (p == 0.5f);
-    for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+    SOKPY_FOR_ROWS(u, n) {
         sokpy_prefetch_update(rows, u, n, dim, weight, accum, linear);
         const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* acc = accum + rows[u] * dim;
         float* z = linear + rows[u] * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        SOKPY_FOR_COLS(d, dim) {
             const float gd = g[d];
             const float g2 = gd + 2.0f * l2_shrinkage * w[d];
             const float n_old = acc[d];
@@ -71,13 +71,13 @@ extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linea
 extern "C" __global__ void adam_update(float* weight, float* exp_avg, float* exp_avg_sq, const i64* rows,
                                        float* grad, const i64* grad_off, const i64* seg, i64 n, int dim,
                                        float step_size, float beta1, float beta2, float eps) {
-    for (i64 u = blockIdx.x; u < n; u += gridDim.x) {
+    SOKPY_FOR_ROWS(u, n) {
         sokpy_prefetch_update(rows, u, n, dim, weight, exp_avg, exp_avg_sq);
         const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
         float* w = weight + rows[u] * dim;
         float* m = exp_avg + rows[u] * dim;
         float* v = exp_avg_sq + rows[u] * dim;
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        SOKPY_FOR_COLS(d, dim) {
             const float md = beta1 * m[d] + (1.0f - beta1) * g[d];
             const float vd = beta2 * v[d] + (1.0f - beta2) * g[d] * g[d];
             m[d] = md;

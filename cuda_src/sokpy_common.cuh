@@ -5,6 +5,15 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
+// The launch convention of every kernel: rows (bags, keys, slots) over the grid and over
+// threadIdx.y, the embedding dimension over threadIdx.x. A GPU launch packs several rows into a
+// block when the dimension is small (kernels.launch_shape); the host launches one emulated
+// thread per block, so there both loops reduce to `for (i = blockIdx.x; ...)` and a unit-stride
+// dimension loop that g++ vectorises.
+#define SOKPY_FOR_ROWS(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.y + threadIdx.y; i < (i64)(n); i += (i64)gridDim.x * blockDim.y)
+#define SOKPY_FOR_COLS(d, dim) for (int d = threadIdx.x; d < (dim); d += blockDim.x)
+
 // Combiner codes, as sokpy/lookup.py passes them.
 #define SOKPY_SUM 0
 #define SOKPY_MEAN 1
@@ -67,7 +76,7 @@ __device__ __forceinline__ float* sokpy_merged_grad_row(float* grad, const i64* 
     float* g = grad + grad_off[seg[u]];
     for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
         const float* o = grad + grad_off[k];
-        for (int d = threadIdx.x; d < dim; d += blockDim.x) g[d] += o[d];
+        SOKPY_FOR_COLS(d, dim) g[d] += o[d];
     }
     return g;
 }

@@ -12,8 +12,9 @@ CuPy's RawKernel shape::
 Arrays are numpy/cupy arrays or torch tensors (contiguous, of the dtype the kernel's
 signature names); ``None`` passes a null pointer; Python numbers are converted to the
 scalar type of the signature. ``launch_shape(n, dim)`` gives the backend's grid and block
-for a kernel with ``n`` rows of ``dim`` columns; the host runs one thread per block, so a
-host launch takes block ``(1,)``.
+for a kernel with ``n`` rows of ``dim`` columns: rows over the grid and ``threadIdx.y``,
+the dimension over ``threadIdx.x``; the host runs one thread per block, so a host launch
+takes block ``(1, 1)``.
 
 The host library is cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed
 by a hash of the sources, flags and compiler; ranks that build at once serialise on a file
@@ -276,7 +277,7 @@ class _HostKernel:
         if tuple(block) + (1,) * (3 - len(block)) != (1, 1, 1):
             raise KernelError(
                 f"sokpy kernel {self.name}: the host backend runs one thread per block; "
-                f"launch with block (1,), not {tuple(block)} (see launch_shape)"
+                f"launch with block (1, 1), not {tuple(block)} (see launch_shape)"
             )
         conv = []
         for p, x in zip(self.params, args):
@@ -383,14 +384,21 @@ def get(name: str, backend: str | None = None):
 
 
 def launch_shape(n: int, dim: int, backend: str | None = None):
-    """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``:
-    one emulated thread per row on the host (so g++ vectorises the dimension loop), a warp
-    or more along the dimension on a GPU."""
+    """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``.
+
+    Kernels put rows over the grid and ``threadIdx.y`` and the dimension over ``threadIdx.x``
+    (``SOKPY_FOR_ROWS`` / ``SOKPY_FOR_COLS`` in ``sokpy_common.cuh``). The host runs one
+    emulated thread per block (block ``(1, 1)``), so g++ vectorises each row's dimension
+    loop. A GPU block has 128 threads: ``block.x`` covers the dimension (up to a warp) and
+    ``block.y = 128 // block.x`` rows share the block, so small dims do not leave lanes idle."""
     if backend is None:
         from . import runtime
 
         backend = runtime.backend()
     if backend == "host":
-        return (max(1, min(int(n), 2**31 - 1)),), (1,)
-    block = 32 if dim <= 32 else (64 if dim <= 64 else 128)
-    return (max(1, min(int(n), 65535 * 8)),), (block,)
+        return (max(1, min(int(n), 2**31 - 1)),), (1, 1)
+    bx = 1
+    while bx < min(int(dim), 32):
+        bx *= 2
+    by = 128 // bx
+    return (max(1, min((int(n) + by - 1) // by, 1 << 16)),), (bx, by)

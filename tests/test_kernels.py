@@ -115,7 +115,7 @@ def test_copy_rows_takes_torch_tensors(copy_rows):
 @pytest.mark.parametrize("dim", [1, 129])
 def test_launch_shape_host(n, dim):
     grid, block = kernels.launch_shape(n, dim, backend="host")
-    assert tuple(block) == (1,), "the host runs one emulated thread per row"
+    assert tuple(block) == (1, 1), "the host runs one emulated thread per row"
     assert tuple(grid) == (max(1, n),)
 
 
