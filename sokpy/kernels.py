@@ -138,6 +138,15 @@ def _array_info(x):
     return None
 
 
+def address_of(x) -> int:
+    """The data address of a numpy/cupy array or torch tensor (for tables of pointers that a
+    table-batched kernel reads, e.g. one row buffer per table)."""
+    info = _array_info(x)
+    if info is None:
+        raise KernelError(f"sokpy kernels: cannot take the address of a {type(x).__name__}")
+    return int(info[0])
+
+
 def _check_array(kernel: str, p: _Param, x):
     info = _array_info(x)
     if info is None:
