@@ -1,39 +1,133 @@
-// embedding.cu -- table initialisation, row movement and the combine step of lookup_sparse.
-// Flat kernels: rows over the grid (grid-stride), the dimension over threadIdx.x.
-#include "sokpy_common.cuh"
+// embedding.cu -- initial values, the key routing, row gathering and pooling of lookup_sparse
+// and their transposes. Every kernel is table-batched: one launch covers all tables of a call
+// (sokpy_tables.cuh). Flat kernels: rows over the grid, the dimension over threadIdx.x.
+#include "sokpy_tables.cuh"
 
+// ---- initial values ----------------------------------------------------------------------
 #define SOKPY_INIT_CONSTANT 0
 #define SOKPY_INIT_UNIFORM 1
 #define SOKPY_INIT_NORMAL 2
 
-// out[i, d] = initial value of (seed, keys[i], d): constant a, uniform [a, b), or normal
-// with mean a and standard deviation b (Box-Muller on two counter-based streams).
-extern "C" __global__ void init_rows(float* out, const i64* keys, i64 n, int dim, int kind, float a,
-                                     float b, u64 seed) {
+// Fields of init_rows' segment descriptor (int64 [nseg, SOKPY_INIT_FIELDS]); one segment is a
+// run of consecutive stored rows of one table.
+#define SOKPY_INIT_WIDTH 0       // floats per stored row
+#define SOKPY_INIT_DIM 1         // values per row (optimizer slots follow, dim each)
+#define SOKPY_INIT_KIND 2        // SOKPY_INIT_*
+#define SOKPY_INIT_FIRST_ROW 3   // the stored row of the segment's first entry
+#define SOKPY_INIT_KEY_STRIDE 4  // without a row_keys array, row r holds key r * stride + base
+#define SOKPY_INIT_KEY_BASE 5
+#define SOKPY_INIT_SEED 6        // the table's seed, already mixed with its name (sokpy/variable.py)
+#define SOKPY_INIT_SLOTS 7       // optimizer slots per row (each starts at a constant)
+#define SOKPY_INIT_FIELDS 8
+// Float parameters (float [nseg, SOKPY_INIT_FLOATS]): a, b, then each slot's initial value.
+#define SOKPY_INIT_FLOATS 6
+// Addresses (uint64 [nseg, 2]): the table's rows, and its row -> key array (0: keys by formula).
+
+// Initial values of stored rows, a pure function of (seed, key, column): constant a,
+// uniform [a, b), or normal with mean a and standard deviation b (Box-Muller on two
+// counter-based streams); each optimizer slot column takes its constant. Entry i lies in
+// segment s (seg_start[s] <= i < seg_start[s+1]) and is stored row FIRST_ROW + i - seg_start[s].
+extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* info, const float* param,
+                                     const u64* addr, i64 n) {
     SOKPY_FOR_ROWS(i, n) {
-        const u64 key = (u64)keys[i];
+        const int s = sokpy_segment_of(seg_start, nseg, i);
+        const i64* f = info + (i64)s * SOKPY_INIT_FIELDS;
+        const float* p = param + (i64)s * SOKPY_INIT_FLOATS;
+        const i64 row = f[SOKPY_INIT_FIRST_ROW] + (i - seg_start[s]);
+        const i64* row_keys = (const i64*)addr[2 * s + 1];
+        const u64 key = row_keys ? (u64)row_keys[row] : (u64)(row * f[SOKPY_INIT_KEY_STRIDE] + f[SOKPY_INIT_KEY_BASE]);
+        const u64 seed = (u64)f[SOKPY_INIT_SEED];
+        const int dim = (int)f[SOKPY_INIT_DIM], kind = (int)f[SOKPY_INIT_KIND];
+        const double a = (double)p[0], b = (double)p[1];
+        float* out = (float*)addr[2 * s] + row * f[SOKPY_INIT_WIDTH];
         const u64 h0 = sokpy_row_hash(seed, key, 0), h1 = sokpy_row_hash(seed, key, 1);
-        float* row = out + i * dim;
         SOKPY_FOR_COLS(d, dim) {
             double v;
             if (kind == SOKPY_INIT_UNIFORM) {
-                v = (double)a + ((double)b - (double)a) * sokpy_uniform01(h0, (u64)d);
+                v = a + (b - a) * sokpy_uniform01(h0, (u64)d);
             } else if (kind == SOKPY_INIT_NORMAL) {
                 const double u1 = sokpy_uniform01(h0, (u64)d);
                 const double u2 = sokpy_uniform01(h1, (u64)d);
-                v = (double)a + (double)b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+                v = a + b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
             } else {
-                v = (double)a;
+                v = a;
             }
-            row[d] = (float)v;
+            out[d] = (float)v;
+        }
+        for (int k = 0; k < (int)f[SOKPY_INIT_SLOTS]; ++k) {
+            float* slot = out + (i64)(k + 1) * dim;
+            const float v = p[2 + k];
+            SOKPY_FOR_COLS(d, dim) slot[d] = v;
+        }
+    }
+}
+
+// ---- the requester: where each key goes ----------------------------------------------------
+// For key j of the call (table t: key_start[t] <= j < key_start[t+1]) finds its owner and
+// writes the value whose sort groups the call's keys for the exchange:
+//   packed[j] = (g << (sv_bits + pos_bits)) | (sv << pos_bits) | j,   g = owner * ntables + t
+// sv is the key's row on its owner when that fits in sv_bits (tabs EXACT), else the top
+// sv_bits of a mix of the key: equal keys always get equal values, and the caller compares
+// the keys themselves where values are equal, so a shared value never merges two keys.
+// A static table's key outside [0, rows) lowers *bad to its position (bad starts at n).
+extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
+                                      int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
+    SOKPY_FOR_KEYS(j, n) {
+        const int t = sokpy_segment_of(key_start, ntables, j);
+        const i64 k = keys[j];
+        const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
+        i64 owner = SOKPY_TAB(tabs, t, SOKPY_TAB_TARGET), local = k;
+        int exact = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
+        if (kind == SOKPY_KIND_STATIC || kind == SOKPY_KIND_STATIC_AT) {
+            if (k < 0 || k >= SOKPY_TAB(tabs, t, SOKPY_TAB_ROWS)) {
+                atomicMin(bad, j);
+                owner = 0;
+                local = 0;
+            } else if (kind == SOKPY_KIND_STATIC) {
+                owner = k % world;
+                local = k / world;
+            }
+        } else {
+            if (kind == SOKPY_KIND_DYNAMIC) owner = sokpy_dynamic_owner(k, world);
+            exact = 0;
+        }
+        u64 sv = (u64)local;
+        if (!exact) sv = sv_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - sv_bits) : 0;
+        const u64 g = (u64)(owner * ntables + t);
+        packed[j] = (i64)((g << (sv_bits + pos_bits)) | (sv << pos_bits) | (u64)j);
+    }
+}
+
+// ---- the owner: rows out -------------------------------------------------------------------
+// The requested keys arrive peer by peer, table by table: segment s = peer * ntables + t holds
+// keys [seg_start[s], seg_start[s+1]), and their rows go to dst from element seg_elem[s] on,
+// dim_t floats each. rows[i] is the stored row of key i (find_rows); a negative row (a key a
+// dynamic table does not hold, looked up without insert) gives a zero row.
+extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_start, const i64* seg_elem, int nseg,
+                                       int ntables, const i64* tabs, const u64* ptrs, float* dst) {
+    SOKPY_FOR_ROWS(i, n) {
+        const int s = sokpy_segment_of(seg_start, nseg, i);
+        const int t = s % ntables;
+        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+        const i64 width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);
+        const float* data = (const float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);
+        const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
+        if (ahead < seg_start[s + 1] && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
+        float* o = dst + seg_elem[s] + (i - seg_start[s]) * dim;
+        const i64 r = rows[i];
+        if (r < 0) {
+            SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
+        } else {
+            const float* src = data + r * width;
+            SOKPY_FOR_COLS(d, dim) o[d] = src[d];
         }
     }
 }
 
 // dst[dst_off[i] + d] = src[src_off[i] + d] for i < n, d < dim. A null offset array means
 // the rows are contiguous (offset i * dim).
-extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float* dst, const i64* dst_off,
-                                     i64 n, int dim) {
+extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float* dst, const i64* dst_off, i64 n,
+                                     int dim) {
     SOKPY_FOR_ROWS(i, n) {
         const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
         if (ahead < n) sokpy_prefetch_row(src + (src_off ? src_off[ahead] : ahead * dim), dim);
@@ -43,71 +137,149 @@ extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float
     }
 }
 
-// Pools each bag: out[b] = sum_j w_j * rows[row_off[j] ...] over j in [offsets[b], offsets[b+1]),
-// divided by den[b] = sum_j w_j (mean) or sqrt(sum_j w_j^2) (sqrtn); den[b] = 1 for sum. A bag
-// whose den is 0 (an empty bag) gives a zero row. weights == 0 means every weight is 1.
-// den is written for the backward pass.
-extern "C" __global__ void combine_forward(const float* rows, const i64* row_off, const i64* offsets,
-                                           const float* weights, i64 nbags, int dim, int combiner,
-                                           float* out, float* den) {
+// out[perm[k]] = values[u] for k in [seg[u], seg[u+1]): gives each position the value of its
+// unique key (e.g. where that key's row landed in the exchange buffer).
+extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, const i64* values, i64 nuniq, i64* out) {
+    SOKPY_FOR_KEYS(u, nuniq) {
+        const i64 v = values[u];
+        for (i64 k = seg[u]; k < seg[u + 1]; ++k) out[perm[k]] = v;
+    }
+}
+
+// ---- the requester: pooling ----------------------------------------------------------------
+// Pools each bag of every table: bag b of table t (bag_start[t] <= b < bag_start[t+1]) holds
+// keys [offsets[b], offsets[b+1]); key j's row starts at element val_off[j] * SRC_STRIDE of
+// src[t]; a negative val_off is a key the table does not hold (looked up without insert): a
+// zero row.
+//   out[b] = sum_j w_j * row_j / den[b],  den = 1 (sum), sum_j w_j (mean), sqrt(sum_j w_j^2) (sqrtn)
+// (tf.nn.embedding_lookup_sparse); w_j = weights[j] for tables with WEIGHTED, else 1. A bag
+// whose den is 0 (an empty bag) gives a zero row. Output row b of table t starts at element
+// OUT_START + (b - bag_start[t]) * OUT_STRIDE of out. Writes den[b], and bag_of[j] = b for
+// the backward.
+extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, const i64* offsets,
+                                           const float* weights, const i64* bag_start, int ntables, const i64* tabs,
+                                           i64 nbags, float* out, float* den, i64* bag_of) {
     SOKPY_FOR_ROWS(b, nbags) {
+        const int t = sokpy_segment_of(bag_start, ntables, b);
+        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+        const int combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
+        const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+        const float* rows = (const float*)src[t];
+        const i64 stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
         if (combiner != SOKPY_SUM) {
             float acc = 0.0f;
             for (i64 j = begin; j < end; ++j) {
-                const float w = weights ? weights[j] : 1.0f;
-                acc += combiner == SOKPY_MEAN ? w : w * w;
+                const float wj = w ? w[j] : 1.0f;
+                acc += combiner == SOKPY_MEAN ? wj : wj * wj;
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
-        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows of a bag a few bags ahead
-        if (ahead < nbags) {
-            for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) sokpy_prefetch_row(rows + row_off[j], dim);
+        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows of a bag a few bags ahead (same table)
+        if (ahead < bag_start[t + 1]) {
+            for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) {
+                if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
+            }
         }
-        float* o = out + b * dim;
+        float* o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
         SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         for (i64 j = begin; j < end; ++j) {
-            const float w = weights ? weights[j] : 1.0f;
-            const float* r = rows + row_off[j];
-            SOKPY_FOR_COLS(d, dim) o[d] += w * r[d];
+            if (val_off[j] < 0) continue;
+            const float wj = w ? w[j] : 1.0f;
+            const float* r = rows + val_off[j] * stride;
+            SOKPY_FOR_COLS(d, dim) o[d] += wj * r[d];
         }
         if (combiner != SOKPY_SUM) {
             SOKPY_FOR_COLS(d, dim) o[d] = denom != 0.0f ? o[d] / denom : 0.0f;
         }
-        if (threadIdx.x == 0) den[b] = denom;
+        if (threadIdx.x == 0) {
+            den[b] = denom;
+            if (bag_of) {
+                for (i64 j = begin; j < end; ++j) bag_of[j] = b;
+            }
+        }
     }
 }
 
-// Deterministic segment reduction. For each segment u < n:
-//   dst[dst_off[u] + d] = sum over k in [seg[u], seg[u+1]), j = perm[k], r = src_row[j] of
-//                         (src[r * dim + d] / den[r]) * weights[j]      (a term with den[r] == 0 is 0)
-// in the order of k. Null arguments mean: perm, src_row -> identity; den, weights -> 1;
-// dst_off -> u * dim. With src = the gradient of the pooled bags, src_row = the bag of each
-// key and den from combine_forward, this is combine_forward's transpose: one gradient row
-// per unique key, with no float atomics.
-extern "C" __global__ void segment_sum(const float* src, const i64* src_row, const float* den,
-                                       const float* weights, const i64* perm, const i64* seg, i64 n,
-                                       int dim, float* dst, const i64* dst_off) {
-    SOKPY_FOR_ROWS(u, n) {
-        float* t = dst + (dst_off ? dst_off[u] : u * dim);
-        SOKPY_FOR_COLS(d, dim) t[d] = 0.0f;
+// ---- the requester: gradients --------------------------------------------------------------
+// combine_forward's transpose, a deterministic segment reduction (no float atomics). The
+// keys of unique key u are positions perm[k] for k in [seg[u], seg[u+1]), in increasing
+// order; u belongs to table t = group[u] % ntables. Its gradient row, written at element
+// dst_off[u] of dst, is
+//   sum_k (grad_t[bag b_j] / den[b_j]) * w_j     (j = perm[k], b_j = bag_of[j]; den 0 -> term 0)
+// in the order of k, times scale. grad[t] is the address of dL/d(output of table t), laid
+// out as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row.
+extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* bag_start, const float* den,
+                                       const float* weights, const i64* perm, const i64* seg, const i64* group,
+                                       int ntables, const i64* tabs, i64 nuniq, float* dst, const i64* dst_off,
+                                       float scale) {
+    SOKPY_FOR_ROWS(u, nuniq) {
+        const int t = (int)(group[u] % ntables);
+        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+        const i64 stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+        const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+        const float* g = (const float*)grad[t];
+        float* o = dst + dst_off[u];
+        SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
+        if (!g) continue;
+        const i64 first_bag = bag_start[t];
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
-            if (k + SOKPY_PREFETCH_DISTANCE < seg[n]) {
-                const i64 jn = perm ? perm[k + SOKPY_PREFETCH_DISTANCE] : k + SOKPY_PREFETCH_DISTANCE;
-                sokpy_prefetch_row(src + (src_row ? src_row[jn] : jn) * dim, dim);
+            if (k + SOKPY_PREFETCH_DISTANCE < seg[u + 1]) {
+                sokpy_prefetch_row(g + (bag_of[perm[k + SOKPY_PREFETCH_DISTANCE]] - first_bag) * stride, dim);
             }
-            const i64 j = perm ? perm[k] : k;
-            const i64 r = src_row ? src_row[j] : j;
-            const float dn = den ? den[r] : 1.0f;
+            const i64 j = perm[k];
+            const i64 b = bag_of[j];
+            const float dn = den[b];
             if (dn == 0.0f) continue;
-            const float w = weights ? weights[j] : 1.0f;
-            const float* s = src + r * dim;
+            const float wj = w ? w[j] : 1.0f;
+            const float* s = g + (b - first_bag) * stride;
             if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
-                SOKPY_FOR_COLS(d, dim) t[d] += s[d] * w;
+                SOKPY_FOR_COLS(d, dim) o[d] += s[d] * wj;
             } else {
-                SOKPY_FOR_COLS(d, dim) t[d] += (s[d] / dn) * w;
+                SOKPY_FOR_COLS(d, dim) o[d] += (s[d] / dn) * wj;
             }
         }
+        if (scale != 1.0f) {
+            SOKPY_FOR_COLS(d, dim) o[d] *= scale;
+        }
+    }
+}
+
+// The gradient of each key's weight (key j of table t, in bag b = bag_of[j], row e_j at
+// element val_off[j] * SRC_STRIDE of src[t] (a zero row when val_off < 0), pooled output o_b,
+// gradient g_b):
+//   sum:   g_b . e_j
+//   mean:  g_b . (e_j - o_b) / den_b
+//   sqrtn: (g_b . e_j - (g_b . o_b) * w_j / den_b) / den_b
+// (0 when den_b is 0). One thread per key computes its dot products in column order, so the
+// result does not depend on the launch shape: launch with block.x = 1.
+extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const u64* grad, const float* out,
+                                       const float* weights, const float* den, const i64* bag_of,
+                                       const i64* key_start, const i64* bag_start, int ntables, const i64* tabs,
+                                       i64 n, float* dw) {
+    SOKPY_FOR_KEYS(j, n) {
+        const int t = sokpy_segment_of(key_start, ntables, j);
+        const float* g = (const float*)grad[t];
+        const i64 b = bag_of[j];
+        const float dn = den[b];
+        if (!g || dn == 0.0f) {
+            dw[j] = 0.0f;
+            continue;
+        }
+        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+        const int combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
+        const i64 row = (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+        const float* gb = g + row;
+        const float* ob = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + row;
+        const float* e = val_off[j] < 0 ? 0 : (const float*)src[t] + val_off[j] * SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+        float ge = 0.0f, go = 0.0f;
+        for (int d = 0; d < dim; ++d) {
+            if (e) ge += gb[d] * e[d];
+            go += gb[d] * ob[d];
+        }
+        if (combiner == SOKPY_SUM) dw[j] = ge;
+        else if (combiner == SOKPY_MEAN) dw[j] = (ge - go) / dn;
+        else dw[j] = (ge - go * weights[j] / dn) / dn;
     }
 }

@@ -1,33 +1,76 @@
-// optimizers.cu -- fused sparse optimizer updates, one row per unique key (DESIGN.md numerics).
+// optimizers.cu -- the sparse optimizer step, one launch per phase for all tables of an
+// optimizer (DESIGN numerics; docs/numerics.md).
 //
-// Every kernel takes the same middle arguments:
-//   rows[u]      local row of the table that unique key u updates, u < n
-//   grad         gradient rows as they arrived, at element offsets grad_off; duplicates of a
-//                key are grouped by seg and summed first (sokpy_merged_grad_row; seg == 0:
-//                no duplicates)
-// then the row's state slots and the hyper-parameters. Rows that are not listed are not touched.
-#include "sokpy_common.cuh"
+// The owner holds the gradient rows that arrived for its keys (from every rank, possibly
+// several per row). The step first merges them (merge_grads: one summed row per stored row,
+// and a finiteness verdict), the ranks agree that every sum is finite, then one fused update
+// kernel per optimizer kind changes each row and its state once. Rows that got no gradient
+// are not touched.
+//
+// Shared arguments of the update kernels, for unique row u < n:
+//   otab[u]   the table (index into tabs / ptrs / hyper), rows[u] its stored row
+//   grad      gradient rows; row u's summed gradient starts at element goff[u]
+//   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
+// A stored row holds the values (dim floats), then each optimizer slot (dim floats each).
+#include "sokpy_tables.cuh"
 
-// w -= lr * g
-extern "C" __global__ void sgd_update(float* weight, const i64* rows, float* grad, const i64* grad_off,
-                                      const i64* seg, i64 n, int dim, float lr) {
+#define SOKPY_HYPER_FIELDS 8
+
+__device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
+
+// For unique row u, the gradient rows that arrived for it start at elements off[perm[k]] of
+// grad, k in [seg[u], seg[u+1]) (arrival order). Adds them, in that order, into the first,
+// writes that row's offset to goff[u] and sets bad[u] = 1 when the sum is not finite (bad
+// starts zeroed). The row's table otab[u] gives its dimension.
+extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* perm, const i64* seg, const i64* otab,
+                                       const i64* tabs, i64 n, i64* goff, int* bad) {
     SOKPY_FOR_ROWS(u, n) {
-        sokpy_prefetch_update(rows, u, n, dim, weight, 0, 0);
-        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
-        float* w = weight + rows[u] * dim;
+        const int dim = (int)SOKPY_TAB(tabs, otab[u], SOKPY_TAB_DIM);
+        const i64 first = off[perm[seg[u]]];
+        float* g = grad + first;
+        for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
+            const float* o = grad + off[perm[k]];
+            SOKPY_FOR_COLS(d, dim) g[d] += o[d];
+        }
+        int ok = 1;
+        SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(g[d]);
+        if (!ok) bad[u] = 1;
+        if (threadIdx.x == 0) goff[u] = first;
+    }
+}
+
+// The row of unique u: its values and first slot, and a prefetch of the row a few ahead.
+#define SOKPY_UPDATE_ROW(u)                                                                      \
+    const i64 t = otab[u];                                                                       \
+    const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);                                      \
+    const i64 width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);                                       \
+    float* w = (float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA) + rows[u] * width;                     \
+    const float* g = grad + goff[u];                                                             \
+    const float* h = hyper + t * SOKPY_HYPER_FIELDS;                                             \
+    if (u + SOKPY_PREFETCH_DISTANCE < n) {                                                       \
+        const i64 ta = otab[u + SOKPY_PREFETCH_DISTANCE];                                        \
+        const i64 wa = SOKPY_TAB(tabs, ta, SOKPY_TAB_WIDTH);                                     \
+        sokpy_prefetch_row((const float*)SOKPY_PTR(ptrs, ta, SOKPY_PTR_DATA) + rows[u + SOKPY_PREFETCH_DISTANCE] * wa, \
+                           (int)wa);                                                             \
+    }
+
+// hyper: lr.   w -= lr * g
+extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
+                                      const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_FOR_ROWS(u, n) {
+        SOKPY_UPDATE_ROW(u)
+        const float lr = h[0];
         SOKPY_FOR_COLS(d, dim) w[d] -= lr * g[d];
     }
 }
 
-// acc += g*g; w -= lr * g / (sqrt(acc) + eps)
-extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64* rows, float* grad,
-                                          const i64* grad_off, const i64* seg, i64 n, int dim, float lr,
-                                          float eps) {
+// hyper: lr, eps.   acc += g*g; w -= lr * g / (sqrt(acc) + eps)
+extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
+                                          const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_FOR_ROWS(u, n) {
-        sokpy_prefetch_update(rows, u, n, dim, weight, accum, 0);
-        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
-        float* w = weight + rows[u] * dim;
-        float* a = accum + rows[u] * dim;
+        SOKPY_UPDATE_ROW(u)
+        const float lr = h[0], eps = h[1];
+        float* a = w + dim;
         SOKPY_FOR_COLS(d, dim) {
             const float acc = a[d] + g[d] * g[d];
             a[d] = acc;
@@ -36,20 +79,18 @@ extern "C" __global__ void adagrad_update(float* weight, float* accum, const i64
     }
 }
 
-// TensorFlow's sparse FTRL-V2 (power p = -lr_power; l2 already includes Keras's beta / (2 lr)):
+// TensorFlow's sparse FTRL-V2, slots accumulator n then linear z (power p = -lr_power; l2
+// already includes Keras's beta / (2 lr)).  hyper: lr, lr_power, l1, l2, l2_shrinkage.
 //   g2 = g + 2 l2_shrinkage w;  n_new = n + g^2;  z += g2 - (n_new^p - n^p) / lr * w;  n = n_new
 //   w = |z| <= l1 ? 0 : (sign(z) l1 - z) / (n_new^p / lr + 2 l2)
-extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linear, const i64* rows,
-                                       float* grad, const i64* grad_off, const i64* seg, i64 n, int dim,
-                                       float lr, float lr_power, float l1, float l2, float l2_shrinkage) {
-    const float p = -lr_power;
-    const int use_sqrt = (p == 0.5f);
+extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
+                                       const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_FOR_ROWS(u, n) {
-        sokpy_prefetch_update(rows, u, n, dim, weight, accum, linear);
-        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
-        float* w = weight + rows[u] * dim;
-        float* acc = accum + rows[u] * dim;
-        float* z = linear + rows[u] * dim;
+        SOKPY_UPDATE_ROW(u)
+        const float lr = h[0], p = -h[1], l1 = h[2], l2 = h[3], l2_shrinkage = h[4];
+        const int use_sqrt = (p == 0.5f);
+        float* acc = w + dim;
+        float* z = w + 2 * (i64)dim;
         SOKPY_FOR_COLS(d, dim) {
             const float gd = g[d];
             const float g2 = gd + 2.0f * l2_shrinkage * w[d];
@@ -66,17 +107,16 @@ extern "C" __global__ void ftrl_update(float* weight, float* accum, float* linea
     }
 }
 
-// Lazy Adam (torch.optim.SparseAdam semantics), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t):
+// Lazy Adam (torch.optim.SparseAdam semantics), slots exp_avg m then exp_avg_sq v.
+// hyper: step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) with t the table's own step count, b1, b2, eps.
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  w -= step_size * m / (sqrt(v) + eps)
-extern "C" __global__ void adam_update(float* weight, float* exp_avg, float* exp_avg_sq, const i64* rows,
-                                       float* grad, const i64* grad_off, const i64* seg, i64 n, int dim,
-                                       float step_size, float beta1, float beta2, float eps) {
+extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
+                                       const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_FOR_ROWS(u, n) {
-        sokpy_prefetch_update(rows, u, n, dim, weight, exp_avg, exp_avg_sq);
-        const float* g = sokpy_merged_grad_row(grad, grad_off, seg, u, dim);
-        float* w = weight + rows[u] * dim;
-        float* m = exp_avg + rows[u] * dim;
-        float* v = exp_avg_sq + rows[u] * dim;
+        SOKPY_UPDATE_ROW(u)
+        const float step_size = h[0], beta1 = h[1], beta2 = h[2], eps = h[3];
+        float* m = w + dim;
+        float* v = w + 2 * (i64)dim;
         SOKPY_FOR_COLS(d, dim) {
             const float md = beta1 * m[d] + (1.0f - beta1) * g[d];
             const float vd = beta2 * v[d] + (1.0f - beta2) * g[d] * g[d];

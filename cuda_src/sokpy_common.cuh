@@ -31,18 +31,6 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 // How many rows ahead a kernel prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
 
-// For the optimizer kernels: prefetches the table row, and the state rows (null: none), that
-// unique key u + SOKPY_PREFETCH_DISTANCE will update.
-__device__ __forceinline__ void sokpy_prefetch_update(const i64* rows, i64 u, i64 n, int dim, const float* weight,
-                                                      const float* slot0, const float* slot1) {
-    const i64 ahead = u + SOKPY_PREFETCH_DISTANCE;
-    if (ahead >= n) return;
-    const i64 off = rows[ahead] * dim;
-    sokpy_prefetch_row(weight + off, dim);
-    if (slot0) sokpy_prefetch_row(slot0 + off, dim);
-    if (slot1) sokpy_prefetch_row(slot1 + off, dim);
-}
-
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).
 __device__ __forceinline__ u64 sokpy_mix64(u64 x) {
     x ^= x >> 30;
@@ -63,20 +51,4 @@ __device__ __forceinline__ u64 sokpy_row_hash(u64 seed, u64 key, u64 stream) {
 __device__ __forceinline__ double sokpy_uniform01(u64 row_hash, u64 col) {
     const u64 h = sokpy_mix64(row_hash ^ (col * 0xd1b54a32d192ed03ULL));
     return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-
-// The gradient row of unique row u, summed over its duplicates. The gradient rows that arrived
-// for it start at elements grad_off[seg[u]] .. grad_off[seg[u+1]-1] of grad; they are added, in
-// that order, into the first of them, which is returned. seg == 0 means no duplicates: row u
-// starts at grad_off[u] (or at u * dim when grad_off is 0 too). Each thread touches only its
-// own columns, so this needs no synchronisation.
-__device__ __forceinline__ float* sokpy_merged_grad_row(float* grad, const i64* grad_off, const i64* seg,
-                                                        i64 u, int dim) {
-    if (seg == 0) return grad + (grad_off ? grad_off[u] : u * dim);
-    float* g = grad + grad_off[seg[u]];
-    for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
-        const float* o = grad + grad_off[k];
-        SOKPY_FOR_COLS(d, dim) g[d] += o[d];
-    }
-    return g;
 }

@@ -4,19 +4,19 @@ Example (``sokrun -np 2 python this.py``)::
 
     import torch, sokpy
     sokpy.init()
-    v = sokpy.Variable(1000, 16)
+    v = sokpy.Variable(1000, 16, name="package_example")
     opt = sokpy.optim.Adagrad([v], lr=0.1)
     out = sokpy.lookup_sparse(v, sokpy.Ragged(torch.tensor([1, 7, 7]), torch.tensor([0, 1, 3])), combiners="sum")
     out.pow(2).sum().backward()
     opt.step()
 """
 
-from . import comm as _comm_module  # noqa: F401  (loaded before the function comm() is bound below)
+# The submodule sokpy.comm is loaded first, so that the function sokpy.comm() bound below from
+# sokpy.runtime is not shadowed by it.
+from . import comm as _comm_module  # noqa: F401  # isort: skip
 from . import initializers, kernels, optim, timing
-from .errors import InputError
+from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .lookup import lookup_sparse
-
-# Last, so that the function sokpy.comm() is not shadowed by the submodule sokpy.comm.
 from .runtime import (
     LaunchError,
     NotInitializedError,
@@ -25,12 +25,12 @@ from .runtime import (
     init,
     is_initialized,
     local_rank,
-    rank,  # noqa: E402
+    rank,
     shutdown,
     world_size,
 )
 from .sparse import Ragged
-from .variable import SparseGrad, Variable, assign, export
+from .variable import DynamicVariable, SparseGrad, Variable, assign, export
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ __all__ = [
     "backend",
     "comm",
     "Variable",
+    "DynamicVariable",
     "SparseGrad",
     "export",
     "assign",
@@ -54,6 +55,8 @@ __all__ = [
     "kernels",
     "timing",
     "InputError",
+    "CollectiveMismatchError",
+    "CheckpointError",
     "LaunchError",
     "NotInitializedError",
     "__version__",

@@ -14,11 +14,25 @@ Example (under ``sokrun -np 2``)::
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .timing import timed
 
-__all__ = ["Communicator", "MpiComm"]
+__all__ = ["Communicator", "MpiComm", "max_count"]
+
+_SPLIT_TAG = 7301
+
+
+_MAX_COUNT = int(os.environ.get("SOKPY_MPI_MAX_COUNT", 2**31 - 1))
+
+
+def max_count() -> int:
+    """The largest element count of one MPI message or displacement (MPI-3.1's ``int``
+    counts). ``SOKPY_MPI_MAX_COUNT`` (read at import) lowers it: tests use it to exercise
+    the split transfers with small data."""
+    return _MAX_COUNT
 
 
 def _contiguous(arr) -> np.ndarray:
@@ -33,10 +47,13 @@ class Communicator:
     rank: int
     size: int
 
-    def alltoallv(self, send, send_counts, recv_counts=None):
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None):
         """Sends rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` of ``send`` to rank d.
         Returns ``(recv, recv_counts)``: the rows from every rank, in rank order. When the
-        caller already knows ``recv_counts`` it may pass them and save a count exchange."""
+        caller already knows ``recv_counts`` it may pass them and save a count exchange.
+        ``large`` says whether the transfer must be split below MPI's 32-bit counts; every
+        rank must pass the same value (sokpy's collective layer agrees on it in its header).
+        None decides it with an extra small allreduce."""
         raise NotImplementedError
 
     def allreduce(self, arr, op: str = "sum"):
@@ -90,7 +107,7 @@ class MpiComm(Communicator):
                 self._comm.Alltoall(counts, recv)
         return recv
 
-    def alltoallv(self, send, send_counts, recv_counts=None):
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None):
         send = np.ascontiguousarray(send)
         send_counts = np.asarray(send_counts, dtype=np.int64)
         if send_counts.shape != (self.size,):
@@ -106,17 +123,45 @@ class MpiComm(Communicator):
             recv[...] = send
             return recv, recv_counts
         sc, rc = send_counts * row, recv_counts * row
-        sd = np.zeros(self.size, np.int64)
-        rd = np.zeros(self.size, np.int64)
-        np.cumsum(sc[:-1], out=sd[1:])
-        np.cumsum(rc[:-1], out=rd[1:])
-        # An empty buffer still needs a valid address and a datatype.
-        sbuf = send.reshape(-1) if send.size else np.empty(1, send.dtype)
-        rbuf = recv.reshape(-1) if recv.size else np.empty(1, send.dtype)
-        dtype = self._MPI._typedict[sbuf.dtype.char]
+        if large is None:  # decided together: every rank must take the same path
+            local = max(int(sc.sum()), int(rc.sum()))
+            large = int(self.allreduce(np.array([local], np.int64), op="max")[0]) >= max_count()
+        sbuf, rbuf = send.reshape(-1), recv.reshape(-1)
         with timed("exchange"):
-            self._comm.Alltoallv([sbuf, (sc, sd), dtype], [rbuf, (rc, rd), dtype])
+            if large:
+                self._alltoallv_split(sbuf, sc, rbuf, rc)
+            else:
+                sd = np.zeros(self.size, np.int64)
+                rd = np.zeros(self.size, np.int64)
+                np.cumsum(sc[:-1], out=sd[1:])
+                np.cumsum(rc[:-1], out=rd[1:])
+                # An empty buffer still needs a valid address and a datatype.
+                sb = sbuf if sbuf.size else np.empty(1, send.dtype)
+                rb = rbuf if rbuf.size else np.empty(1, send.dtype)
+                dtype = self._MPI._typedict[sb.dtype.char]
+                self._comm.Alltoallv([sb, (sc, sd), dtype], [rb, (rc, rd), dtype])
         return recv, recv_counts
+
+    def _alltoallv_split(self, sbuf, sc, rbuf, rc) -> None:
+        """The all-to-all as point-to-point messages of at most ``max_count()`` elements each,
+        so that neither a count nor a displacement needs more than MPI-3.1's 32-bit ``int``.
+        Messages between one pair of ranks arrive in the order sent (same source and tag)."""
+        sd = np.concatenate([[0], np.cumsum(sc)])
+        rd = np.concatenate([[0], np.cumsum(rc)])
+        me = self.rank
+        rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
+        requests = [self._comm.Irecv(piece, source=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(rbuf, rd)]
+        requests += [self._comm.Isend(piece, dest=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(sbuf, sd)]
+        self._MPI.Request.Waitall(requests)
+
+    def _pieces(self, buf, displ):
+        """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]``, in pieces
+        of at most ``max_count()`` elements."""
+        limit = max_count()
+        for peer in range(self.size):
+            if peer != self.rank:
+                for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
+                    yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
 
     def allreduce(self, arr, op: str = "sum"):
         arr = _contiguous(arr)

@@ -1,42 +1,37 @@
-"""Collective verdicts on input: every rank raises the same error, or none does.
+"""The errors sokpy raises on every rank alike.
 
-A collective call (``lookup_sparse``, ``assign``, an optimizer ``step``) first checks its
-input locally, then calls :func:`agree` before anything is exchanged or changed. One small
-allreduce carries each rank's verdict and a fingerprint of the call (which operation, which
-tables in which order), so a bad key on one rank, or ranks that passed different tables,
-raise the same :class:`InputError` on every rank instead of leaving some rank hanging.
+A collective call (table creation, ``lookup_sparse`` and its backward, an optimizer step,
+``assign``, ``save``, ``load``) checks its input on every rank and agrees on the verdict
+before anything is exchanged or changed (``sokpy.collective``). When any rank finds a
+problem, every rank raises the same error, naming the table, the key and the rank, and no
+table or optimizer state has changed; the job may go on with the next call.
+
+Example::
+
+    import sokpy
+    sokpy.init()
+    v = sokpy.Variable(10, 4, name="errors_example")
+    try:
+        sokpy.lookup_sparse(v, [[10]])            # key 10 is out of range [0, 10)
+    except sokpy.InputError as e:
+        print(e)
 """
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
-
-__all__ = ["InputError", "agree"]
+__all__ = ["InputError", "CollectiveMismatchError", "CheckpointError"]
 
 
 class InputError(ValueError):
     """Bad input to a collective call, raised on every rank alike; nothing was changed."""
 
 
-def _fingerprint(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+class CollectiveMismatchError(InputError):
+    """The ranks made different collective calls (other tables, another operation, a
+    backward of another lookup, a lookup under ``torch.no_grad()`` on some ranks only).
+    Raised on every rank alike; nothing was exchanged or changed."""
 
 
-def agree(comm, call: str, error: str | None) -> None:
-    """Raises :class:`InputError` on every rank if any rank has an ``error`` or if the ranks'
-    ``call`` descriptions differ (e.g. ``"lookup_sparse tables=[user, item]"``)."""
-    fp = _fingerprint(call)
-    verdict = comm.allreduce(np.array([error is not None, fp, -fp], dtype=np.int64), op="max")
-    if verdict[0] == 0 and verdict[1] == -verdict[2]:
-        return
-    reports = comm.allgather_object((call, error))
-    lines = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err is not None]
-    calls = {c for c, _ in reports}
-    if len(calls) > 1:
-        lines.append(
-            "the ranks made different collective calls (each rank must pass the same tables in "
-            "the same order): " + "; ".join(f"rank {r}: {c}" for r, (c, _) in enumerate(reports))
-        )
-    raise InputError(f"sokpy.{call.split()[0]}: " + "\n".join(lines))
+class CheckpointError(InputError):
+    """A checkpoint cannot be saved or loaded (missing or corrupt file, a table that does not
+    match, a newer format). Raised on every rank alike; tables and optimizer are unchanged."""

@@ -113,6 +113,21 @@ def signatures(source: str) -> dict[str, list[_Param]]:
     return sigs
 
 
+_DEFINE_RE = re.compile(r"^#define\s+(SOKPY_[A-Z0-9_]+)\s+\(?(-?\d+)(?:LL)?\)?\s*(?://.*)?$", re.M)
+
+
+@functools.cache
+def constants() -> dict[str, int]:
+    """Every integer ``#define SOKPY_...`` of the kernel sources (descriptor field numbers,
+    kinds, codes), so that Python and the kernels share one definition of each."""
+    src = source_dir()
+    out: dict[str, int] = {}
+    for path in sorted(src.glob("*.cuh")) + kernel_sources(src):
+        for name, value in _DEFINE_RE.findall(path.read_text()):
+            out[name] = int(value)
+    return out
+
+
 # ---- argument conversion (shared by both backends) --------------------------------------
 
 _torch_dtypes: dict = {}

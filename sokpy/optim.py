@@ -1,12 +1,18 @@
 """Sparse optimizers for sokpy tables: SGD, Adagrad, FTRL and lazy Adam, as fused kernels.
 
 They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a mutable
-``"lr"``, so ``torch.optim.lr_scheduler`` works), ``state_dict()`` / ``load_state_dict()``
-for hyper-parameters and step counts. State slots (accumulators, linear terms, moments)
-live beside the rows on the owning rank, sharded like the table and created on the first
-step; the checkpoint API saves them. ``step()`` sums the gradients that arrived for a key
-from different ranks, then runs one fused update kernel per table over its unique rows; rows
-without a gradient are not touched. The numerics are DESIGN.md's.
+``"lr"``, so ``torch.optim.lr_scheduler`` works), ``add_param_group``, ``state_dict()`` /
+``load_state_dict()`` (hyper-parameters, step counts and this rank's slots, so a per-rank
+``torch.save``/``torch.load`` resumes exactly at the same world size; ``sokpy.save`` /
+``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
+rows in the table's storage and are created when the table joins the optimizer, so the memory
+is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``.
+
+``step()`` is collective and costs a fixed number of launches whatever the number of tables:
+it merges the gradient rows that arrived for each row (from every rank and every backward
+since ``zero_grad``), refuses on every rank alike, before any change, a merged gradient that
+is not finite, then runs one fused update kernel for all its tables. Rows without a
+gradient are not touched. The numerics are in ``docs/numerics.md``.
 
 Dense parameters keep their own torch optimizer (two-optimizer pattern)::
 
@@ -24,148 +30,307 @@ import math
 import numpy as np
 import torch
 
-from . import kernels, runtime
-from .errors import agree
-from .variable import Variable
+from . import collective, handoff, kernels, runtime
+from .gradients import GradChunk
+from .plan import rows_of, table_set
+from .variable import _Table
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
 
 
+class _TableState(dict):
+    """``opt.state[var.handle]``: ``"step"`` (the table's step count) and each slot as a live
+    view ``[local rows, dim]`` of the table's storage (a dynamic table's storage moves when it
+    grows, so a view is made at each access)."""
+
+    def __init__(self, var: _Table):
+        super().__init__(step=0)
+        self.var = var
+
+    def __getitem__(self, name):
+        if name in self.var.storage.slot_names:
+            return handoff.to_torch(self.var.storage.data)[: self.var.storage.size][:, self._cols(name)]
+        return super().__getitem__(name)
+
+    def _cols(self, name):
+        k = 1 + self.var.storage.slot_names.index(name)
+        return slice(k * self.var.dim, (k + 1) * self.var.dim)
+
+    def __contains__(self, name):
+        return name in self.var.storage.slot_names or super().__contains__(name)
+
+    def keys(self):
+        return ["step", *self.var.storage.slot_names]
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+
 class SparseOptimizer(torch.optim.Optimizer):
     """Base of sokpy's optimizers. A subclass names its update ``kernel``, its state ``slots``
-    (name -> initial value, a function of the param group) and its kernel's hyper-parameters
-    (``hyper``). ``check_finite`` refuses a NaN/Inf gradient on every rank before any change."""
+    (name -> initial value, a function of the param group) and its per-table hyper-parameters
+    (:meth:`hyper`). ``check_finite`` refuses a NaN/Inf merged gradient on every rank before
+    any change."""
 
     kernel: str = ""
-    slots: dict = {}
+    slots: dict = {}  # noqa: RUF012 - a class-level constant of each subclass
 
     def __init__(self, params, defaults: dict, check_finite: bool = True):
+        self._var_of: dict[int, _Table] = {}
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
-        self._var_of: dict[int, Variable] = {}
-        converted = []
-        for group in groups:
-            group = dict(group)
-            ps = group["params"]
-            ps = [ps] if isinstance(ps, Variable) else list(ps)
-            for v in ps:
-                if not isinstance(v, Variable):
-                    raise TypeError(
-                        f"{type(self).__name__} optimizes sokpy Variables; got a {type(v).__name__} "
-                        "(use a torch optimizer for dense parameters)"
-                    )
-                self._var_of[id(v.handle)] = v
-            group["params"] = [v.handle for v in ps]
-            converted.append(group)
-        super().__init__(converted, defaults)
         self.check_finite = check_finite
-        self.steps = 0
+        super().__init__(groups, defaults)
+
+    # ---- param groups --------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a group of tables (torch.optim's convention); their optimizer state is created
+        now, in their storage."""
+        group = dict(param_group)
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, _Table) else list(ps)
+        tables = []
+        for v in ps:
+            if isinstance(v, torch.Tensor) and id(v) in self._var_of:
+                v = self._var_of[id(v)]
+            if not isinstance(v, _Table):
+                raise TypeError(
+                    f"{type(self).__name__} optimizes sokpy tables; got a {type(v).__name__} "
+                    "(use a torch optimizer for dense parameters)"
+                )
+            if v.optimizer is not None and v.optimizer is not self:
+                raise ValueError(f"table {v.name!r} is already trained by another optimizer")
+            if id(v.handle) in self._var_of:
+                raise ValueError(f"table {v.name!r} appears in more than one parameter group")
+            tables.append(v)
+        group["params"] = [v.handle for v in tables]
+        super().add_param_group(group)
+        group = self.param_groups[-1]  # with the defaults filled in
+        for v in tables:
+            v.storage.add_slots(list(self.slots), [float(init(group)) for init in self.slots.values()])
+            v.optimizer = self
+            self._var_of[id(v.handle)] = v
+            self.state[v.handle] = _TableState(v)
 
     def variables(self):
-        """``(param_group, Variable)`` for every table this optimizer updates."""
+        """``(param_group, table)`` for every table this optimizer updates."""
         for group in self.param_groups:
             for h in group["params"]:
                 yield group, self._var_of[id(h)]
 
-    def hyper(self, group: dict, step: int) -> tuple:
-        """The kernel's trailing hyper-parameter arguments."""
+    # ---- the step --------------------------------------------------------------------------
+    def hyper(self, groups: list[dict], steps: np.ndarray) -> np.ndarray:
+        """float32 ``[ntables, SOKPY_HYPER_FIELDS]``: each table's hyper-parameters for its
+        kernel, from its group (``groups[i]``) and its step count ``steps[i]``."""
         raise NotImplementedError
-
-    def state_of(self, var: Variable, group: dict) -> dict:
-        """The state of ``var`` (slot tensors shaped like its shard), created on first use."""
-        state = self.state[var.handle]
-        for name, init in self.slots.items():
-            if name not in state:
-                state[name] = torch.full_like(var.weight, float(init(group)))
-        return state
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Applies the gradients held by the tables (``var.grad``), one fused kernel per table."""
+        """Applies the gradients the tables hold (``var.grad``): collective, one merge and one
+        fused update for all tables."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        error = next(
-            (
-                f"table {var.name!r}: {var.nonfinite_grad}; no row or state was changed"
-                for _, var in self.variables()
-                if var.nonfinite_grad
-            ),
-            None,
+        xp = runtime.xp()
+        pairs = list(self.variables())
+        tables = [v for _, v in pairs]
+        index = {id(v): i for i, v in enumerate(tables)}
+        used = np.zeros(len(tables), bool)
+        entries = self._entries(tables, index, used)
+        error = None
+        merged = None
+        if entries is not None:
+            merged = self._merge(tables, *entries)
+            if self.check_finite and merged[-1] is not None:
+                error = merged[-1]
+        with collective.Call(f"{type(self).__name__}.step", tables) as call:
+            call.agree(error)
+        for i in np.flatnonzero(used):
+            st = self.state[tables[i].handle]
+            dict.__setitem__(st, "step", dict.__getitem__(st, "step") + 1)
+        if merged is None:
+            return loss
+        otab, rows, goff, keys, buffer, _ = merged
+        n = int(otab.shape[0])
+        ts = table_set(tables)
+        steps = np.array([dict.__getitem__(self.state[v.handle], "step") for v in tables], np.int64)
+        hyper = self.hyper([g for g, _ in pairs], steps)
+        _launch(
+            self.kernel,
+            n,
+            int(ts.dims.max(initial=1)),
+            (otab, rows, buffer, goff, n, xp.asarray(ts.tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
         )
-        if self.check_finite:
-            names = ", ".join(v.describe() for _, v in self.variables())
-            agree(runtime.comm(), f"{type(self).__name__}.step tables=[{names}]", error)
-        self.steps += 1
-        for group, var in self.variables():
-            if not var._grad_chunks:
-                continue
-            keys, grads, grad_off, seg = var.merged_grad()
-            state = self.state_of(var, group)
-            state["step"] = self.steps
-            n, dim = keys.size, var.dim
-            slots = [state[name] for name in self.slots]
-            grid, block = kernels.launch_shape(n, dim)
-            kernels.get(self.kernel)(
-                grid,
-                block,
-                (
-                    var.weight,
-                    *slots,
-                    var.local_index(keys),
-                    grads,
-                    grad_off,
-                    seg,
-                    n,
-                    dim,
-                    *self.hyper(group, self.steps),
-                ),
-            )
-            if seg is not None and seg.size - 1 != grad_off.size:
-                # The kernel summed duplicates into the first row of each key: keep those rows as
-                # the (still valid) gradient, so var.grad reads the same after step() as before.
-                var._replace_grad(keys, var._contiguous_rows(grads, grad_off[seg[:-1]], n))
+        # The merged rows are the gradient from now on (var.grad reads the same; a second step
+        # without zero_grad applies it again, as torch does).
+        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, None if used.all() else used[None, :])
+        for v in tables:
+            if v._grad_refs:
+                v._grad_refs = [chunk]
         return loss
+
+    def _entries(self, tables, index, used: np.ndarray):
+        """Every gradient entry of this optimizer's tables, from all chunks they reference:
+        ``(table index, stored row, element offset, key, buffer)`` or None when there is none.
+        Sets ``used[i]`` for the tables whose outputs received a gradient on some rank."""
+        xp = runtime.xp()
+        chunks = {}
+        for v in tables:
+            for chunk in v._grad_refs:
+                chunks[id(chunk)] = chunk
+        if not chunks:
+            return None
+        parts, buffers, base = [], [], 0
+        for chunk in chunks.values():
+            imap = np.full(chunk.ntables, -1, np.int64)
+            for i, t in enumerate(chunk.tables):
+                j = index.get(id(t))
+                if j is not None and any(c is chunk for c in t._grad_refs):
+                    imap[i] = j
+            mine = imap >= 0
+            used[imap[mine]] |= chunk.table_used()[mine]
+            otab, rows, offsets, keys = chunk.entries(imap)
+            parts.append((otab, rows, offsets + base, keys))
+            buffers.append(chunk.buffer)
+            base += int(chunk.buffer.shape[0])
+        if len(parts) == 1:
+            return (*parts[0], buffers[0])
+        cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
+        return (*cat, xp.concatenate(buffers))
+
+    def _merge(self, tables, otab, rows, offsets, keys, buffer):
+        """Sums the gradient rows of equal (table, row) in arrival order (one launch) and checks
+        them. Returns ``(table, row, gradient offset, key, buffer, error or None)`` per unique row."""
+        xp = runtime.xp()
+        n = int(otab.shape[0])
+        ts = table_set(tables)
+        tb = max(1, (len(tables) - 1).bit_length())
+        rb = max(1, int(rows.max(initial=0)).bit_length()) if n else 1
+        ab = max(1, (n - 1).bit_length())
+        if tb + rb + ab <= 63:
+            packed = xp.sort((otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64))
+            perm = packed & ((1 << ab) - 1)
+            key = packed >> ab
+        else:  # too many bits for one sort value: sort by (table, row) keeping arrival order
+            perm = xp.lexsort((xp.arange(n), rows, otab))
+            key = otab[perm] * (int(rows.max(initial=0)) + 1) + rows[perm]
+        brk = xp.empty(n, bool)
+        if n:
+            brk[0] = True
+            xp.not_equal(key[1:], key[:-1], out=brk[1:])
+        starts = xp.flatnonzero(brk)
+        nuniq = int(starts.shape[0])
+        seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
+        goff = xp.empty(nuniq, np.int64)
+        bad = xp.zeros(max(nuniq, 1), np.int32)
+        _launch(
+            "merge_grads",
+            nuniq,
+            int(ts.dims.max(initial=1)),
+            (buffer, offsets, perm, seg, otab[perm[starts]] if nuniq else otab, xp.asarray(ts.tabs), nuniq, goff, bad),
+        )
+        first = perm[starts]
+        uotab, urows, ukeys = otab[first], rows[first], keys[first]
+        error = None
+        if nuniq and bool(bad[:nuniq].any()):
+            u = int(xp.flatnonzero(bad[:nuniq])[0])
+            var = tables[int(uotab[u])]
+            error = (
+                f"table {var.name!r}: the gradient of key {int(ukeys[u])}, summed on its owner rank "
+                f"{runtime.rank()}, is not finite; no row or optimizer state was changed"
+            )
+        return uotab, urows, goff, ukeys, buffer, error
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
         for _, var in self.variables():
             var.zero_grad()
 
+    # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Hyper-parameters and step counts. The slot tensors stay out (they are sharded and
-        large; they are ``self.state[var.handle]`` and belong to the checkpoint API)."""
-        index = {}
-        groups = []
+        """Hyper-parameters, and per table its step count and this rank's slots with their keys
+        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot): a per-rank ``torch.save`` of it
+        resumes at the same world size. ``sokpy.save`` writes a resharding checkpoint."""
+        index, groups = {}, []
         for group in self.param_groups:
             g = {k: v for k, v in group.items() if k != "params"}
             g["params"] = [index.setdefault(id(h), len(index)) for h in group["params"]]
             groups.append(g)
-        state = {
-            index[id(h)]: {"step": self.state[h].get("step", 0)} for group in self.param_groups for h in group["params"]
-        }
-        return {"state": state, "param_groups": groups, "steps": self.steps}
+        state = {}
+        for _, var in self.variables():
+            st = self.state[var.handle]
+            keys, _ = _export_keys(var)
+            entry = {"step": dict.__getitem__(st, "step"), "keys": keys, "table": var.name}
+            for name in var.storage.slot_names:
+                entry[name] = st[name].clone()
+            state[index[id(var.handle)]] = entry
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restores hyper-parameters, step counts and slots (by key: load the tables' rows first;
+        a dynamic table creates the rows of keys it does not hold). Checks everything before it
+        changes anything."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
         ):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the saved groups do not match this optimizer's")
         handles = [h for group in self.param_groups for h in group["params"]]
-        for saved, group in zip(groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        for i, entry in state_dict["state"].items():
-            self.state[handles[int(i)]]["step"] = entry.get("step", 0)
-        self.steps = int(state_dict.get("steps", 0))
+        saved = state_dict["state"]
+        for i, h in enumerate(handles):
+            var = self._var_of[id(h)]
+            entry = saved.get(i, saved.get(str(i)))
+            if entry is None:
+                continue
+            for name in var.storage.slot_names:
+                if name not in entry or tuple(entry[name].shape) != (len(entry["keys"]), var.dim):
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: table {var.name!r}: slot {name!r} "
+                        f"missing or not of shape [{len(entry['keys'])}, {var.dim}]"
+                    )
+        for saved_group, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for i, h in enumerate(handles):
+            var = self._var_of[id(h)]
+            entry = saved.get(i, saved.get(str(i)))
+            if entry is None:
+                continue
+            st = self.state[h]
+            dict.__setitem__(st, "step", int(entry.get("step", 0)))
+            keys = handoff.from_torch(entry["keys"], np.int64)
+            if keys.size:
+                rows = rows_of(var, keys, insert=True)
+                for name in var.storage.slot_names:
+                    k = 1 + var.storage.slot_names.index(name)
+                    var.storage.data[rows, k * var.dim : (k + 1) * var.dim] = handoff.from_torch(
+                        entry[name], np.float32
+                    )
+
+
+def _export_keys(var: _Table):
+    keys = handoff.to_torch(runtime.xp().array(var.storage.keys()))
+    return keys, None
+
+
+def _launch(name: str, n: int, dim: int, args) -> None:
+    if n > 0:
+        grid, block = kernels.launch_shape(n, dim)
+        kernels.get(name)(grid, block, args)
 
 
 def _check(name: str, value: float, ok: bool, rule: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _fields(rows: list[list[float]]) -> np.ndarray:
+    out = np.zeros((len(rows), kernels.constants()["SOKPY_HYPER_FIELDS"]), np.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 class SGD(SparseOptimizer):
@@ -180,10 +345,10 @@ class SGD(SparseOptimizer):
 
     def __init__(self, params, lr: float, check_finite: bool = True):
         _check("lr", lr, lr >= 0, ">= 0")
-        super().__init__(params, dict(lr=lr), check_finite)
+        super().__init__(params, {"lr": lr}, check_finite)
 
-    def hyper(self, group, step):
-        return (group["lr"],)
+    def hyper(self, groups, steps):
+        return _fields([[g["lr"]] for g in groups])
 
 
 class Adagrad(SparseOptimizer):
@@ -195,7 +360,7 @@ class Adagrad(SparseOptimizer):
     """
 
     kernel = "adagrad_update"
-    slots = {"sum": lambda g: g["initial_accumulator_value"]}
+    slots = {"sum": lambda g: g["initial_accumulator_value"]}  # noqa: RUF012
 
     def __init__(
         self,
@@ -209,15 +374,16 @@ class Adagrad(SparseOptimizer):
         _check("eps", eps, eps >= 0, ">= 0")
         _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
         super().__init__(
-            params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps), check_finite
+            params, {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}, check_finite
         )
 
-    def hyper(self, group, step):
-        return group["lr"], group["eps"]
+    def hyper(self, groups, steps):
+        return _fields([[g["lr"], g["eps"]] for g in groups])
 
 
 class Ftrl(SparseOptimizer):
-    """TensorFlow's sparse FTRL (``ResourceSparseApplyFtrlV2``, Keras ``Ftrl``), as DESIGN.md writes it.
+    """TensorFlow's sparse FTRL (``ResourceSparseApplyFtrlV2``, Keras ``Ftrl``), slots
+    ``accumulator`` and ``linear``.
 
     Example::
 
@@ -225,7 +391,7 @@ class Ftrl(SparseOptimizer):
     """
 
     kernel = "ftrl_update"
-    slots = {"accumulator": lambda g: g["initial_accumulator_value"], "linear": lambda g: 0.0}
+    slots = {"accumulator": lambda g: g["initial_accumulator_value"], "linear": lambda g: 0.0}  # noqa: RUF012
 
     def __init__(
         self,
@@ -246,28 +412,32 @@ class Ftrl(SparseOptimizer):
             _check(name, value, value >= 0, ">= 0")
         super().__init__(
             params,
-            dict(
-                lr=lr,
-                lr_power=lr_power,
-                initial_accumulator_value=initial_accumulator_value,
-                l1=l1,
-                l2=l2,
-                l2_shrinkage=l2_shrinkage,
-                beta=beta,
-            ),
+            {
+                "lr": lr,
+                "lr_power": lr_power,
+                "initial_accumulator_value": initial_accumulator_value,
+                "l1": l1,
+                "l2": l2,
+                "l2_shrinkage": l2_shrinkage,
+                "beta": beta,
+            },
             check_finite,
         )
 
-    def hyper(self, group, step):
-        lr = np.float32(group["lr"])
-        # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
-        l2 = np.float32(group["l2"]) + np.float32(group["beta"]) / (np.float32(2.0) * lr)
-        return lr, group["lr_power"], group["l1"], l2, group["l2_shrinkage"]
+    def hyper(self, groups, steps):
+        rows = []
+        for g in groups:
+            lr = np.float32(g["lr"])
+            # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
+            l2 = np.float32(g["l2"]) + np.float32(g["beta"]) / (np.float32(2.0) * lr)
+            rows.append([lr, g["lr_power"], g["l1"], l2, g["l2_shrinkage"]])
+        return _fields(rows)
 
 
 class Adam(SparseOptimizer):
     """Lazy Adam, the semantics of ``torch.optim.SparseAdam``: moments of rows without a gradient
-    stay as they are; bias correction uses the optimizer's step count t::
+    stay as they are; a table's step count t counts the steps in which it received a gradient
+    (on any rank), as SparseAdam counts per parameter::
 
         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
         w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
@@ -278,16 +448,19 @@ class Adam(SparseOptimizer):
     """
 
     kernel = "adam_update"
-    slots = {"exp_avg": lambda g: 0.0, "exp_avg_sq": lambda g: 0.0}
+    slots = {"exp_avg": lambda g: 0.0, "exp_avg_sq": lambda g: 0.0}  # noqa: RUF012
 
     def __init__(self, params, lr: float = 0.001, betas=(0.9, 0.999), eps: float = 1e-8, check_finite: bool = True):
         _check("lr", lr, lr >= 0, ">= 0")
         _check("eps", eps, eps >= 0, ">= 0")
         for i, b in enumerate(betas):
             _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps), check_finite)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite)
 
-    def hyper(self, group, step):
-        b1, b2 = group["betas"]
-        step_size = group["lr"] * math.sqrt(1 - b2**step) / (1 - b1**step)
-        return step_size, b1, b2, group["eps"]
+    def hyper(self, groups, steps):
+        rows = []
+        for g, t in zip(groups, steps):
+            b1, b2 = g["betas"]
+            t = max(int(t), 1)
+            rows.append([g["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t), b1, b2, g["eps"]])
+        return _fields(rows)

@@ -1,20 +1,25 @@
-"""Input types for ``lookup_sparse``: a batch of bags of int64 keys.
+"""Input types for ``lookup_sparse``, and their conversion to one batch for all tables.
 
 :class:`Ragged` is the native form: ``values`` (the keys of all bags, one after another),
 ``offsets`` (int64, length B+1: bag b is ``values[offsets[b]:offsets[b+1]]``) and optional
-per-key ``weights``. ``lookup_sparse`` also takes, and converts with :func:`to_ragged`:
+per-key ``weights``. ``lookup_sparse`` also takes, per table:
 
 * a torch sparse COO tensor ``[B, H]`` (TensorFlow's / SOK's SparseTensor shape): row i of
   the indices is the bag, the values are the keys; weights are a COO tensor of the same indices;
 * a torch sparse CSR tensor ``[B, H]``: ``crow_indices`` are the offsets, ``values`` the keys;
-* a 2-D dense integer tensor ``[B, H]``: B bags of exactly H keys (``nn.EmbeddingBag``'s 2-D input),
+* a 2-D integer tensor ``[B, H]``: B bags of exactly H keys (``nn.EmbeddingBag``'s 2-D input),
   or a 1-D one ``[B]``: one key per bag (a one-hot feature);
-* a list of lists of ints, one list per bag.
+* a list of lists of ints, one list per bag;
 
-:func:`dedup` groups a key array by key (one sort), for the lookup and for merging gradients.
+and, for all tables at once, a KeyedJaggedTensor (TorchRec's, or any object with ``values()``,
+``offsets()`` or ``lengths()``, ``weights_or_none()`` and ``stride()``), feature f feeding
+table f.
 
-The wrappers only hold data. Every value check (negative or out-of-range keys, offsets that are
-not monotone, weights of the wrong length) happens inside the collective call.
+:func:`to_batch` concatenates the tables' inputs into one :class:`Batch` (keys table after
+table, bag offsets over all tables), which the lookup plan works on in one pass whatever the
+number of tables. The wrappers only hold data: every check (integer keys, monotone offsets,
+weights shaped like the bags) happens inside the collective call, where all ranks agree on
+the verdict.
 
 Example::
 
@@ -29,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Ragged", "to_ragged", "dedup"]
+__all__ = ["Ragged", "Batch", "to_batch", "BatchError"]
 
 
 class Ragged(NamedTuple):
@@ -44,132 +49,292 @@ class Ragged(NamedTuple):
         return len(self.offsets) - 1
 
 
-class _Bags(NamedTuple):
-    """Host arrays of one table's input, as the lookup uses them."""
+class BatchError(ValueError):
+    """A fault in the input of table ``table`` (an index into the call's tables)."""
 
-    values: np.ndarray  # int64 [n]
-    offsets: np.ndarray  # int64 [B+1]
-    weights: np.ndarray | None  # float32 [n] or None
+    def __init__(self, table: int, message: str):
+        super().__init__(message)
+        self.table = table
 
 
-def _np(x, dtype, what: str) -> np.ndarray:
+class Batch(NamedTuple):
+    """Every table's input of one call, concatenated (host arrays).
+
+    Keys of table t are ``keys[key_start[t]:key_start[t+1]]``; its bags are
+    ``bag_start[t] <= b < bag_start[t+1]``, bag b holding keys ``[offsets[b], offsets[b+1])``.
+    ``weights`` covers every key (1 for tables without weights) or is None when no table has
+    weights; ``weighted[t]`` says which tables do. ``weight_grads[t]`` is the caller's weight
+    tensor of table t when it requires a gradient (else None), with ``weight_layouts[t]``
+    telling how to shape that gradient."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray | None
+    key_start: np.ndarray
+    bag_start: np.ndarray
+    weighted: np.ndarray
+    weight_grads: list
+    weight_layouts: list
+
+
+def _exclusive(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _int_array(x, what: str) -> np.ndarray:
+    """An int64 array of ``x`` (a tensor or array); refuses floats, bools and sparse tensors."""
+    if type(x) is torch.Tensor and x.dtype == torch.int64 and x.layout == torch.strided and x.device.type == "cpu":
+        return np.ascontiguousarray(x.numpy()).reshape(-1)  # the common case, first
     if isinstance(x, torch.Tensor):
-        if x.is_sparse or x.layout != torch.strided:
-            raise TypeError(f"{what} must be a dense tensor")
-        if dtype == np.int64 and x.is_floating_point():
+        if x.layout != torch.strided:
+            raise TypeError(f"{what} must be a dense tensor, got layout {x.layout}")
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what} must hold integers, got {x.dtype}")
         x = x.detach().cpu().numpy()
     a = np.asarray(x)
-    if dtype == np.int64 and a.size and a.dtype.kind not in "iu":
+    if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
         raise TypeError(f"{what} must hold integers, got {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {list(a.shape)}")
-    return np.ascontiguousarray(a, dtype=dtype)
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        raise OverflowError(f"{what}: key {int(a.max())} does not fit in int64")
+    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+
+
+def _float_array(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise TypeError(f"{what} must be a dense tensor, got layout {x.layout}")
+        if not (x.is_floating_point() or x.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"{what} must be floating point, got {x.dtype}")
+        x = x.detach().cpu().to(torch.float32).numpy()  # bfloat16 / float16 have no numpy view
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{what} must be numbers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+
+
+def _lists(bags, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets) of a list of lists; every entry must be an int."""
+    lengths = [len(bag) for bag in bags]
+    offsets = _exclusive(np.asarray(lengths, np.int64))
+    flat = [k for bag in bags for k in bag]
+    if not flat:
+        return np.empty(0, np.int64), offsets
+    if not all(type(k) is int or isinstance(k, (np.integer,)) for k in flat):
+        bad = next(k for k in flat if not (type(k) is int or isinstance(k, np.integer)))
+        raise TypeError(f"{what} must hold ints, got {bad!r} ({type(bad).__name__})")
+    return np.array(flat, dtype=np.int64), offsets
 
 
 def _coo_entries(t: torch.Tensor, what: str):
-    """(indices [2, n], values) of a 2-D COO tensor in row-major order. Entries are never
-    summed: torch's coalesce() would add up the keys of repeated coordinates."""
+    """(indices [2, n], values, order) of a 2-D COO tensor in row-major order. Entries are
+    never summed: torch's coalesce() would add up the keys of repeated coordinates."""
     if t.dim() != 2:
         raise ValueError(f"a sparse COO {what} must be 2-D [batch, hotness], got {t.dim()}-D")
-    if t.is_coalesced():
-        return t.indices().numpy(), t.values()
     index, values = t._indices().numpy(), t._values()
-    order = np.lexsort((index[1], index[0]))
-    return index[:, order], values[torch.from_numpy(order)]
+    order = None if t.is_coalesced() else np.lexsort((index[1], index[0]))
+    if order is not None:
+        index, values = index[:, order], values[torch.from_numpy(order)]
+    return index, values, order
 
 
-def to_ragged(ids, weights=None) -> _Bags:
-    """Converts one table's ids (and weights of the same structure) to host arrays."""
+def _one_table(ids, weights):
+    """(values, offsets, weights or None, weight tensor needing a gradient or None, layout)
+    of one table's input. ``layout`` tells how to shape that gradient."""
+    wt = None
+    layout = None
     if isinstance(ids, Ragged):
         if weights is not None and ids.weights is not None:
             raise ValueError("weights given both in the Ragged input and in sp_weights")
         w = ids.weights if ids.weights is not None else weights
         if isinstance(w, Ragged):
             w = w.values
-        return _Bags(
-            _np(ids.values, np.int64, "values"),
-            _np(ids.offsets, np.int64, "offsets"),
-            None if w is None else _np(w, np.float32, "weights"),
-        )
+        values, offsets = _int_array(ids.values, "values"), _int_array(ids.offsets, "offsets")
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            wt, layout = w, ("dense", tuple(w.shape))
+        return values, offsets, None if w is None else _float_array(w, "weights"), wt, layout
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
-        index, values = _coo_entries(ids, "input")
+        index, values, order = _coo_entries(ids, "input")
         batch = ids.shape[0]
-        offsets = np.zeros(batch + 1, np.int64)
-        np.cumsum(np.bincount(index[0], minlength=batch), out=offsets[1:])
+        offsets = _exclusive(np.bincount(index[0], minlength=batch).astype(np.int64))
         w = None
         if weights is not None:
             if not (isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_coo):
                 raise TypeError("with COO ids, sp_weights must be a COO tensor of the same indices")
-            w_index, w = _coo_entries(weights, "sp_weights")
+            w_index, w, w_order = _coo_entries(weights, "sp_weights")
             if not np.array_equal(w_index, index):
                 raise ValueError("COO sp_weights must have the same indices as the ids")
-        return _Bags(_np(values, np.int64, "values"), offsets, None if w is None else _np(w, np.float32, "weights"))
+            if weights.requires_grad:
+                wt, layout = weights, ("coo", w_order)
+        return (_int_array(values, "values"), offsets, None if w is None else _float_array(w, "weights"), wt, layout)
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_csr:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights
-        return _Bags(
-            _np(ids.values(), np.int64, "values"),
-            _np(ids.crow_indices(), np.int64, "offsets"),
-            None if w is None else _np(w, np.float32, "weights"),
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            raise TypeError("weights that require a gradient must be a dense tensor or a COO tensor")
+        return (
+            _int_array(ids.values(), "values"),
+            _int_array(ids.crow_indices(), "offsets"),
+            None if w is None else _float_array(w, "weights"),
+            None,
+            None,
         )
     if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim in (1, 2):  # [B] one-hot, [B, H] fixed bags
         batch, hotness = ids.shape[0], (ids.shape[1] if ids.ndim == 2 else 1)
-        w = None if weights is None else _np(torch.as_tensor(weights).reshape(-1), np.float32, "weights")
-        return _Bags(
-            _np(torch.as_tensor(ids).reshape(-1), np.int64, "values"), np.arange(batch + 1, dtype=np.int64) * hotness, w
-        )
-    if isinstance(ids, (list, tuple)):
-        lengths = [len(bag) for bag in ids]
-        offsets = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = np.fromiter((k for bag in ids for k in bag), dtype=np.int64, count=int(offsets[-1]))
+        values = _int_array(ids, "ids")
         w = None
         if weights is not None:
-            w = np.fromiter((x for bag in weights for x in bag), dtype=np.float32)
-        return _Bags(values, offsets, w)
+            w = _float_array(weights, "weights")
+            if isinstance(weights, torch.Tensor) and weights.requires_grad:
+                wt, layout = weights, ("dense", tuple(weights.shape))
+            if isinstance(weights, (torch.Tensor, np.ndarray)) and tuple(weights.shape) != tuple(ids.shape):
+                raise ValueError(f"weights must have the shape of the ids {list(ids.shape)}, got {list(weights.shape)}")
+        return values, np.arange(batch + 1, dtype=np.int64) * hotness, w, wt, layout
+    if isinstance(ids, (list, tuple)):
+        values, offsets = _lists(ids, "ids")
+        w = None
+        if weights is not None:
+            if not isinstance(weights, (list, tuple)) or len(weights) != len(ids):
+                raise ValueError("with lists of ids, sp_weights must be a list with one list per bag")
+            lengths = [len(wb) for wb in weights]
+            if lengths != list(np.diff(offsets)):
+                b = next(i for i, (a, c) in enumerate(zip(lengths, np.diff(offsets))) if a != c)
+                raise ValueError(
+                    f"weights of bag {b} have {lengths[b]} entries but the bag has {int(np.diff(offsets)[b])} keys"
+                )
+            w = np.array([x for wb in weights for x in wb], dtype=np.float32)
+        return values, offsets, w, None, None
     raise TypeError(
         f"unsupported ids type {type(ids).__name__}: pass sokpy.Ragged, a torch sparse COO/CSR "
         "tensor, a 1-D or 2-D integer tensor or a list of lists"
     )
 
 
-def bags_error(bags: _Bags) -> str | None:
-    """A message for the first structural fault of ``bags`` (offsets, weights), or None."""
-    off, n = bags.offsets, bags.values.size
-    if off.size == 0:
-        return "offsets must have length batch_size + 1 (at least 1)"
-    if off[0] != 0:
-        return f"offsets must start at 0, got {int(off[0])}"
-    if off[-1] != n:
-        return f"offsets must end at len(values) = {n}, got {int(off[-1])}"
-    drops = np.flatnonzero(off[1:] < off[:-1])
+def _check_table(values, offsets, weights) -> None:
+    """Raises ValueError for the first structural fault of one table's input."""
+    n = values.size
+    if offsets.size == 0:
+        raise ValueError("offsets must have length batch_size + 1 (at least 1)")
+    if offsets[0] != 0:
+        raise ValueError(f"offsets must start at 0, got {int(offsets[0])}")
+    if offsets[-1] != n:
+        raise ValueError(f"offsets must end at len(values) = {n}, got {int(offsets[-1])}")
+    drops = np.flatnonzero(offsets[1:] < offsets[:-1])
     if drops.size:
         i = int(drops[0])
-        return f"offsets must not decrease: offsets[{i + 1}] = {int(off[i + 1])} < offsets[{i}] = {int(off[i])}"
-    if bags.weights is not None:
-        if bags.weights.size != n:
-            return f"weights must have one entry per key ({n}), got {bags.weights.size}"
-        bad = np.flatnonzero(~np.isfinite(bags.weights))
+        raise ValueError(
+            f"offsets must not decrease: offsets[{i + 1}] = {int(offsets[i + 1])} < offsets[{i}] = {int(offsets[i])}"
+        )
+    if weights is not None:
+        if weights.size != n:
+            raise ValueError(f"weights must have one entry per key ({n}), got {weights.size}")
+        bad = np.flatnonzero(~np.isfinite(weights))
         if bad.size:
-            return f"weight at position {int(bad[0])} is not finite ({bags.weights[bad[0]]})"
-    return None
+            raise ValueError(f"weight at position {int(bad[0])} is not finite ({weights[bad[0]]})")
 
 
-def dedup(values: np.ndarray, bound: int):
-    """``(unique, perm, seg)``: ``values[perm[seg[u]:seg[u+1]]] == unique[u]``, each key's
-    positions in increasing order. ``bound`` > every value (all are >= 0)."""
-    shift = max(1, int(values.size - 1).bit_length())
-    if bound < 1 << (62 - shift):
-        # (key, position) packed into one int64: a plain sort (SIMD on x86) is about twice as
-        # fast as an argsort, and equal keys keep their order.
-        packed = np.left_shift(values, shift) | np.arange(values.size, dtype=np.int64)
-        packed.sort()
-        perm, s = packed & ((1 << shift) - 1), packed >> shift
+def _is_keyed_jagged(x) -> bool:
+    return (
+        callable(getattr(x, "values", None))
+        and callable(getattr(x, "weights_or_none", None))
+        and (callable(getattr(x, "offsets", None)) or callable(getattr(x, "lengths", None)))
+    )
+
+
+def _from_keyed_jagged(kjt, ntables: int) -> Batch:
+    keys = _int_array(kjt.values(), "values")
+    nfeat = len(kjt.keys()) if callable(getattr(kjt, "keys", None)) else ntables
+    if nfeat != ntables:
+        raise BatchError(0, f"the KeyedJaggedTensor has {nfeat} features but there are {ntables} tables")
+    offsets = getattr(kjt, "offsets", None)
+    if callable(offsets) and offsets() is not None:
+        offsets = _int_array(offsets(), "offsets")
     else:
-        perm = np.argsort(values, kind="stable")
-        s = values[perm]
-    first = np.empty(s.size, bool)
-    first[:1] = True
-    np.not_equal(s[1:], s[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    return s[starts], perm, np.append(starts, s.size).astype(np.int64)
+        offsets = _exclusive(_int_array(kjt.lengths(), "lengths"))
+    stride = kjt.stride() if callable(getattr(kjt, "stride", None)) else (offsets.size - 1) // max(1, ntables)
+    if offsets.size != ntables * stride + 1:
+        raise BatchError(0, f"offsets of {offsets.size} entries do not fit {ntables} features of {stride} bags")
+    w = kjt.weights_or_none()
+    weights = None if w is None else _float_array(w, "weights")
+    bag_start = np.arange(ntables + 1, dtype=np.int64) * stride
+    for t in range(ntables):
+        lo, hi = bag_start[t], bag_start[t + 1]
+        try:
+            _check_table(
+                keys[offsets[lo] : offsets[hi]],
+                offsets[lo : hi + 1] - offsets[lo],
+                None if weights is None else weights[offsets[lo] : offsets[hi]],
+            )
+        except ValueError as e:
+            raise BatchError(t, str(e)) from None
+    if offsets[0] != 0 or offsets[-1] != keys.size:
+        raise BatchError(0, f"offsets must run from 0 to len(values) = {keys.size}")
+    grads = [None] * ntables
+    layouts = [None] * ntables
+    if isinstance(w, torch.Tensor) and w.requires_grad:
+        grads[0], layouts[0] = w, ("keyed", tuple(w.shape))
+    return Batch(keys, offsets, weights, offsets[bag_start], bag_start, np.full(ntables, w is not None), grads, layouts)
+
+
+def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
+    """Converts and checks one call's input (``sp_ids``: one input per table, or one
+    KeyedJaggedTensor for all); raises :class:`BatchError` naming the table on a fault."""
+    if _is_keyed_jagged(sp_ids):
+        if sp_weights is not None:
+            raise BatchError(0, "a KeyedJaggedTensor carries its own weights; pass sp_weights=None")
+        return _from_keyed_jagged(sp_ids, ntables)
+    if not isinstance(sp_ids, (list, tuple)):
+        raise BatchError(0, f"sp_ids must be a list with one input per table, got {type(sp_ids).__name__}")
+    if len(sp_ids) != ntables:
+        raise BatchError(0, f"sp_ids has {len(sp_ids)} entries but there are {ntables} tables")
+    if sp_weights is None:
+        sp_weights = [None] * ntables
+    elif not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != ntables:
+        raise BatchError(0, f"sp_weights must be None or a list with one entry per table ({ntables})")
+    parts = []
+    for t, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
+        try:
+            parts.append(_one_table(ids, w))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BatchError(t, str(e)) from None
+    counts = np.fromiter((p[0].size for p in parts), np.int64, ntables)
+    sizes = np.fromiter((p[1].size for p in parts), np.int64, ntables)
+    key_start = _exclusive(counts)
+    all_off = np.concatenate([p[1] for p in parts]) if ntables > 1 else parts[0][1]
+    weighted = np.fromiter((p[2] is not None for p in parts), bool, ntables)
+    weights = None
+    if weighted.any():
+        weights = np.ones(int(key_start[-1]), np.float32)
+        for t in np.flatnonzero(weighted):
+            if parts[t][2].size == counts[t]:
+                weights[key_start[t] : key_start[t + 1]] = parts[t][2]
+    # Every table's structure at once; the exact message of the first faulty table only on failure.
+    off_start = _exclusive(sizes)
+    ok = bool((sizes > 0).all())
+    if ok:
+        inner = np.diff(all_off)
+        inner[off_start[1:-1] - 1] = 0  # table boundaries are not steps of one table
+        ok = (
+            bool((all_off[off_start[:-1]] == 0).all())
+            and bool((all_off[off_start[1:] - 1] == counts).all())
+            and bool((inner >= 0).all())
+        )
+    if ok and weights is not None:
+        ok = all(parts[t][2].size == counts[t] for t in np.flatnonzero(weighted)) and bool(np.isfinite(weights).all())
+    if not ok:
+        for t, part in enumerate(parts):
+            try:
+                _check_table(*part[:3])
+            except ValueError as e:
+                raise BatchError(t, str(e)) from None
+    bags = sizes - 1
+    bag_start = _exclusive(bags)
+    offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
+    keep = np.ones(all_off.size, bool)
+    keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
+    offsets[:-1] = all_off[keep]
+    if ntables > 1:
+        offsets[:-1] += np.repeat(key_start[:-1], bags)
+    offsets[-1] = key_start[-1]
+    keys = np.concatenate([p[0] for p in parts]) if ntables > 1 else parts[0][0]
+    return Batch(keys, offsets, weights, key_start, bag_start, weighted, [p[3] for p in parts], [p[4] for p in parts])

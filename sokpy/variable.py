@@ -1,122 +1,161 @@
-"""Sharded embedding tables: placement, initial values, export and assign.
+"""Sharded embedding tables: static (:class:`Variable`) and dynamic (:class:`DynamicVariable`).
 
-A :class:`Variable` is a static table of ``rows`` x ``dim`` float32 whose rows live on the
-ranks by placement (DESIGN.md): ``target_gpu=-1`` puts key k on rank ``k % W`` at local row
-``k // W``; ``target_gpu=r`` puts the whole table on rank r.
+A :class:`Variable` is a static table of ``rows`` x ``dim`` float32: ``target_gpu=-1`` puts key
+k on rank ``k % W`` at local row ``k // W``; ``target_gpu=r`` puts the whole table on rank r.
+A :class:`DynamicVariable` has no fixed key range: every int64 is a valid key, a row is
+created the first time its key is looked up (or assigned), and its shard is a hash table
+that grows by itself; ``target_gpu=-1`` puts key k on rank ``mix64(k) % W`` (splitmix64's
+finalizer), so patterned ids do not pile onto one rank.
+
+Creating a table is a collective call: every rank creates the same tables in the same order,
+and the n-th table gets the same identity on every rank. Names are unique in a job (an
+automatic one, ``table<N>``, when none is given). A row's initial values are a pure function
+of (seed, table name, key, column): the same at every world size, different in every table.
 
 Example (any number of ranks)::
 
     import sokpy
     sokpy.init()
     v = sokpy.Variable(1000, 16, initializer=sokpy.initializers.normal(0, 0.01), name="user")
-    keys, values = sokpy.export(v)          # this rank's rows
-    sokpy.assign(v, keys, values * 2)       # collective
+    d = sokpy.DynamicVariable(16, name="query")      # keys: any int64
+    keys, values = sokpy.export(v)                   # this rank's rows
+    sokpy.assign(v, keys, values * 2)                # collective
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import NamedTuple
+import hashlib
+import weakref
 
 import numpy as np
 import torch
 
-from . import kernels, runtime
-from .errors import agree
+from . import collective, handoff, kernels, runtime
+from .gradients import SparseGrad, table_grad
 from .initializers import resolve
-from .sparse import dedup
+from .storage import HashStorage, InitSpec, StaticStorage
 
-__all__ = ["Variable", "SparseGrad", "export", "assign"]
+__all__ = ["Variable", "DynamicVariable", "SparseGrad", "export", "assign"]
 
-_uids = itertools.count()
-_INIT_CHUNK = 1 << 20  # rows initialised per kernel call (bounds the key buffer)
-
-
-class SparseGrad(NamedTuple):
-    """A sparse gradient held by the owning rank: global int64 ``keys`` [n] and float32 ``values`` [n, dim]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
+_names: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _to_numpy(x, dtype) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+def _init_seed(seed: int, name: str) -> int:
+    """The table's initial-value seed: ``seed`` mixed with the table's name (its identity
+    across processes, world sizes and checkpoints), so no two tables start alike."""
+    digest = hashlib.blake2b(f"{int(seed)}|{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
-class Variable:
+class _Table:
+    """What static and dynamic tables share: identity, placement, storage, gradients."""
+
+    dynamic = False
+
+    def _create(self, spec: str, dim, target_gpu, initializer, seed, name, check) -> None:
+        """The collective part of creating a table: every rank checks the arguments, the ranks
+        agree on the verdict and on the spec, and the table gets its identity."""
+        world, rank = runtime.world_size(), runtime.rank()
+        uid = collective.new_table_uid()
+        error = None
+        try:
+            if int(dim) != dim or dim < 1:
+                raise ValueError(f"dim must be a positive integer, got {dim!r}")
+            if not -1 <= int(target_gpu) < world:
+                raise ValueError(f"target_gpu must be -1 or a rank in [0, {world}), got {target_gpu}")
+            check()
+            init = resolve(initializer)
+            name = f"table{uid}" if name is None else str(name)
+            if name in _names:
+                raise ValueError(
+                    f"a table named {name!r} already exists; table names must be unique in a job "
+                    "(they identify a table's initial values and its checkpoint entries)"
+                )
+        except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+            error = f"{type(self).__name__}(name={name!r}): {e}"
+        self.uid, self.name = uid, name if error is None else f"<invalid {uid}>"
+        with collective.Call(
+            type(self).__name__, detail=f"uid={uid} {spec} seed={seed} initializer={initializer!r} name={name!r}"
+        ) as call:
+            call.agree(error)
+        _names[self.name] = self
+        self.dim, self.target_gpu, self.seed = int(dim), int(target_gpu), int(seed)
+        self.initializer = init
+        self._world, self._rank = world, rank
+        self._init = InitSpec(init.code, init.a, init.b, _init_seed(seed, self.name))
+        # A leaf tensor that ties lookups into autograd and stands for this table in an
+        # optimizer's param_groups; its own gradient is never used.
+        self.handle = torch.zeros((), requires_grad=True)
+        self._grad_refs: list = []  # GradChunks holding this table's gradients
+        self.optimizer = None  # the optimizer that trains this table, once it joins one
+        self.nonfinite_grad = None
+
+    # ---- placement (host-side rules, for routing in assign/load) -------------------------------
+    def describe(self) -> str:
+        return self.name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's rows, a tensor view ``[local rows, dim]`` (the values columns of the
+        stored rows; optimizer state sits beside them)."""
+        return handoff.to_torch(self.storage.data)[: self.storage.size, : self.dim]
+
+    @property
+    def grad(self) -> SparseGrad | None:
+        """This rank's sparse gradient: unique global keys (sorted) and their gradient rows,
+        summed over every rank and every backward since the last ``zero_grad``, or None."""
+        return table_grad(self)
+
+    def zero_grad(self) -> None:
+        self._grad_refs = []
+        self.nonfinite_grad = None
+
+    def __repr__(self) -> str:
+        return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"
+
+
+class Variable(_Table):
     """A static embedding table of ``rows`` x ``dim`` float32, sharded across ranks.
 
-    ``target_gpu=-1`` spreads the rows over all ranks (key k on rank k % W); ``target_gpu=r``
-    keeps the whole table on rank r. Initial values are a pure function of (``seed``, key,
-    column), the same for every world size. ``weight`` is this rank's shard as a torch tensor
-    ``[local_rows, dim]``; ``grad`` is its sparse gradient after ``backward()`` (or None).
+    ``target_gpu=-1`` spreads the rows over all ranks (key k on rank k % W, at local row
+    k // W; rank r holds ``ceil((rows - r) / W)`` rows); ``target_gpu=r`` keeps the whole table on
+    rank r. Initial values are a pure function of (``seed``, ``name``, key, column), the same
+    for every world size. ``weight`` is this rank's shard as a torch tensor ``[local_rows, dim]``;
+    ``grad`` its sparse gradient after ``backward()`` (or None). Collective: every rank creates
+    the same tables in the same order.
 
     Example::
 
         import sokpy
         sokpy.init()
-        item = sokpy.Variable(10_000, 32, target_gpu=0, initializer=0.0, name="item")
+        item = sokpy.Variable(10_000, 32, target_gpu=0, initializer=0.0, name="item_table")
         print(item.local_rows, item.weight.shape)
     """
 
     def __init__(
         self, rows: int, dim: int, target_gpu: int = -1, initializer=None, seed: int = 0, name: str | None = None
     ):
-        world = runtime.world_size()
-        if int(rows) != rows or rows < 0:
-            raise ValueError(f"sokpy.Variable: rows must be a non-negative integer, got {rows!r}")
-        if int(dim) != dim or dim < 1:
-            raise ValueError(f"sokpy.Variable: dim must be a positive integer, got {dim!r}")
-        if not -1 <= int(target_gpu) < world:
-            raise ValueError(f"sokpy.Variable: target_gpu must be -1 or a rank in [0, {world}), got {target_gpu}")
-        self.uid = next(_uids)
-        self.rows, self.dim, self.target_gpu = int(rows), int(dim), int(target_gpu)
-        self.name = name if name is not None else f"var{self.uid}"
-        self.seed = int(seed)
-        self.initializer = resolve(initializer)
-        self._world, self._rank = world, runtime.rank()
+        def check():
+            if int(rows) != rows or rows < 0:
+                raise ValueError(f"rows must be a non-negative integer, got {rows!r}")
+
+        self._create(f"rows={rows} dim={dim} target_gpu={target_gpu}", dim, target_gpu, initializer, seed, name, check)
+        self.rows = int(rows)
+        world, rank = self._world, self._rank
         if self.target_gpu == -1:
-            self.local_rows = max(0, (self.rows - self._rank + world - 1) // world)
+            local = max(0, (self.rows - rank + world - 1) // world)
+            self.storage = StaticStorage(local, self.dim, self._init, world, rank, localized=False)
         else:
-            self.local_rows = self.rows if self._rank == self.target_gpu else 0
-        self.weight = torch.empty((self.local_rows, self.dim), dtype=torch.float32)
-        self._initialise()
-        # A leaf tensor that ties lookups into autograd and stands for this table in an
-        # optimizer's param_groups; its own gradient is never used.
-        self.handle = torch.zeros((), requires_grad=True)
-        self._grad_chunks: list[tuple] = []  # (keys, rows or flat buffer, element offsets or None)
-        self._grad_unique = False  # the one chunk held has unique, sorted keys
-        self._grad_view: SparseGrad | None = None
-        self.nonfinite_grad: str | None = None  # where a non-finite gradient came from, if one did
+            local = self.rows if rank == self.target_gpu else 0
+            self.storage = StaticStorage(local, self.dim, self._init, 1, 0, localized=True)
 
-    # ---- placement -----------------------------------------------------------------------
-    def owner_of(self, keys: np.ndarray) -> np.ndarray:
-        """The rank that owns each key."""
-        if self.target_gpu == -1:
-            return keys % self._world
-        return np.full(keys.shape, self.target_gpu, dtype=np.int64)
+    @property
+    def local_rows(self) -> int:
+        return self.storage.size
 
-    def local_index(self, keys: np.ndarray) -> np.ndarray:
-        """The local row of each key (all owned by this rank)."""
-        return keys // self._world if self.target_gpu == -1 else keys
-
-    def local_keys(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Global keys of local rows ``[start, stop)``."""
-        idx = np.arange(start, self.local_rows if stop is None else stop, dtype=np.int64)
-        return idx * self._world + self._rank if self.target_gpu == -1 else idx
-
-    def key_error(self, keys: np.ndarray) -> str | None:
-        """A message naming the first key that is not in the table, or None."""
-        if keys.size == 0 or (keys.min() >= 0 and keys.max() < self.rows):
-            return None
-        bad = np.flatnonzero((keys < 0) | (keys >= self.rows))
-        i = int(bad[0])
-        return f"key {int(keys[i])} at position {i} is out of range [0, {self.rows})"
-
-    def describe(self) -> str:
-        return f"{self.name}[{self.rows}x{self.dim}@{self.target_gpu}]"
+    def local_keys(self):
+        """Global keys of this rank's rows, in row order."""
+        return self.storage.keys()
 
     def __repr__(self) -> str:
         return (
@@ -124,137 +163,127 @@ class Variable:
             f"target_gpu={self.target_gpu}, local_rows={self.local_rows})"
         )
 
-    def _initialise(self) -> None:
-        init = self.initializer
-        fn = kernels.get("init_rows")
-        out = self.weight.numpy()
-        for start in range(0, self.local_rows, _INIT_CHUNK):
-            stop = min(start + _INIT_CHUNK, self.local_rows)
-            keys = self.local_keys(start, stop)
-            grid, block = kernels.launch_shape(stop - start, self.dim)
-            fn(
-                grid,
-                block,
-                (
-                    out[start:stop],
-                    keys,
-                    stop - start,
-                    self.dim,
-                    init.code,
-                    init.a,
-                    init.b,
-                    self.seed & 0xFFFFFFFFFFFFFFFF,
-                ),
-            )
 
-    # ---- sparse gradient -------------------------------------------------------------------
-    def _add_grad(self, keys: np.ndarray, values: np.ndarray, unique: bool = False, offsets=None) -> None:
-        """Keeps (global key, gradient row) pairs; duplicates are summed when read or applied.
-        ``values`` is ``[n, dim]``, or, with ``offsets``, a flat buffer in which row i starts at
-        element ``offsets[i]`` (the exchange's receive buffer, kept without a copy).
-        ``unique``: the keys are unique and sorted, and the rows contiguous."""
-        if keys.size:
-            self._grad_unique = unique and offsets is None and not self._grad_chunks
-            self._grad_chunks.append((keys, values, offsets))
-        self._grad_view = None
+class DynamicVariable(_Table):
+    """An embedding table of ``dim`` float32 for any int64 keys, sharded across ranks.
 
-    def _replace_grad(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Holds exactly these unique, sorted keys and their merged ``[n, dim]`` gradient rows."""
-        self._grad_chunks = []
-        self._add_grad(keys, rows, unique=True)
+    A row is created the first time its key is looked up (or assigned) and starts at its
+    initial value, a pure function of (``seed``, ``name``, key, column): the same at every
+    world size. Every int64 is a valid key (no value is reserved as an empty marker). Key k
+    lives on rank ``mix64(k) % W`` (``target_gpu=-1``) or on rank ``target_gpu``. Each shard
+    is a hash table in flat kernels that grows by itself (``capacity`` is the initial number
+    of rows per rank); optimizer slots follow the rows. ``len(var)`` is the global row count
+    (collective), ``var.local_size()`` this rank's. ``lookup_sparse(..., insert=False)``
+    reads an unseen key as a zero row and creates nothing (evaluation, serving).
 
-    def _contiguous_rows(self, values: np.ndarray, offsets, n: int) -> np.ndarray:
-        """``[n, dim]`` rows of a gradient chunk (a copy only when they sit in a flat buffer)."""
-        if offsets is None:
-            return values
-        rows = np.empty((n, self.dim), np.float32)
-        if n:
-            grid, block = kernels.launch_shape(n, self.dim)
-            kernels.get("copy_rows")(grid, block, (values, offsets, rows, None, n, self.dim))
-        return rows
+    Example::
 
-    @property
-    def grad(self) -> SparseGrad | None:
-        """This rank's sparse gradient: unique global keys (sorted) and their summed gradient
-        rows, or None when no gradient arrived since the last ``zero_grad``."""
-        if not self._grad_chunks:
-            return None
-        if self._grad_view is None:
-            keys, grads, grad_off, seg = self.merged_grad()
-            if seg is None:  # every key arrived once, in order: grads is [n, dim] already
-                out = grads.copy()
-            else:
-                arrivals = self._contiguous_rows(grads, grad_off, grad_off.size)  # in key order
-                out = np.empty((keys.size, self.dim), np.float32)
-                grid, block = kernels.launch_shape(keys.size, self.dim)
-                kernels.get("segment_sum")(
-                    grid, block, (arrivals, None, None, None, None, seg, keys.size, self.dim, out, None)
-                )
-            self._grad_view = SparseGrad(torch.from_numpy(keys), torch.from_numpy(out))
-        return self._grad_view
+        import torch, sokpy
+        sokpy.init()
+        d = sokpy.DynamicVariable(8, name="clicks")
+        out = sokpy.lookup_sparse(d, [[2**62, -1], [7]], combiners="sum")
+        print(len(d))           # 3 rows now exist
+    """
 
-    def merged_grad(self):
-        """``(unique_keys, grads, grad_off, seg)``: the gradient rows that arrived for
-        ``unique_keys[u]`` (sorted) start at elements ``grad_off[seg[u]:seg[u+1]]`` of ``grads``,
-        in arrival order. ``grad_off`` and ``seg`` are None when every key arrived once, in
-        order (row u of ``grads`` is key u's)."""
-        if len(self._grad_chunks) == 1 and self._grad_unique:
-            keys, grads, _ = self._grad_chunks[0]
-            return keys, grads, None, None
-        if len(self._grad_chunks) == 1:
-            keys, grads, offsets = self._grad_chunks[0]
-        else:
-            keys = np.concatenate([k for k, _, _ in self._grad_chunks])
-            grads = np.concatenate([self._contiguous_rows(v, o, k.size) for k, v, o in self._grad_chunks])
-            offsets = None
-        unique, perm, seg = dedup(keys, self.rows)
-        grad_off = perm * self.dim if offsets is None else offsets[perm]
-        return unique, grads, grad_off, seg
+    dynamic = True
 
-    def zero_grad(self) -> None:
-        self._grad_chunks = []
-        self._grad_unique = False
-        self._grad_view = None
-        self.nonfinite_grad = None
+    def __init__(
+        self,
+        dim: int,
+        target_gpu: int = -1,
+        initializer=None,
+        seed: int = 0,
+        name: str | None = None,
+        capacity: int = 1024,
+    ):
+        def check():
+            if int(capacity) != capacity or capacity < 0:
+                raise ValueError(f"capacity must be a non-negative integer, got {capacity!r}")
+
+        self._create(
+            f"dim={dim} target_gpu={target_gpu} capacity={capacity}", dim, target_gpu, initializer, seed, name, check
+        )
+        self.storage = HashStorage(self.dim, self._init, capacity, localized=self.target_gpu != -1)
+
+    def local_size(self) -> int:
+        """Rows held on this rank."""
+        return self.storage.size
+
+    def __len__(self) -> int:
+        """The global number of rows (collective)."""
+        with collective.Call("DynamicVariable.len", [self]) as call:
+            call.agree(None)
+        return int(runtime.comm().allreduce(np.array([self.storage.size], np.int64))[0])
 
 
-def export(var: Variable):
+def export(var: _Table):
     """This rank's rows of ``var``: ``(keys, values)``, global int64 keys ``[n]`` and a float32
-    copy ``[n, dim]`` (``[0, dim]`` on a rank that holds no rows). Local, not collective.
+    copy ``[n, dim]`` (``[0, dim]`` on a rank that holds no rows). A dynamic table's rows come
+    sorted by key. Local, not collective.
 
     Example::
 
         keys, values = sokpy.export(v)
     """
-    return torch.from_numpy(var.local_keys()), var.weight.detach().clone()
+    xp = runtime.xp()
+    keys = xp.array(var.storage.keys())
+    values = xp.array(var.storage.values())
+    if var.dynamic and keys.size:
+        order = xp.argsort(keys, kind="stable")
+        keys, values = keys[order], values[order]
+    return handoff.to_torch(keys), handoff.to_torch(xp.ascontiguousarray(values))
 
 
-def assign(var: Variable, keys, values) -> None:
+def _last_of_equal(keys: np.ndarray) -> np.ndarray:
+    """Positions of the last occurrence of each distinct key (so the highest rank wins)."""
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    last = np.ones(sk.size, bool)
+    last[:-1] = sk[1:] != sk[:-1]
+    return order[last]
+
+
+def assign(var: _Table, keys, values) -> None:
     """Sets rows of ``var``: collective; each rank may pass any keys (any count, none too)
-    and they reach their owners. A bad key or shape on any rank raises the same error on
-    every rank and changes nothing. Where several ranks assign one key, the highest rank wins.
+    and they reach their owners; a dynamic table creates rows for new keys (their optimizer
+    state starts at its initial value). A bad key or shape on any rank raises the same error
+    on every rank and changes nothing. Where several ranks assign one key, the highest rank
+    wins; within a rank, the last occurrence.
 
     Example::
 
         sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))
     """
+    from . import plan
+
     comm = runtime.comm()
     error = None
     try:
-        keys = _to_numpy(keys, np.int64).reshape(-1)
-        values = _to_numpy(values, np.float32)
+        keys = handoff.from_torch(keys, np.int64).reshape(-1)
+        values = handoff.from_torch(values, np.float32)
         if values.ndim != 2 or values.shape != (keys.size, var.dim):
-            error = f"values must have shape [{keys.size}, {var.dim}], got {list(values.shape)}"
-        else:
-            error = var.key_error(keys)
-    except (TypeError, ValueError) as e:
-        error = f"keys/values cannot be read as int64 / float32 arrays: {e}"
-    if error is not None:
-        error = f"table {var.name!r}: {error}"
-    agree(comm, f"assign {var.describe()}", error)
-    owner = var.owner_of(keys)
-    order = np.argsort(owner, kind="stable")
-    counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
-    recv_keys, recv_counts = comm.alltoallv(keys[order], counts)
-    recv_values, _ = comm.alltoallv(values[order], counts, recv_counts)
-    var.weight.numpy()[var.local_index(recv_keys)] = recv_values
+            raise ValueError(f"values must have shape [{keys.size}, {var.dim}], got {list(values.shape)}")
+        owner = plan.owners(var, keys)  # checks the keys of a static table too
+        if not bool(np.isfinite(values).all()):
+            raise ValueError("values must be finite")
+    except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+        error = f"table {var.name!r}: {e}"
+    if error is None:
+        order = np.argsort(owner, kind="stable")
+        counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
+        volume = keys.size * (1 + var.dim)
+    else:
+        counts, volume = np.zeros(comm.size, np.int64), 0
+    with collective.Call("assign", [var]) as call:
+        agreement = call.agree(error, counts, volume)
+        recv_keys, _ = comm.alltoallv(keys[order], counts, agreement.recv_counts, large=agreement.large)
+        recv_values, _ = comm.alltoallv(values[order], counts, agreement.recv_counts, large=agreement.large)
+    keep = _last_of_equal(recv_keys)
+    recv_keys, recv_values = recv_keys[keep], np.ascontiguousarray(recv_values[keep])
+    rows = plan.rows_of(var, recv_keys, insert=True)
+    n = rows.size
+    if n:
+        grid, block = kernels.launch_shape(n, var.dim)
+        kernels.get("copy_rows")(
+            grid, block, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim)
+        )

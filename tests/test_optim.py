@@ -108,17 +108,19 @@ def test_lr_scheduler_changes_the_step_size(sokpy_host):
     torch.testing.assert_close(second, torch.tensor([-0.1, -0.1]))
 
 
-def test_rows_without_gradient_untouched_and_state_lazy(sokpy_host):
+def test_rows_without_gradient_untouched_and_state_created_on_join(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(10, 2)
     opt = sokpy.optim.Adam([v], lr=0.1)
-    assert v.handle not in opt.state
+    # State is claimed when the table joins the optimizer, not at the first step.
+    assert opt.state[v.handle]["exp_avg"].shape == v.weight.shape
+    assert opt.state[v.handle]["step"] == 0
     before = sokpy.export(v)[1].clone()
     _one_step(sokpy, opt, v, key=3)
     after = sokpy.export(v)[1]
     changed = (after != before).any(dim=1).nonzero().flatten().tolist()
     assert changed == [3]
-    assert opt.state[v.handle]["exp_avg"].shape == v.weight.shape
+    assert opt.state[v.handle]["step"] == 1
 
 
 def test_state_dict_round_trip(sokpy_host):
@@ -127,10 +129,16 @@ def test_state_dict_round_trip(sokpy_host):
     opt = sokpy.optim.Ftrl([v], lr=0.3, l1=0.01)
     _one_step(sokpy, opt, v)
     sd = opt.state_dict()
-    assert sd["steps"] == 1 and sd["param_groups"][0]["l1"] == 0.01
-    opt2 = sokpy.optim.Ftrl([v], lr=0.1)
+    entry = sd["state"][0]
+    assert entry["step"] == 1 and sd["param_groups"][0]["l1"] == 0.01
+    assert entry["keys"].tolist() == list(range(10)) and entry["accumulator"].shape == (10, 2)
+    w = sokpy.Variable(10, 2)
+    sokpy.assign(w, *sokpy.export(v))
+    opt2 = sokpy.optim.Ftrl([w], lr=0.1)
     opt2.load_state_dict(sd)
-    assert opt2.param_groups[0]["lr"] == 0.3 and opt2.steps == 1 and opt2.state[v.handle]["step"] == 1
+    assert opt2.param_groups[0]["lr"] == 0.3 and opt2.state[w.handle]["step"] == 1
+    for name in ("accumulator", "linear"):
+        assert torch.equal(opt2.state[w.handle][name], opt.state[v.handle][name])
 
 
 def test_gradient_kept_after_step_until_zero_grad(sokpy_host):

@@ -112,7 +112,7 @@ def check_nonfinite():
     try:
         opt.step()
     except sokpy.InputError as e:
-        assert "not finite" in str(e) and "'var" in str(e), str(e)
+        assert "not finite" in str(e) and "'table" in str(e), str(e)
     else:
         raise AssertionError(f"rank {RANK}: a NaN gradient was applied")
     for v, w, s in zip(tables, weights, state):

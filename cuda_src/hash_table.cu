@@ -1,0 +1,38 @@
+// hash_table.cu -- the rows of keys on their owner: placement arithmetic for static tables,
+// an open-addressing hash index for dynamic tables (sokpy_tables.cuh has the index itself).
+//
+// A dynamic table's shard is an index of `slots` entries (key word + state word, linear
+// probing, a power of two) and a dense row store numbered in order of insertion. Rows never
+// move: growing the index re-inserts keys and row numbers only, growing the row store copies
+// the rows once to a larger buffer at the same row numbers.
+#include "sokpy_tables.cuh"
+
+// rows[i] = the stored row of keys[i]. Keys come in segments (segment s = peer * ntables + t
+// holds keys [seg_start[s], seg_start[s+1]) of table t). A dynamic table inserts a key it
+// does not hold when `insert` is set (its row is numbered from the table's counter and its
+// values are initialised afterwards, by init_rows), else gives -1. Race-free: the same key
+// may appear many times in one launch, and blocks run in parallel.
+extern "C" __global__ void find_rows(const i64* keys, i64 n, const i64* seg_start, int nseg, int ntables,
+                                     const i64* tabs, const u64* ptrs, int world, int insert, i64* rows) {
+    SOKPY_FOR_KEYS(i, n) {
+        const int t = sokpy_segment_of(seg_start, nseg, i) % ntables;
+        rows[i] = sokpy_row_of(tabs, ptrs, t, keys[i], world, insert);
+    }
+}
+
+// Moves every full slot of an index (old_slots entries) into a new, empty one of new_mask + 1
+// slots. Keys are unique there, so a claimed slot is written without comparing keys.
+extern "C" __global__ void rehash_index(const i64* old_keys, const i64* old_rows, i64 old_slots, i64* new_keys,
+                                        i64* new_rows, i64 new_mask) {
+    SOKPY_FOR_KEYS(i, old_slots) {
+        const i64 row = old_rows[i];
+        if (row < 0) continue;
+        const i64 key = old_keys[i];
+        u64 s = sokpy_slot_hash(key) & (u64)new_mask;
+        while (sokpy_cas(new_rows + s, SOKPY_SLOT_EMPTY, SOKPY_SLOT_WRITING) != SOKPY_SLOT_EMPTY) {
+            s = (s + 1) & (u64)new_mask;
+        }
+        new_keys[s] = key;
+        sokpy_store_release(new_rows + s, row);
+    }
+}

@@ -1,0 +1,201 @@
+"""The collective-call layer: every collective call of sokpy passes through here first.
+
+Table creation, ``lookup_sparse`` and its backward, an optimizer step, ``assign``, ``save``
+and ``load`` each open a :class:`Call` and call :meth:`Call.agree` before anything is
+exchanged or changed. ``agree`` makes one fixed-size all-to-all of a small header per rank
+(:data:`HEADER_WORDS` int64 words per peer), and every rank receives every other rank's
+header, so all ranks take the same decision from the same data:
+
+* a **call sequence number** (the n-th collective call of this process),
+* a **fingerprint** of the call: the operation, the identities of its tables in order
+  (agreed when the tables were created, never their user names) and anything else that
+  must match (e.g. ``insert=False``),
+* a **label**: the sequence number of the forward call a backward exchange belongs to,
+* the **grad mode** (whether a lookup records a backward),
+* this rank's **verdict** (any exception while it checked its input),
+* a per-peer **count** (e.g. how many keys this rank sends to that peer next) and this
+  rank's **volume** (elements it sends in the data exchanges of the call).
+
+Because every call starts with the same header exchange of the same size, ranks that are
+in different calls (another operation, other tables, the backward of another lookup, a
+lookup under ``no_grad`` on one rank only) never pair their data by accident: they all
+raise the same :class:`~sokpy.errors.CollectiveMismatchError`, naming every rank's call.
+A bad input on any rank makes every rank raise the same :class:`~sokpy.errors.InputError`.
+Only on such an error does a second, small exchange gather the messages. The header
+replaces the count exchange a lookup makes anyway, so agreeing costs no extra round trip
+there.
+
+The header also decides, for all ranks alike, whether the call's data exchanges must be
+split into pieces below MPI's 32-bit count limit (:attr:`Agreement.large`).
+
+Example::
+
+    import numpy as np, sokpy
+    from sokpy import collective
+    sokpy.init()
+    with collective.Call("example") as call:
+        agreement = call.agree(error=None, counts=np.zeros(sokpy.world_size(), np.int64))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from contextlib import ExitStack
+from typing import NamedTuple
+
+import numpy as np
+
+from . import runtime
+from .comm import max_count
+from .errors import CollectiveMismatchError, InputError
+
+__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint"]
+
+HEADER_WORDS = 8
+_MAGIC = 0x736F6B7079  # "sokpy"
+_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE, _F_ERROR, _F_COUNT, _F_VOLUME = range(HEADER_WORDS)
+_AGREED = [_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE]
+
+_seq = itertools.count(1)
+_table_uids = itertools.count(1)
+
+
+def new_table_uid() -> int:
+    """The identity of the next table created in this process. Table creation is a
+    collective call, so the n-th table has the same identity on every rank."""
+    return next(_table_uids)
+
+
+def fingerprint(text: str) -> int:
+    """A 62-bit hash of ``text`` (non-negative, so -x never overflows)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+class Agreement(NamedTuple):
+    """What every rank learnt from the header exchange."""
+
+    recv_counts: np.ndarray  # int64 [W]: the count each peer announced to this rank
+    large: bool  # the call's data exchanges must be split below MPI's 32-bit limit (same on every rank)
+    seq: int  # this call's sequence number (the same on every rank)
+
+
+class Call:
+    """One collective call: the operation, its tables and what else must agree.
+
+    ``op`` names the operation ("lookup_sparse", "lookup_sparse.backward", "Adagrad.step",
+    "Variable", ...); ``tables`` are sokpy tables (anything with ``uid`` and ``name``);
+    ``detail`` is text every rank must pass alike; ``label`` ties a backward exchange to
+    its forward call; ``grad_mode`` must agree too. Use as a context manager around the
+    whole call, so that a watchdog (when one is active) knows which call a rank waits in.
+    """
+
+    def __init__(
+        self, op: str, tables=(), detail: str = "", label: int = 0, grad_mode: bool = False, label_text: str = ""
+    ):
+        self.op, self.tables, self.detail, self.label = op, tables, detail, int(label)
+        self.grad_mode = bool(grad_mode)
+        self.label_text = label_text
+        self.seq = 0
+        self._stack: ExitStack | None = None
+
+    def describe(self) -> str:
+        """e.g. ``lookup_sparse tables=[user, item]`` (user names, for messages)."""
+        text = self.op
+        if self.tables:
+            text += " tables=[" + ", ".join(t.name for t in self.tables) + "]"
+        if self.detail:
+            text += " " + self.detail
+        if self.label_text:
+            text += f" of {self.label_text}"
+        return text
+
+    def _fingerprint(self) -> int:
+        uids = ",".join(str(t.uid) for t in self.tables)
+        return fingerprint(f"{self.op}|{uids}|{self.detail}")
+
+    def __enter__(self) -> Call:
+        self._stack = ExitStack()
+        watch = _watchdog_call()
+        if watch is not None:
+            self._stack.enter_context(watch(self.describe()))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def agree(self, error: str | None, counts=None, volume: int = 0) -> Agreement:
+        """Exchanges the header; returns the peers' counts, or raises the same error on every
+        rank when any rank has an ``error`` or the ranks' calls differ.
+
+        ``counts[d]`` (int64, one per rank) travels to rank d; ``volume`` is the number of
+        elements this rank will send in the call's data exchanges (for the split decision)."""
+        comm = runtime.comm()
+        world = comm.size
+        self.seq = next(_seq)
+        header = np.empty((world, HEADER_WORDS), np.int64)
+        header[:, _F_MAGIC] = _MAGIC
+        header[:, _F_SEQ] = self.seq
+        header[:, _F_FP] = self._fingerprint()
+        header[:, _F_LABEL] = self.label
+        header[:, _F_MODE] = int(self.grad_mode)
+        header[:, _F_ERROR] = int(error is not None)
+        header[:, _F_COUNT] = 0 if counts is None else np.asarray(counts, np.int64)
+        header[:, _F_VOLUME] = int(volume)
+        recv = comm.alltoall_counts(header)
+        agreed = bool((recv[:, _AGREED] == recv[0, _AGREED]).all())
+        if agreed and not recv[:, _F_ERROR].any():
+            large = int(recv[:, _F_VOLUME].sum()) >= max_count()
+            return Agreement(recv[:, _F_COUNT].copy(), large, self.seq)
+        self._raise(comm, error, recv, agreed)
+        raise AssertionError("unreachable")
+
+    def _raise(self, comm, error: str | None, recv: np.ndarray, agreed: bool) -> None:
+        """Every rank saw the same headers and takes this path together: gather the
+        descriptions and messages (a second small exchange) and raise the same error."""
+        reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error))
+        # Leave the ranks in step for the calls that follow.
+        global _seq
+        _seq = itertools.count(int(recv[:, _F_SEQ].max()) + 1)
+        name = f"sokpy.{self.op}"
+        if agreed:
+            lines = [f"rank {r}: {err}" for r, (*_, err) in enumerate(reports) if err is not None]
+            raise InputError(f"{name}: " + "\n".join(lines))
+        calls = "\n".join(
+            f"  rank {r}: {desc} (call #{seq}{', no_grad' if op == 'lookup_sparse' and not gm else ''})"
+            for r, (desc, seq, gm, op, _) in enumerate(reports)
+        )
+        ops = {op for *_, op, _ in reports}
+        if ops <= {"lookup_sparse"} and len({gm for _, _, gm, _, _ in reports}) > 1:
+            hint = (
+                "a lookup_sparse ran under torch.no_grad() (or with autograd off) on some ranks only: "
+                "every rank must look up with autograd on, or every rank with it off"
+            )
+        elif any(op.endswith(".backward") for op in ops):
+            hint = (
+                "the ranks ran the backward of different lookup_sparse calls (or some skipped one). Every rank "
+                "must backpropagate through the same lookup calls, in the same order: each rank's loss must use "
+                "at least one output of every lookup call it made with autograd on (add 0 * out.sum() for an "
+                "output a rank does not need), and call backward() once per loss on every rank"
+            )
+        else:
+            hint = (
+                "every rank must make the same collective calls (table creation, lookup_sparse, backward, "
+                "optimizer steps, assign, save, load) with the same tables in the same order"
+            )
+        errors = [f"rank {r}: {err}" for r, (*_, err) in enumerate(reports) if err is not None]
+        raise CollectiveMismatchError(
+            f"{name}: the ranks made different collective calls; {hint}.\n{calls}"
+            + ("\n" + "\n".join(errors) if errors else "")
+        )
+
+
+def _watchdog_call():
+    """``sokpy.watchdog.call`` when the watchdog module is present, else None."""
+    try:
+        from . import watchdog
+    except ImportError:
+        return None
+    return getattr(watchdog, "call", None)

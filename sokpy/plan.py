@@ -1,0 +1,625 @@
+"""The exchange plan of one ``lookup_sparse`` call, for all its tables at once.
+
+A call's host work and kernel launches do not grow with its number of tables: the tables are
+described by two small arrays (``cuda_src/sokpy_tables.cuh``), the keys of all tables lie in
+one array, and every phase is one kernel launch or one array operation over all of them.
+
+Forward (``LookupPlan.forward``):
+
+1. ``route_keys``: for every key, its owner, a range check and a packed sort value
+   ``(owner, table, row-or-hash, position)``; one sort of those values groups the keys by
+   owner and table and finds the unique ones (positions of equal keys stay in order);
+2. the collective header (``collective.Call.agree``) carries each rank's verdict and its key
+   counts per peer: the one count exchange a lookup needs anyway;
+3. one all-to-all of keys for all tables (each peer's message starts with its per-table
+   counts), then on the owner ``find_rows`` (placement arithmetic or hash find-or-insert)
+   and ``gather_rows`` into one buffer;
+4. one all-to-all of rows back; ``combine_forward`` pools every bag of every table.
+
+On one rank there is nothing to exchange: ``find_rows`` runs on the keys and the pooling
+reads the tables' own rows. Backward is the transpose: ``segment_sum`` (one gradient row per
+unique key, in a fixed order, no float atomics), the same exchange in reverse, and the
+owners keep the buffer as a :class:`~sokpy.gradients.GradChunk`.
+
+Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
+(the per-table key counts in the key message; in the backward, whether each table's output
+received a gradient on the sender) followed by the rows, table after table.
+
+Example::
+
+    import torch, sokpy
+    sokpy.init()
+    v = sokpy.Variable(100, 8, name="plan_example")
+    out = sokpy.lookup_sparse(v, [[1, 2], [3]], combiners="sum")   # builds and runs a LookupPlan
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from . import collective, handoff, kernels, runtime
+from .gradients import GradChunk
+from .sparse import Batch
+from .storage import epoch, finish_inserts
+
+__all__ = ["LookupPlan", "table_set", "owners", "rows_of", "COMBINERS"]
+
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+
+
+def _c() -> dict:
+    return kernels.constants()
+
+
+def _exclusive(x, xp=np):
+    out = xp.zeros(int(x.shape[0]) + 1, np.int64)
+    xp.cumsum(x, out=out[1:])
+    return out
+
+
+def _bits(n: int) -> int:
+    """Bits to hold values in [0, n)."""
+    return max(0, int(n) - 1).bit_length()
+
+
+def _launch(name: str, n: int, dim: int, args) -> None:
+    if n > 0:
+        grid, block = kernels.launch_shape(n, dim)
+        kernels.get(name)(grid, block, args)
+
+
+class TableSet:
+    """The descriptor (int64 ``[T, SOKPY_TAB_FIELDS]``) and addresses (uint64
+    ``[T, SOKPY_PTR_FIELDS]``) of a list of tables, cached by their identities and refreshed
+    when a storage buffer was replaced."""
+
+    def __init__(self, tables):
+        c = _c()
+        ntab = len(tables)
+        self.tabs = np.zeros((ntab, c["SOKPY_TAB_FIELDS"]), np.int64)
+        self.ptrs = np.zeros((ntab, c["SOKPY_PTR_FIELDS"]), np.uint64)
+        self.dims = np.array([t.dim for t in tables], np.int64)
+        self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
+        world = runtime.world_size()
+        local = np.zeros(ntab, np.int64)
+        for i, t in enumerate(tables):
+            self.tabs[i, c["SOKPY_TAB_TARGET"]] = max(t.target_gpu, 0)
+            if not t.dynamic:
+                self.tabs[i, c["SOKPY_TAB_ROWS"]] = t.rows
+                local[i] = -(-t.rows // world) if t.target_gpu == -1 else t.rows
+        # Bits of the largest stored row a static table's key can have (dynamic: no exact row).
+        self.row_bits = np.array([_bits(x + 1) if not t.dynamic else 64 for x, t in zip(local, tables)], np.int64)
+        self.epoch = -1
+        self.refresh(tables)
+
+    def refresh(self, tables) -> None:
+        if self.epoch != epoch():
+            for i, t in enumerate(tables):
+                t.storage.descriptor(self.tabs[i], self.ptrs[i])
+            self.epoch = epoch()
+
+
+_table_sets: OrderedDict = OrderedDict()
+
+
+def table_set(tables) -> TableSet:
+    key = tuple(t.uid for t in tables)
+    ts = _table_sets.get(key)
+    if ts is None:
+        ts = _table_sets[key] = TableSet(tables)
+        if len(_table_sets) > 256:
+            _table_sets.popitem(last=False)
+    else:
+        _table_sets.move_to_end(key)
+        ts.refresh(tables)
+    return ts
+
+
+def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bits: int):
+    """``(packed, first bad position or n)`` of route_keys."""
+    xp = runtime.xp()
+    n = int(keys.shape[0])
+    packed = xp.empty(n, np.int64)
+    bad = xp.full(1, n, np.int64)
+    _launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
+    return packed, int(bad[0])
+
+
+def _sort_bits(n: int, ngroups: int) -> tuple[int, int]:
+    pos_bits = max(1, _bits(n))
+    sv_bits = 63 - pos_bits - _bits(ngroups)
+    if sv_bits < 0:
+        raise ValueError(
+            f"a lookup of {n} keys over {ngroups} (rank, table) groups is too large for one call; "
+            "split it into several calls"
+        )
+    return pos_bits, sv_bits
+
+
+class _Dedup:
+    """The call's keys grouped by (owner, table) and deduplicated, from the sorted packed
+    values: unique key u has positions ``pos[seg[u]:seg[u+1]]`` (increasing), key ``ukeys[u]``
+    and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
+    too, so a shared hash value never merges two keys (at worst a key appears twice)."""
+
+    def __init__(self, packed, keys, pos_bits: int, sv_bits: int, exact: bool):
+        xp = runtime.xp()
+        s = xp.sort(packed)
+        n = int(s.shape[0])
+        self.pos = s & ((1 << pos_bits) - 1)
+        pre = s >> pos_bits
+        brk = xp.empty(n, bool)
+        if n:
+            brk[0] = True
+            xp.not_equal(pre[1:], pre[:-1], out=brk[1:])
+            if not exact:
+                sk = keys[self.pos]
+                brk[1:] |= sk[1:] != sk[:-1]
+        starts = xp.flatnonzero(brk)
+        self.seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
+        self.first = self.pos[starts]  # position of each unique key's first use
+        self.ukeys = keys[self.first]
+        self.group = pre[starts] >> sv_bits
+        self.nuniq = int(starts.shape[0])
+
+
+class LookupPlan:
+    """One lookup call: built and run in forward, reversed in backward."""
+
+    def __init__(
+        self,
+        tables,
+        batch: Batch,
+        combiners,
+        insert: bool,
+        grad_reduction: str,
+        keyed: bool,
+        error: str | None,
+        grad_mode: bool,
+    ):
+        self.tables, self.batch = tables, batch
+        self.ntables = len(tables)
+        self.combiners = combiners
+        self.insert, self.keyed = bool(insert), bool(keyed)
+        self.grad_reduction, self.grad_mode = grad_reduction, bool(grad_mode)
+        self.error = error
+        self.call_text = "lookup_sparse tables=[" + ", ".join(t.name for t in tables) + "]"
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self) -> list[torch.Tensor]:
+        """Runs the call (collective); returns the outputs: one tensor per table, or one
+        ``[B, sum(dims)]`` tensor when ``keyed``."""
+        comm, xp = runtime.comm(), runtime.xp()
+        world, ntab = comm.size, self.ntables
+        self.world = world
+        error = self.error
+        counts = np.zeros(world, np.int64)
+        volume = 0
+        if error is None:
+            try:
+                counts, volume = self._prepare(world)
+            except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+                error = f"{type(e).__name__}: {e}"
+        with collective.Call("lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode) as call:
+            agreement = call.agree(error, counts, volume)
+            self.seq, self.large = agreement.seq, agreement.large
+            if world == 1:
+                self._local_rows()
+            else:
+                self._exchange_rows(agreement.recv_counts)
+        b = self.batch
+        nbags = int(b.offsets.shape[0]) - 1
+        self.out = xp.empty(self.out_size, np.float32)
+        self.den = xp.empty(max(nbags, 1), np.float32)
+        self.bag_of = xp.empty(max(int(b.keys.shape[0]), 1), np.int64) if self.grad_mode else None
+        _launch(
+            "combine_forward",
+            nbags,
+            int(self.dims.max(initial=1)),
+            (
+                self.src,
+                self.val_off,
+                self.d_offsets,
+                self.d_weights,
+                self.d_bag_start,
+                ntab,
+                self.d_tabs,
+                nbags,
+                self.out,
+                self.den,
+                self.bag_of,
+            ),
+        )
+        if not self.grad_mode:
+            self.src_keep = None
+        out = handoff.to_torch(self.out)
+        if self.keyed:
+            return [out.view(-1, int(self.dims.sum()) if ntab else 0)]
+        sizes = (np.diff(b.bag_start) * self.dims).tolist()
+        return [o.view(-1, d) for o, d in zip(torch.split(out, sizes), self.dims.tolist())]
+
+    def _detail(self) -> str:
+        return f"insert={self.insert} grad_reduction={self.grad_reduction}"
+
+    def _prepare(self, world: int):
+        """Local work before the header: checks, routing, grouping; returns (counts per peer,
+        exchange volume)."""
+        xp, c = runtime.xp(), _c()
+        b, ntab = self.batch, self.ntables
+        ts = table_set(self.tables)
+        self.ts = ts
+        self.dims = ts.dims
+        n = int(b.keys.shape[0])
+        bags = np.diff(b.bag_start)
+        tabs = ts.tabs.copy()
+        tabs[:, c["SOKPY_TAB_COMBINER"]] = self.combiners
+        tabs[:, c["SOKPY_TAB_WEIGHTED"]] = b.weighted
+        if self.keyed:
+            if ntab and (bags != bags[0]).any():
+                raise ValueError("a keyed output needs the same batch size in every table")
+            tabs[:, c["SOKPY_TAB_OUT_START"]] = _exclusive(ts.dims)[:-1]
+            tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = int(ts.dims.sum())
+            self.out_size = int(bags[0] * ts.dims.sum()) if ntab else 0
+        else:
+            sizes = bags * ts.dims
+            tabs[:, c["SOKPY_TAB_OUT_START"]] = _exclusive(sizes)[:-1]
+            tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = ts.dims
+            self.out_size = int(sizes.sum())
+        self.pos_bits, self.sv_bits = _sort_bits(n, world * ntab)
+        tabs[:, c["SOKPY_TAB_EXACT"]] = ts.row_bits <= self.sv_bits
+        self.exact = bool((ts.row_bits <= self.sv_bits).all())
+        self.tabs = tabs
+        self.d_tabs = xp.asarray(tabs)
+        self.keys = xp.asarray(b.keys)
+        self.d_key_start = xp.asarray(b.key_start)
+        self.d_bag_start = xp.asarray(b.bag_start)
+        self.d_offsets = xp.asarray(b.offsets)
+        self.d_weights = None if b.weights is None else xp.asarray(b.weights)
+        packed, bad = _route(self.d_tabs, self.keys, self.d_key_start, ntab, world, self.pos_bits, self.sv_bits)
+        if bad < n:
+            t = int(np.searchsorted(b.key_start, bad, side="right")) - 1
+            var = self.tables[t]
+            raise ValueError(
+                f"table {var.name!r} (index {t}): key {int(b.keys[bad])} at position "
+                f"{bad - int(b.key_start[t])} is out of range [0, {var.rows})"
+            )
+        self.packed = packed
+        self.dedup = None
+        if world == 1:
+            return np.zeros(1, np.int64), 0
+        d = self.dedup = _Dedup(packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
+        group = np.asarray(handoff_host(d.group))
+        per = np.bincount(group, minlength=world * ntab).reshape(world, ntab)
+        self.counts = per
+        self.peer_of = d.group // ntab
+        udim = xp.asarray(ts.dims)[d.group % ntab]
+        # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
+        # each ntab leading slots then the rows, table after table.
+        self.urow = _exclusive(udim, xp)[:-1] + ntab * (self.peer_of + 1)
+        self.recv_elems = ntab + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+        msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
+        volume = max(int(msg.sum()), int(self.recv_elems.sum()))
+        return msg, volume
+
+    def _find_rows(self, keys, seg_start, nseg: int, incoming: np.ndarray):
+        """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
+        tables first and initialising the rows an insert creates."""
+        xp = runtime.xp()
+        ts = self.ts
+        if ts.dynamic and self.insert:
+            for i in ts.dynamic:
+                self.tables[i].storage.reserve(int(incoming[i]))
+        self._sync_tables()
+        n = int(keys.shape[0])
+        rows = xp.empty(n, np.int64)
+        _launch(
+            "find_rows",
+            n,
+            1,
+            (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows),
+        )
+        if ts.dynamic and self.insert:
+            finish_inserts([self.tables[i].storage for i in ts.dynamic])
+        return rows
+
+    def _sync_tables(self) -> None:
+        """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
+        now into this call's descriptor: a growth may have replaced them."""
+        xp, c = runtime.xp(), _c()
+        self.ts.refresh(self.tables)
+        for field in ("SOKPY_TAB_DIM", "SOKPY_TAB_WIDTH", "SOKPY_TAB_KIND", "SOKPY_TAB_INDEX_MASK"):
+            self.tabs[:, c[field]] = self.ts.tabs[:, c[field]]
+        self.d_tabs = xp.asarray(self.tabs)
+        self.d_ptrs = xp.asarray(self.ts.ptrs)
+
+    def _local_rows(self) -> None:
+        """One rank: pool straight from the tables (rows by key, no exchange)."""
+        xp, c = runtime.xp(), _c()
+        b = self.batch
+        incoming = np.diff(b.key_start)
+        self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, incoming)
+        self.val_off = self.rows
+        self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = self.tabs[:, c["SOKPY_TAB_WIDTH"]]
+        self.d_tabs = xp.asarray(self.tabs)
+        self.src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
+        self.src_keep = None
+
+    def _exchange_rows(self, recv_msg) -> None:
+        comm, xp, c = runtime.comm(), runtime.xp(), _c()
+        world, ntab = self.world, self.ntables
+        d = self.dedup
+        # Keys out: per peer, its per-table counts, then its unique keys table after table.
+        msg = ntab + self.counts.sum(axis=1)
+        blk = _exclusive(msg)[:-1]
+        send = xp.empty(int(msg.sum()), np.int64)
+        send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(self.counts.reshape(-1))
+        send[xp.arange(d.nuniq, dtype=np.int64) + ntab * (self.peer_of + 1)] = d.ukeys
+        recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
+        # Owner: parse the counts, then find and gather the rows.
+        rblk = _exclusive(np.asarray(recv_msg))[:-1]
+        head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
+        rcnt = np.asarray(handoff_host(recv[xp.asarray(head)])).reshape(world, ntab)
+        keep = xp.ones(int(recv.shape[0]), bool)
+        keep[xp.asarray(head)] = False
+        self.okeys = recv[keep]
+        self.rcnt = rcnt
+        self.seg_start = _exclusive(rcnt.reshape(-1))
+        self.d_seg_start = xp.asarray(self.seg_start)
+        self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, rcnt.sum(axis=0))
+        elems = rcnt * self.dims
+        peer_len = ntab + elems.sum(axis=1)
+        pstart = _exclusive(peer_len)[:-1]
+        within = np.cumsum(elems, axis=1) - elems
+        self.seg_elem = (pstart[:, None] + ntab + within).reshape(-1)
+        self.send_elems = peer_len
+        rows_out = xp.empty(int(peer_len.sum()), np.float32)
+        rows_out[xp.asarray((pstart[:, None] + np.arange(ntab)).reshape(-1))] = 0.0
+        nkeys = int(self.okeys.shape[0])
+        _launch(
+            "gather_rows",
+            nkeys,
+            int(self.dims.max(initial=1)),
+            (
+                self.orows,
+                nkeys,
+                self.d_seg_start,
+                xp.asarray(self.seg_elem),
+                world * ntab,
+                ntab,
+                self.d_tabs,
+                self.d_ptrs,
+                rows_out,
+            ),
+        )
+        rows_in, _ = comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large)
+        # Requester: every key's row offset in rows_in, then pool from there.
+        n = int(self.keys.shape[0])
+        self.val_off = xp.empty(max(n, 1), np.int64)
+        _launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, self.urow, d.nuniq, self.val_off))
+        self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
+        self.d_tabs = xp.asarray(self.tabs)
+        self.src = xp.full(ntab, kernels.address_of(rows_in), np.uint64)
+        self.src_keep = rows_in  # the pooled rows, for the weights' gradient
+
+    # ---- backward ----------------------------------------------------------------------------
+    def backward(self, grads):
+        """Sends each unique key's gradient row to its owner (collective). ``grads``: the
+        outputs' gradients (None for an output that got none). Returns the gradients of the
+        weights that require one (None for the others)."""
+        comm, xp = runtime.comm(), runtime.xp()
+        ntab = self.ntables
+        used, gptr, keep = self._grad_pointers(grads)
+        with collective.Call(
+            "lookup_sparse.backward",
+            self.tables,
+            detail=self._detail(),
+            label=self.seq,
+            label_text=f"{self.call_text} (call #{self.seq})",
+        ) as call:
+            agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
+            if self.dedup is None:
+                self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
+                self.peer_of = xp.zeros(self.dedup.nuniq, np.int64)
+                udim = xp.asarray(self.dims)[self.dedup.group % ntab]
+                self.urow = _exclusive(udim, xp)[:-1] + ntab
+                self.recv_elems = np.array([ntab + int(udim.sum())], np.int64)
+            d = self.dedup
+            buf = xp.empty(int(self.recv_elems.sum()), np.float32)
+            starts = _exclusive(self.recv_elems)[:-1]
+            flags = np.broadcast_to(used, (self.world, ntab)).astype(np.float32)
+            buf[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+            scale = 1.0 / self.world if self.grad_reduction == "mean" else 1.0
+            _launch(
+                "segment_sum",
+                d.nuniq,
+                int(self.dims.max(initial=1)),
+                (
+                    gptr,
+                    self.bag_of,
+                    self.d_bag_start,
+                    self.den,
+                    self.d_weights,
+                    d.pos,
+                    d.seg,
+                    d.group,
+                    ntab,
+                    self.d_tabs,
+                    d.nuniq,
+                    buf,
+                    self.urow,
+                    scale,
+                ),
+            )
+            if self.world == 1:
+                chunk = GradChunk(
+                    self.tables,
+                    buf,
+                    d.ukeys,
+                    self.rows[d.first],
+                    d.group,
+                    self.urow,
+                    None if used.all() else used[None, :],
+                )
+            else:
+                grecv, _ = comm.alltoallv(buf, self.recv_elems, self.send_elems, large=agreement.large)
+                chunk = self._owner_chunk(grecv)
+        for t in self.tables:
+            t._grad_refs.append(chunk)
+        del keep
+        return self._weight_grads(gptr, grads)
+
+    def _grad_pointers(self, grads):
+        """(used flags [T], device array of gradient addresses [T], tensors to keep alive)."""
+        xp, c = runtime.xp(), _c()
+        ntab = self.ntables
+        keep = []
+        addr = np.zeros(ntab, np.uint64)
+        if self.keyed:
+            g = grads[0]
+            used = np.full(ntab, g is not None)
+            if g is not None:
+                g = g.detach().to(torch.float32).contiguous()
+                keep.append(g)
+                addr[:] = kernels.address_of(g) + 4 * self.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
+        else:
+            used = np.fromiter((g is not None for g in grads), bool, ntab)
+            for t in np.flatnonzero(used):
+                g = grads[t].detach().to(torch.float32).contiguous()
+                keep.append(g)
+                addr[t] = kernels.address_of(g)
+        return used, xp.asarray(addr), keep
+
+    def _owner_chunk(self, grecv) -> GradChunk:
+        """The owner's view of the gradient rows that arrived: per received key, its table and
+        where its row starts (the same places its forward row left from)."""
+        xp = runtime.xp()
+        world, ntab = self.world, self.ntables
+        starts = _exclusive(self.send_elems)[:-1]
+        flags = np.asarray(handoff_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))]))
+        used = flags.reshape(world, ntab) != 0
+        seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
+        dims = np.tile(self.dims, world)
+        offsets = self.seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
+        return GradChunk(
+            self.tables,
+            grecv,
+            self.okeys,
+            self.orows,
+            xp.asarray(seg),
+            xp.asarray(offsets),
+            None if used.all() else used,
+        )
+
+    def _weight_grads(self, gptr, grads):
+        b = self.batch
+        if not any(w is not None for w in b.weight_grads):
+            return [None] * len(b.weight_grads)
+        xp, c = runtime.xp(), _c()
+        n = int(b.keys.shape[0])
+        dw = xp.empty(max(n, 1), np.float32)
+        src = self.src
+        if self.world == 1:  # the tables' own rows: take their addresses now (a table may have grown)
+            self._sync_tables()
+            src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
+        _launch(
+            "weight_grad",
+            n,
+            1,
+            (
+                src,
+                self.val_off,
+                gptr,
+                self.out,
+                self.d_weights,
+                self.den,
+                self.bag_of,
+                self.d_key_start,
+                self.d_bag_start,
+                self.ntables,
+                self.d_tabs,
+                n,
+                dw,
+            ),
+        )
+        out = []
+        for t, (w, layout) in enumerate(zip(b.weight_grads, b.weight_layouts)):
+            if w is None:
+                out.append(None)
+                continue
+            kind, info = layout
+            if kind == "keyed":
+                part = dw[:n]
+            else:
+                part = dw[int(b.key_start[t]) : int(b.key_start[t + 1])]
+            g = handoff.to_torch(xp.ascontiguousarray(part)).to(w.dtype)
+            if kind == "coo":
+                if info is not None:  # entries were put in row-major order: undo it
+                    inv = np.empty_like(info)
+                    inv[info] = np.arange(info.size)
+                    g = g[torch.from_numpy(inv)]
+                g = torch.sparse_coo_tensor(w._indices(), g, w.shape)
+            else:
+                g = g.reshape(info)
+            out.append(g)
+        return out
+
+
+def handoff_host(a):
+    """A host (numpy) copy of a small array of the backend (counts, flags)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+# ---- single tables: routing for assign and load ------------------------------------------------
+
+
+def owners(var, keys) -> np.ndarray:
+    """The owning rank of each key of ``var`` (host int64); raises ValueError naming the first
+    key a static table does not have."""
+    xp = runtime.xp()
+    world = runtime.world_size()
+    ts = table_set([var])
+    n = int(keys.shape[0])
+    pos_bits, sv_bits = _sort_bits(n, world)
+    tabs = ts.tabs.copy()
+    tabs[:, _c()["SOKPY_TAB_EXACT"]] = 0
+    packed, bad = _route(
+        xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, sv_bits
+    )
+    if bad < n:
+        raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
+    return np.asarray(handoff_host(packed >> (pos_bits + sv_bits)))
+
+
+def rows_of(var, keys, insert: bool):
+    """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
+    dynamic table when ``insert`` (and initialising their rows)."""
+    xp = runtime.xp()
+    ts = table_set([var])
+    n = int(keys.shape[0])
+    if var.dynamic and insert:
+        var.storage.reserve(n)
+        ts.refresh([var])
+    rows = xp.empty(n, np.int64)
+    _launch(
+        "find_rows",
+        n,
+        1,
+        (
+            xp.asarray(keys),
+            n,
+            xp.asarray(np.array([0, n], np.int64)),
+            1,
+            1,
+            xp.asarray(ts.tabs),
+            xp.asarray(ts.ptrs),
+            runtime.world_size(),
+            int(insert),
+            rows,
+        ),
+    )
+    if var.dynamic and insert:
+        finish_inserts([var.storage])
+    return rows

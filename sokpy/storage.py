@@ -1,0 +1,291 @@
+"""Table storage: a table's rows and its optimizer state on this rank, behind one interface.
+
+Every table shard is a buffer of stored rows ``data [capacity, width]``: each row holds the
+embedding values (``dim`` floats), then one column block per optimizer slot (``dim`` floats
+each: Adagrad's accumulator, Adam's two moments, ...). Optimizer state therefore lives beside
+its row, is gathered and scattered with it, and is created when the table joins an optimizer
+(:meth:`Storage.add_slots`), so the memory is claimed up front.
+
+Two implementations:
+
+* :class:`StaticStorage`: a fixed number of rows; the stored row of a key follows from the
+  placement rule (``k // W`` or ``k``).
+* :class:`HashStorage`: a dynamic table's shard. An open-addressing hash index (a key word
+  and a state word per slot, linear probing, load at most 1/2) maps any int64 key to a row of
+  a dense row store, numbered in order of insertion. Rows never move: growing the index
+  re-inserts keys only (``rehash_index``), growing the row store copies the rows once.
+
+Lookup, the optimizers and checkpoints use only this interface plus the table descriptor
+the kernels read (:meth:`Storage.descriptor`): neither knows which kind of table it touches.
+
+Example::
+
+    import sokpy
+    from sokpy.storage import HashStorage
+    sokpy.init()
+    s = HashStorage(dim=4, capacity=8)
+    s.reserve(100)                     # room for 100 new keys: the index and row store grow
+    print(s.size, s.capacity >= 100)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from . import kernels, runtime
+
+__all__ = ["Storage", "StaticStorage", "HashStorage", "InitSpec", "epoch", "init_rows", "finish_inserts"]
+
+_epoch = itertools.count(1)
+_current_epoch = 0
+
+
+def epoch() -> int:
+    """Changes whenever any storage buffer is replaced (growth, new slots), so that cached
+    tables of addresses can tell they are stale."""
+    return _current_epoch
+
+
+def _bump() -> None:
+    global _current_epoch
+    _current_epoch = next(_epoch)
+
+
+class InitSpec:
+    """How new rows start: an initializer code (kernels' SOKPY_INIT_*), its two parameters,
+    and the table's seed already mixed with its identity."""
+
+    __slots__ = ("kind", "a", "b", "seed")
+
+    def __init__(self, kind: int, a: float, b: float, seed: int):
+        self.kind, self.a, self.b, self.seed = int(kind), float(a), float(b), int(seed)
+
+
+class Storage:
+    """What every table shard provides. ``data`` is ``[capacity, width]`` float32 of the
+    backend's array module; rows ``[0, size)`` are in use."""
+
+    kind: int  # SOKPY_KIND_* of the kernels
+    dim: int
+    data = None
+    slot_names: list
+    slot_init: list
+
+    def __init__(self, dim: int, init: InitSpec):
+        self.dim = int(dim)
+        self.init = init
+        self.slot_names, self.slot_init = [], []
+
+    # ---- layout ------------------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        """Floats per stored row: the values, then each optimizer slot."""
+        return self.dim * (1 + len(self.slot_names))
+
+    @property
+    def size(self) -> int:
+        """Rows in use on this rank."""
+        raise NotImplementedError
+
+    @property
+    def capacity(self) -> int:
+        return int(self.data.shape[0])
+
+    def values(self):
+        """The values of the rows in use, a view ``[size, dim]``."""
+        return self.data[: self.size, : self.dim]
+
+    def slot(self, name: str):
+        """Optimizer slot ``name`` of the rows in use, a view ``[size, dim]``."""
+        k = 1 + self.slot_names.index(name)
+        return self.data[: self.size, k * self.dim : (k + 1) * self.dim]
+
+    def keys(self, start: int = 0, stop: int | None = None):
+        """Global keys of stored rows ``[start, stop)`` (an int64 array)."""
+        raise NotImplementedError
+
+    def add_slots(self, names, initial) -> None:
+        """Widens every row by one ``dim`` block per slot name, filled with its initial value
+        (rows created later start there too). One copy of the shard."""
+        xp = runtime.xp()
+        names, initial = list(names), [float(v) for v in initial]
+        if not names:
+            return
+        old = self.data
+        cols = self.dim * (1 + len(self.slot_names) + len(names))
+        data = xp.empty((old.shape[0], cols), np.float32)
+        data[:, : old.shape[1]] = old
+        for k, value in enumerate(initial, start=1 + len(self.slot_names)):
+            data[:, k * self.dim : (k + 1) * self.dim] = value
+        self.data = data
+        self.slot_names += names
+        self.slot_init += initial
+        _bump()
+
+    # ---- the kernels' view -----------------------------------------------------------------
+    def descriptor(self, tab: np.ndarray, ptr: np.ndarray) -> None:
+        """Writes this shard's fields into one row of a call's table descriptor (int64
+        ``tab``) and address table (uint64 ``ptr``); see ``cuda_src/sokpy_tables.cuh``."""
+        c = kernels.constants()
+        tab[c["SOKPY_TAB_DIM"]] = self.dim
+        tab[c["SOKPY_TAB_WIDTH"]] = self.width
+        tab[c["SOKPY_TAB_KIND"]] = self.kind
+        ptr[c["SOKPY_PTR_DATA"]] = kernels.address_of(self.data)
+
+    def reserve(self, incoming: int) -> None:
+        """Makes room for ``incoming`` new keys before a lookup that may insert them."""
+
+    def commit_inserts(self) -> tuple[int, int]:
+        """After a kernel that may have inserted keys: ``(first new row, new size)``."""
+        return self.size, self.size
+
+
+class StaticStorage(Storage):
+    """A static table's shard: ``rows`` local rows; key ``k`` is stored at row ``k // W`` on
+    rank ``k % W`` (distributed) or at row ``k`` on its one rank (localized)."""
+
+    def __init__(self, local_rows: int, dim: int, init: InitSpec, key_stride: int, key_base: int, localized: bool):
+        super().__init__(dim, init)
+        c = kernels.constants()
+        self.kind = c["SOKPY_KIND_STATIC_AT"] if localized else c["SOKPY_KIND_STATIC"]
+        self.key_stride, self.key_base = int(key_stride), int(key_base)
+        self.data = runtime.xp().empty((int(local_rows), self.dim), np.float32)
+        init_rows([(self, 0, self.size)])
+
+    @property
+    def size(self) -> int:
+        return int(self.data.shape[0])
+
+    def keys(self, start: int = 0, stop: int | None = None):
+        xp = runtime.xp()
+        stop = self.size if stop is None else stop
+        return xp.arange(start, stop, dtype=np.int64) * self.key_stride + self.key_base
+
+
+class HashStorage(Storage):
+    """A dynamic table's shard: a hash index over any int64 keys and a dense row store."""
+
+    MAX_LOAD = 0.5  # index slots in use at most; linear probing stays short below it
+
+    def __init__(self, dim: int, init: InitSpec, capacity: int = 1024, localized: bool = False):
+        super().__init__(dim, init)
+        xp = runtime.xp()
+        c = kernels.constants()
+        self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
+        rows = max(16, int(capacity))
+        self.data = xp.empty((rows, self.dim), np.float32)
+        self.row_keys = xp.empty(rows, np.int64)
+        self.counter = xp.zeros(1, np.int64)  # rows in use, advanced by the insert kernel
+        self._size = 0
+        self._new_index(_pow2(int(rows / self.MAX_LOAD)))
+        self.growths = 0  # index and row-store growths (for benchmarks)
+
+    def _new_index(self, slots: int) -> None:
+        xp = runtime.xp()
+        self.index_keys = xp.empty(slots, np.int64)
+        self.index_rows = xp.full(slots, kernels.constants()["SOKPY_SLOT_EMPTY"], np.int64)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def slots(self) -> int:
+        """Hash index slots (a power of two)."""
+        return int(self.index_rows.shape[0])
+
+    def keys(self, start: int = 0, stop: int | None = None):
+        return self.row_keys[start : self.size if stop is None else stop]
+
+    def descriptor(self, tab, ptr) -> None:
+        super().descriptor(tab, ptr)
+        c = kernels.constants()
+        tab[c["SOKPY_TAB_INDEX_MASK"]] = self.slots - 1
+        ptr[c["SOKPY_PTR_INDEX_KEYS"]] = kernels.address_of(self.index_keys)
+        ptr[c["SOKPY_PTR_INDEX_ROWS"]] = kernels.address_of(self.index_rows)
+        ptr[c["SOKPY_PTR_ROW_KEYS"]] = kernels.address_of(self.row_keys)
+        ptr[c["SOKPY_PTR_COUNTER"]] = kernels.address_of(self.counter)
+
+    def reserve(self, incoming: int) -> None:
+        """Grows the index (rehash of keys only) and the row store (one copy of the rows) so
+        that ``incoming`` more keys fit: the insert kernel never runs out of room."""
+        need = self._size + int(incoming)
+        if need > self.MAX_LOAD * self.slots:
+            self._grow_index(_pow2(int(need / self.MAX_LOAD) + 1))
+        if need > self.capacity:
+            self._grow_rows(max(need, 2 * self.capacity))
+
+    def _grow_index(self, slots: int) -> None:
+        old_keys, old_rows = self.index_keys, self.index_rows
+        self._new_index(slots)
+        n = int(old_rows.shape[0])
+        grid, block = kernels.launch_shape(n, 1)
+        kernels.get("rehash_index")(grid, block, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
+        self.growths += 1
+        _bump()
+
+    def _grow_rows(self, rows: int) -> None:
+        xp = runtime.xp()
+        data = xp.empty((rows, self.width), np.float32)
+        data[: self._size] = self.data[: self._size]
+        row_keys = xp.empty(rows, np.int64)
+        row_keys[: self._size] = self.row_keys[: self._size]
+        self.data, self.row_keys = data, row_keys
+        self.growths += 1
+        _bump()
+
+    def commit_inserts(self) -> tuple[int, int]:
+        """Reads the row counter after an insert kernel and initialises the new rows."""
+        first, size = self._size, int(self.counter[0])
+        self._size = size
+        return first, size
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(4, (int(n) - 1).bit_length())
+
+
+def init_rows(segments) -> None:
+    """Initialises stored rows with their tables' initial values and slot constants:
+    ``segments`` is a list of ``(storage, first_row, stop_row)``, all in one launch."""
+    c = kernels.constants()
+    segments = [(s, a, b) for s, a, b in segments if b > a]
+    if not segments:
+        return
+    nseg = len(segments)
+    info = np.zeros((nseg, c["SOKPY_INIT_FIELDS"]), np.int64)
+    param = np.zeros((nseg, c["SOKPY_INIT_FLOATS"]), np.float32)
+    addr = np.zeros((nseg, 2), np.uint64)
+    start = np.zeros(nseg + 1, np.int64)
+    for i, (s, first, stop) in enumerate(segments):
+        info[i, c["SOKPY_INIT_WIDTH"]] = s.width
+        info[i, c["SOKPY_INIT_DIM"]] = s.dim
+        info[i, c["SOKPY_INIT_KIND"]] = s.init.kind
+        info[i, c["SOKPY_INIT_FIRST_ROW"]] = first
+        info[i, c["SOKPY_INIT_KEY_STRIDE"]] = getattr(s, "key_stride", 0)
+        info[i, c["SOKPY_INIT_KEY_BASE"]] = getattr(s, "key_base", 0)
+        info[i, c["SOKPY_INIT_SEED"]] = np.uint64(s.init.seed).astype(np.int64)
+        info[i, c["SOKPY_INIT_SLOTS"]] = len(s.slot_init)
+        param[i, :2] = (s.init.a, s.init.b)
+        param[i, 2 : 2 + len(s.slot_init)] = s.slot_init
+        addr[i, 0] = kernels.address_of(s.data)
+        addr[i, 1] = kernels.address_of(s.row_keys) if isinstance(s, HashStorage) else 0
+        start[i + 1] = start[i] + stop - first
+    xp = runtime.xp()
+    n = int(start[-1])
+    grid, block = kernels.launch_shape(n, max(s.dim for s, _, _ in segments))
+    kernels.get("init_rows")(
+        grid, block, (xp.asarray(start), nseg, xp.asarray(info), xp.asarray(param), xp.asarray(addr), n)
+    )
+
+
+def finish_inserts(storages) -> None:
+    """After a kernel that may have inserted keys into ``storages``: counts their rows and
+    initialises the new ones (values and optimizer slots), all in one launch."""
+    segments = []
+    for s in storages:
+        first, stop = s.commit_inserts()
+        segments.append((s, first, stop))
+    init_rows(segments)
