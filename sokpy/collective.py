@@ -100,14 +100,13 @@ class Call:
         self._stack: ExitStack | None = None
 
     def describe(self) -> str:
-        """e.g. ``lookup_sparse tables=[user, item]`` (user names, for messages)."""
+        """e.g. ``lookup_sparse tables=[user, item]``, or ``backward of lookup_sparse ...
+        (call #12)`` (user names, for messages)."""
+        if self.label_text:
+            return f"backward of {self.label_text}"
         text = self.op
         if self.tables:
             text += " tables=[" + ", ".join(t.name for t in self.tables) + "]"
-        if self.detail:
-            text += " " + self.detail
-        if self.label_text:
-            text += f" of {self.label_text}"
         return text
 
     def _fingerprint(self) -> int:
@@ -155,20 +154,21 @@ class Call:
     def _raise(self, comm, error: str | None, recv: np.ndarray, agreed: bool) -> None:
         """Every rank saw the same headers and takes this path together: gather the
         descriptions and messages (a second small exchange) and raise the same error."""
-        reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error))
+        reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error, self.detail))
         # Leave the ranks in step for the calls that follow.
         global _seq
         _seq = itertools.count(int(recv[:, _F_SEQ].max()) + 1)
-        name = f"sokpy.{self.op}"
+        errors = [f"rank {r}: {rep[4]}" for r, rep in enumerate(reports) if rep[4] is not None]
         if agreed:
-            lines = [f"rank {r}: {err}" for r, (*_, err) in enumerate(reports) if err is not None]
-            raise InputError(f"{name}: " + "\n".join(lines))
-        calls = "\n".join(
-            f"  rank {r}: {desc} (call #{seq}{', no_grad' if op == 'lookup_sparse' and not gm else ''})"
-            for r, (desc, seq, gm, op, _) in enumerate(reports)
-        )
-        ops = {op for *_, op, _ in reports}
-        if ops <= {"lookup_sparse"} and len({gm for _, _, gm, _, _ in reports}) > 1:
+            raise InputError(f"sokpy.{self.op}: " + "\n".join(errors))
+        show_detail = len({rep[0] for rep in reports}) == 1  # the same call with other details: show them
+        lines = []
+        for r, (desc, seq, grad_mode, op, _, detail) in enumerate(reports):
+            extra = f" {detail}" if show_detail and detail else ""
+            no_grad = ", no_grad" if op == "lookup_sparse" and not grad_mode else ""
+            lines.append(f"  rank {r}: {desc}{extra} (call #{seq}{no_grad})")
+        ops = {rep[3] for rep in reports}
+        if ops <= {"lookup_sparse"} and len({rep[2] for rep in reports}) > 1:
             hint = (
                 "a lookup_sparse ran under torch.no_grad() (or with autograd off) on some ranks only: "
                 "every rank must look up with autograd on, or every rank with it off"
@@ -185,11 +185,8 @@ class Call:
                 "every rank must make the same collective calls (table creation, lookup_sparse, backward, "
                 "optimizer steps, assign, save, load) with the same tables in the same order"
             )
-        errors = [f"rank {r}: {err}" for r, (*_, err) in enumerate(reports) if err is not None]
-        raise CollectiveMismatchError(
-            f"{name}: the ranks made different collective calls; {hint}.\n{calls}"
-            + ("\n" + "\n".join(errors) if errors else "")
-        )
+        text = f"sokpy: the ranks made different collective calls; {hint}.\n" + "\n".join(lines + errors)
+        raise CollectiveMismatchError(text)
 
 
 def _watchdog_call():

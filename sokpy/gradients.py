@@ -95,8 +95,8 @@ def table_grad(table) -> SparseGrad | None:
             idx = offsets[:, None] + xp.arange(table.dim, dtype=np.int64)[None, :]
             keys.append(k)
             rows.append(chunk.buffer[idx])
-    if not keys:
-        keys, values = xp.empty(0, np.int64), xp.empty((0, table.dim), np.float32)
+    if not keys:  # its outputs got no gradient: none, as torch leaves .grad None
+        return None
     else:
         keys, rows = xp.concatenate(keys), xp.concatenate(rows)
         order = xp.argsort(keys, kind="stable")  # rows of equal keys summed in arrival order

@@ -235,11 +235,14 @@ class LookupPlan:
         )
         if not self.grad_mode:
             self.src_keep = None
-        out = handoff.to_torch(self.out)
+        # Tensors that share the output buffer without being autograd views of it, so that
+        # each may be modified in place like any other function's output.
+        storage = handoff.to_torch(self.out).untyped_storage()
         if self.keyed:
-            return [out.view(-1, int(self.dims.sum()) if ntab else 0)]
-        sizes = (np.diff(b.bag_start) * self.dims).tolist()
-        return [o.view(-1, d) for o, d in zip(torch.split(out, sizes), self.dims.tolist())]
+            width = int(self.dims.sum())
+            return [_alias(storage, 0, self.out_size // max(width, 1), width)]
+        start = self.tabs[:, _c()["SOKPY_TAB_OUT_START"]].tolist()
+        return [_alias(storage, s, int(bags), d) for s, bags, d in zip(start, np.diff(b.bag_start), self.dims.tolist())]
 
     def _detail(self) -> str:
         return f"insert={self.insert} grad_reduction={self.grad_reduction}"
@@ -565,6 +568,11 @@ class LookupPlan:
                 g = g.reshape(info)
             out.append(g)
         return out
+
+
+def _alias(storage, offset: int, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` float32 tensor over ``storage`` from element ``offset`` on."""
+    return torch.empty(0, dtype=torch.float32, device=handoff.device()).set_(storage, offset, (rows, cols), (cols, 1))
 
 
 def handoff_host(a):
