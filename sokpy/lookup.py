@@ -48,10 +48,14 @@ class _LookupFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        weight_grads = ctx.plan.backward(grads)
-        tables = len(ctx.plan.tables)
-        needed = [g for g in weight_grads if g is not None][: ctx.nweights]
-        return (None, None) + (None,) * tables + tuple(needed)
+        return _backward(ctx.plan, ctx.nweights, grads)
+
+
+@torch.compiler.disable  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
+def _backward(plan, nweights: int, grads):
+    weight_grads = plan.backward(grads)
+    needed = [g for g in weight_grads if g is not None][:nweights]
+    return (None, None) + (None,) * len(plan.tables) + tuple(needed)
 
 
 def _as_list(x, n: int, what: str):
@@ -81,6 +85,10 @@ def _prepare(params, sp_ids, sp_weights, combiners):
         return None, None, f"{type(e).__name__}: {e}"
 
 
+# torch.compile sees a lookup as one opaque call (a graph break): it never traces into the
+# numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
+# after it (dynamo then marks that dimension dynamic).
+@torch.compiler.disable
 def lookup(
     params,
     sp_ids,

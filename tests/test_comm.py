@@ -52,3 +52,16 @@ def test_collectives(comm_job, nranks, group):
     assert {int(s) for _, s, _, _ in done} == {nranks}, report
     assert {int(f) for _, _, _, f in done} == {0}, report
     assert len({c for _, _, c, _ in done}) == 1 and int(done[0][2]) > 0, "ranks ran different checks\n" + report
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_collectives_with_transfers_split_below_the_count_limit(tmp_path, nranks):
+    """Every check again with MPI's per-message element limit lowered to 1000: the pattern with
+    one message of 4099 rows (others small) exceeds it on one rank only, and every rank must
+    still take the split path together (the alltoallv decides it collectively)."""
+    job = mpi_job(nranks, "comm_worker.py", tmp_path, timeout=120, env={"SOKPY_MPI_MAX_COUNT": "1000"})
+    assert job.returncode == 0, f"exit {job.returncode}\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}"
+    done = re.findall(r"comm_worker rank=(\d+) size=\d+ group=(\w+) checks=(\d+) failures=(\d+)", job.stdout)
+    assert {int(r) for r, *_ in done} == set(range(nranks))
+    assert {g for _, g, _, _ in done} == set(GROUPS)
+    assert all(int(f) == 0 for *_, f in done), job.stdout[-4000:]

@@ -40,3 +40,18 @@ def test_weight_gradients_match_torch(nranks):
 def test_state_dict_resume_equals_uninterrupted(nranks):
     out = run_mpi(nranks, "contract_worker.py", "resume", 8, timeout=180)
     assert out.count("resume ok") == nranks
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_transfers_split_below_the_mpi_count_limit(nranks):
+    """With the element limit of one MPI message lowered to 7, every exchange of a lookup, its
+    backward, an assign and the optimizer steps goes through the split transfers (pieces of at
+    most 7 elements, decided alike on every rank by the call's header), against the same
+    independent references as the ordinary runs."""
+    env = {"SOKPY_MPI_MAX_COUNT": "7"}
+    out = run_mpi(nranks, "lookup_worker.py", "values", 31, env=env)
+    assert out.count("values ok") == nranks
+    out = run_mpi(nranks, "lookup_worker.py", "assign", env=env)
+    assert out.count("assign ok") == nranks
+    out = run_mpi(nranks, "optim_worker.py", "formula", "adagrad,adam", 3, env=env)
+    assert out.count("adam ok") == nranks
