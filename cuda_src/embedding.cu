@@ -72,6 +72,7 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 // A static table's key outside [0, rows) lowers *bad to its position (bad starts at n).
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
                                       int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
+    const double inv_world = 1.0 / (double)world;
     SOKPY_FOR_KEYS(j, n) {
         const int t = sokpy_segment_of(key_start, ntables, j);
         const i64 k = keys[j];
@@ -84,8 +85,7 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
                 owner = 0;
                 local = 0;
             } else if (kind == SOKPY_KIND_STATIC) {
-                owner = k % world;
-                local = k / world;
+                local = sokpy_div_world(k, world, inv_world, &owner);
             }
         } else {
             if (kind == SOKPY_KIND_DYNAMIC) owner = sokpy_dynamic_owner(k, world);
@@ -209,11 +209,12 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
 // dst_off[u] of dst, is
 //   sum_k (grad_t[bag b_j] / den[b_j]) * w_j     (j = perm[k], b_j = bag_of[j]; den 0 -> term 0)
 // in the order of k, times scale. grad[t] is the address of dL/d(output of table t), laid
-// out as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row.
+// out as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row. When
+// bad is not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite.
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* bag_start, const float* den,
                                        const float* weights, const i64* perm, const i64* seg, const i64* group,
                                        int ntables, const i64* tabs, i64 nuniq, float* dst, const i64* dst_off,
-                                       float scale) {
+                                       float scale, int* bad) {
     SOKPY_FOR_ROWS(u, nuniq) {
         const int t = (int)(group[u] % ntables);
         const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
@@ -242,6 +243,11 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         }
         if (scale != 1.0f) {
             SOKPY_FOR_COLS(d, dim) o[d] *= scale;
+        }
+        if (bad) {
+            int ok = 1;
+            SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(o[d]);
+            if (!ok) bad[u] = 1;
         }
     }
 }

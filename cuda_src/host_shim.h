@@ -55,7 +55,10 @@ struct dim3 {
 };
 static constexpr dim3 threadIdx{0, 0, 0};
 static constexpr dim3 blockDim{1, 1, 1};
-static thread_local dim3 blockIdx, gridDim;
+// initial-exec: a thread-local access is one register-relative load, not a call to
+// __tls_get_addr (which a shared library's default model costs on every access).
+static thread_local dim3 blockIdx __attribute__((tls_model("initial-exec")));
+static thread_local dim3 gridDim __attribute__((tls_model("initial-exec")));
 
 // ---- atomics (GCC __atomic builtins) ----------------------------------------------------
 template <class T>

@@ -16,8 +16,6 @@
 
 #define SOKPY_HYPER_FIELDS 8
 
-__device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
-
 // For unique row u, the gradient rows that arrived for it start at elements off[perm[k]] of
 // grad, k in [seg[u], seg[u+1]) (arrival order). Adds them, in that order, into the first,
 // writes that row's offset to goff[u] and sets bad[u] = 1 when the sum is not finite (bad

@@ -6,12 +6,24 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // The launch convention of every kernel: rows (bags, keys, slots) over the grid and over
-// threadIdx.y, the embedding dimension over threadIdx.x. A GPU launch packs several rows into a
-// block when the dimension is small (kernels.launch_shape); the host launches one emulated
-// thread per block, so there both loops reduce to `for (i = blockIdx.x; ...)` and a unit-stride
-// dimension loop that g++ vectorises.
+// threadIdx.y, the embedding dimension over threadIdx.x. Which thread takes which row is up to
+// the target: a GPU walks rows grid-stride (neighbouring threads take neighbouring rows, so a
+// warp's loads coalesce) and packs several rows into a block when the dimension is small
+// (kernels.launch_shape). The host runs one emulated thread per block and launches a few
+// hundred blocks: each takes a contiguous run of rows (good locality, one block set-up per run),
+// and its dimension loop is a unit-stride loop that g++ vectorises. A kernel must not depend on
+// the mapping: each row is visited exactly once either way.
+#if defined(SOKPY_HOST) && !defined(SOKPY_EMULATE_BLOCKS)
+#define SOKPY_FOR_ROWS(i, n) for (i64 i = sokpy_first_row(n, 0), i##_end = sokpy_first_row(n, 1); i < i##_end; ++i)
+// The first row of this block's run (next = 1: of the next block's), for n rows over the grid.
+__device__ __forceinline__ i64 sokpy_first_row(i64 n, int next) {
+    const i64 g = gridDim.x, b = blockIdx.x + next, q = n / g, r = n % g;
+    return b * q + (b < r ? b : r);
+}
+#else
 #define SOKPY_FOR_ROWS(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.y + threadIdx.y; i < (i64)(n); i += (i64)gridDim.x * blockDim.y)
+#endif
 #define SOKPY_FOR_COLS(d, dim) for (int d = threadIdx.x; d < (dim); d += blockDim.x)
 
 // Combiner codes, as sokpy/lookup.py passes them.
@@ -27,6 +39,9 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
     for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
 #endif
 }
+
+// 1 when x is finite (not NaN or +-Inf), with no library call.
+__device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
 
 // How many rows ahead a kernel prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4

@@ -58,6 +58,32 @@ __device__ __forceinline__ int sokpy_segment_of(const i64* start, int nseg, i64 
     return lo;
 }
 
+// ---- static placement ----------------------------------------------------------------------
+// q = k / world and *rem = k % world for a key 0 <= k, without a 64-bit integer division (tens
+// of cycles each, the larger part of routing a key) when k < 2^50: a double estimate is then
+// off by at most one and one correction step makes it exact. inv_world = 1.0 / world.
+__device__ __forceinline__ i64 sokpy_div_world(i64 k, i64 world, double inv_world, i64* rem) {
+    if (world == 1) {
+        *rem = 0;
+        return k;
+    }
+    if (k >= (1LL << 50)) {
+        *rem = k % world;
+        return k / world;
+    }
+    i64 q = (i64)((double)k * inv_world);
+    i64 r = k - q * world;
+    if (r < 0) {
+        q -= 1;
+        r += world;
+    } else if (r >= world) {
+        q += 1;
+        r -= world;
+    }
+    *rem = r;
+    return q;
+}
+
 // ---- hash placement -----------------------------------------------------------------------
 // The rank of a dynamic table's key: mix64(k) % W (patterned ids do not pile up on one rank).
 __device__ __forceinline__ i64 sokpy_dynamic_owner(i64 key, int world) {
@@ -135,9 +161,10 @@ __device__ __forceinline__ i64 sokpy_find_or_insert(i64* slot_keys, i64* slot_ro
 // The stored row of a key of table t (static: from the placement rule; dynamic: the hash
 // index), or -1 when a dynamic table does not hold it and `insert` is 0.
 __device__ __forceinline__ i64 sokpy_row_of(const i64* tabs, const u64* ptrs, int t, i64 key, int world,
-                                            int insert) {
+                                            double inv_world, int insert) {
     const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
-    if (kind == SOKPY_KIND_STATIC) return key / world;
+    i64 rem;
+    if (kind == SOKPY_KIND_STATIC) return sokpy_div_world(key, world, inv_world, &rem);
     if (kind == SOKPY_KIND_STATIC_AT) return key;
     return sokpy_find_or_insert((i64*)SOKPY_PTR(ptrs, t, SOKPY_PTR_INDEX_KEYS),
                                 (i64*)SOKPY_PTR(ptrs, t, SOKPY_PTR_INDEX_ROWS),

@@ -45,13 +45,18 @@ class GradChunk:
     rank (``rows[i]``; -1 for a key the table does not hold) and the element ``offsets[i]``
     where its gradient starts in ``buffer``. ``group[i] // ntables`` is the rank it came from.
     ``used`` (bool ``[W, ntables]`` or None for all) says which rank's outputs of which table
-    received a gradient at all: entries of unused ones are skipped."""
+    received a gradient at all: entries of unused ones are skipped.
 
-    def __init__(self, tables, buffer, keys, rows, group, offsets, used=None):
+    ``merged``: no (table, row) appears twice and every row is the whole gradient of its row
+    (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
+    entries whose row is not finite (int32 [n], or None when all are finite)."""
+
+    def __init__(self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None):
         self.tables = list(tables)
         self.ntables = len(self.tables)
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
+        self.merged, self.bad = merged, bad
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every
@@ -62,7 +67,8 @@ class GradChunk:
 
     def entries(self, index: np.ndarray):
         """The entries of the tables that ``index`` maps (chunk table -> caller's index, -1 to
-        skip): ``(caller index, rows, offsets, keys)``, skipping unused ones and rows < 0."""
+        skip): ``(caller index, rows, offsets, keys, bad)``, skipping unused ones and rows < 0
+        (``bad`` as the chunk's, or None)."""
         xp = runtime.xp()
         t = self.group % self.ntables
         mine = xp.asarray(index)[t]
@@ -70,8 +76,9 @@ class GradChunk:
         if self.used is not None and not self.used.all():
             keep &= xp.asarray(self.used.reshape(-1))[self.group]
         if bool(keep.all()):
-            return mine, self.rows, self.offsets, self.keys
-        return mine[keep], self.rows[keep], self.offsets[keep], self.keys[keep]
+            return mine, self.rows, self.offsets, self.keys, self.bad
+        bad = None if self.bad is None else self.bad[keep]
+        return mine[keep], self.rows[keep], self.offsets[keep], self.keys[keep], bad
 
 
 def _index_of(chunk: GradChunk, table) -> np.ndarray:
@@ -90,7 +97,7 @@ def table_grad(table) -> SparseGrad | None:
     xp = runtime.xp()
     keys, rows = [], []
     for chunk in {id(c): c for c in table._grad_refs}.values():
-        _, _, offsets, k = chunk.entries(_index_of(chunk, table))
+        _, _, offsets, k, _ = chunk.entries(_index_of(chunk, table))
         if k.size:
             idx = offsets[:, None] + xp.arange(table.dim, dtype=np.int64)[None, :]
             keys.append(k)

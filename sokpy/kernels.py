@@ -407,20 +407,26 @@ def get(name: str, backend: str | None = None):
         raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
 
 
+# Host launches: each block (one emulated thread) takes a contiguous run of rows; a few hundred
+# blocks keep every OpenMP thread busy and spread uneven rows, while the set-up of a block is
+# paid a few hundred times, not once per row.
+_HOST_BLOCKS = 256
+
+
 def launch_shape(n: int, dim: int, backend: str | None = None):
     """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``.
 
     Kernels put rows over the grid and ``threadIdx.y`` and the dimension over ``threadIdx.x``
     (``SOKPY_FOR_ROWS`` / ``SOKPY_FOR_COLS`` in ``sokpy_common.cuh``). The host runs one
-    emulated thread per block (block ``(1, 1)``), so g++ vectorises each row's dimension
-    loop. A GPU block has 128 threads: ``block.x`` covers the dimension (up to a warp) and
+    emulated thread per block (block ``(1, 1)``) and at most 256 blocks, each taking a run of
+    rows, so g++ vectorises each row's dimension loop. A GPU block has 128 threads: ``block.x`` covers the dimension (up to a warp) and
     ``block.y = 128 // block.x`` rows share the block, so small dims do not leave lanes idle."""
     if backend is None:
         from . import runtime
 
         backend = runtime.backend()
     if backend == "host":
-        return (max(1, min(int(n), 2**31 - 1)),), (1, 1)
+        return (max(1, min(int(n), _HOST_BLOCKS)),), (1, 1)
     bx = 1
     while bx < min(int(dim), 32):
         bx *= 2

@@ -166,7 +166,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
-        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, None if used.all() else used[None, :])
+        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, None if used.all() else used[None, :], merged=True)
         for v in tables:
             if v._grad_refs:
                 v._grad_refs = [chunk]
@@ -192,19 +192,27 @@ class SparseOptimizer(torch.optim.Optimizer):
                     imap[i] = j
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
-            otab, rows, offsets, keys = chunk.entries(imap)
-            parts.append((otab, rows, offsets + base, keys))
+            otab, rows, offsets, keys, bad = chunk.entries(imap)
+            parts.append((otab, rows, offsets + base, keys, bad))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
         if len(parts) == 1:
-            return (*parts[0], buffers[0])
+            merged = next(iter(chunks.values())).merged
+            return (*parts[0][:4], buffers[0], merged, parts[0][4])
         cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return (*cat, xp.concatenate(buffers))
+        return (*cat, xp.concatenate(buffers), False, None)
 
-    def _merge(self, tables, otab, rows, offsets, keys, buffer):
+    def _merge(self, tables, otab, rows, offsets, keys, buffer, merged: bool, bad):
         """Sums the gradient rows of equal (table, row) in arrival order (one launch) and checks
-        them. Returns ``(table, row, gradient offset, key, buffer, error or None)`` per unique row."""
+        them. Returns ``(table, row, gradient offset, key, buffer, error or None)`` per unique row.
+        A chunk that is ``merged`` already (one rank, or a previous step) is taken as it is."""
         xp = runtime.xp()
+        if merged:
+            error = None
+            if bad is not None and bool(bad.any()):
+                u = int(xp.flatnonzero(bad)[0])
+                error = self._nonfinite(tables[int(otab[u])], int(keys[u]))
+            return otab, rows, offsets, keys, buffer, error
         n = int(otab.shape[0])
         ts = table_set(tables)
         tb = max(1, (len(tables) - 1).bit_length())
@@ -237,12 +245,15 @@ class SparseOptimizer(torch.optim.Optimizer):
         error = None
         if nuniq and bool(bad[:nuniq].any()):
             u = int(xp.flatnonzero(bad[:nuniq])[0])
-            var = tables[int(uotab[u])]
-            error = (
-                f"table {var.name!r}: the gradient of key {int(ukeys[u])}, summed on its owner rank "
-                f"{runtime.rank()}, is not finite; no row or optimizer state was changed"
-            )
+            error = self._nonfinite(tables[int(uotab[u])], int(ukeys[u]))
         return uotab, urows, goff, ukeys, buffer, error
+
+    @staticmethod
+    def _nonfinite(var, key: int) -> str:
+        return (
+            f"table {var.name!r}: the gradient of key {key}, summed on its owner rank {runtime.rank()}, is not "
+            "finite; no row or optimizer state was changed"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""

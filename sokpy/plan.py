@@ -435,37 +435,17 @@ class LookupPlan:
             flags = np.broadcast_to(used, (self.world, ntab)).astype(np.float32)
             buf[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(flags.reshape(-1))
             scale = 1.0 / self.world if self.grad_reduction == "mean" else 1.0
-            _launch(
-                "segment_sum",
-                d.nuniq,
-                int(self.dims.max(initial=1)),
-                (
-                    gptr,
-                    self.bag_of,
-                    self.d_bag_start,
-                    self.den,
-                    self.d_weights,
-                    d.pos,
-                    d.seg,
-                    d.group,
-                    ntab,
-                    self.d_tabs,
-                    d.nuniq,
-                    buf,
-                    self.urow,
-                    scale,
-                ),
-            )
+            # One rank: these rows are the whole gradients (no other rank adds to them), so the
+            # kernel checks them as it writes them and the optimizer step needs no merge pass.
+            bad = xp.zeros(max(d.nuniq, 1), np.int32) if self.world == 1 else None
+            args = (gptr, self.bag_of, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group, ntab)
+            args += (self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
+            _launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
             if self.world == 1:
-                chunk = GradChunk(
-                    self.tables,
-                    buf,
-                    d.ukeys,
-                    self.rows[d.first],
-                    d.group,
-                    self.urow,
-                    None if used.all() else used[None, :],
-                )
+                bad = bad[: d.nuniq] if bool(bad.any()) else None
+                used_flags = None if used.all() else used[None, :]
+                rows = self.rows[d.first]
+                chunk = GradChunk(self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=True, bad=bad)
             else:
                 grecv, _ = comm.alltoallv(buf, self.recv_elems, self.send_elems, large=agreement.large)
                 chunk = self._owner_chunk(grecv)

@@ -55,3 +55,10 @@ def test_transfers_split_below_the_mpi_count_limit(nranks):
     assert out.count("assign ok") == nranks
     out = run_mpi(nranks, "optim_worker.py", "formula", "adagrad,adam", 3, env=env)
     assert out.count("adam ok") == nranks
+
+
+def test_overflowing_gradient_sum_refused_at_one_rank():
+    """At one rank the optimizer takes the rows segment_sum wrote as they are (no merge pass):
+    the kernel's own check must catch a sum that overflows."""
+    out = run_mpi(1, "contract_worker.py", "nonfinite_sum", timeout=120)
+    assert "nonfinite_sum ok" in out
