@@ -569,6 +569,7 @@ def owners(var, keys) -> np.ndarray:
     xp = runtime.xp()
     world = runtime.world_size()
     ts = table_set([var])
+    keys = xp.ascontiguousarray(keys, dtype=np.int64)
     n = int(keys.shape[0])
     pos_bits, sv_bits = _sort_bits(n, world)
     tabs = ts.tabs.copy()
@@ -586,6 +587,7 @@ def rows_of(var, keys, insert: bool):
     dynamic table when ``insert`` (and initialising their rows)."""
     xp = runtime.xp()
     ts = table_set([var])
+    keys = xp.ascontiguousarray(keys, dtype=np.int64)
     n = int(keys.shape[0])
     if var.dynamic and insert:
         var.storage.reserve(n)

@@ -115,3 +115,46 @@ class NumpyOptimizer:
             step = f32(hp["lr"] * np.sqrt(1 - float(b2) ** self.t) / (1 - float(b1) ** self.t))
             w = w - step * m / (np.sqrt(v) + f32(hp.get("eps", 1e-8)))
         self.w[rows] = w.astype(np.float32)
+
+
+# ---- dynamic tables: initial values and dict-of-rows training, from the documented formulas ----
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays."""
+    x = x.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def table_seed(seed: int, name: str) -> int:
+    """A table's initial-value seed: blake2b-64 of "seed|name", little-endian (docs/numerics.md)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{seed}|{name}".encode(), digest_size=8).digest(), "little")
+
+
+def uniform_init(seed: int, name: str, keys, dim: int, low: float, high: float) -> np.ndarray:
+    """Initial rows of ``keys`` for uniform(low, high): float32 [n, dim], computed from the
+    counter-based formula in numpy, independently of sokpy."""
+    s = table_seed(seed, name)
+    keys = np.asarray(keys, np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        base = _mix64(np.array([(s * 0x9E3779B97F4A7C15) & _M64], np.uint64))  # stream 0
+        h0 = _mix64(base ^ keys)
+        cols = np.arange(dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        u = ((_mix64(h0[:, None] ^ cols[None, :]) >> np.uint64(11)).astype(np.float64) + 0.5) / 9007199254740992.0
+    low, high = float(np.float32(low)), float(np.float32(high))  # the parameters are float32
+    return (low + (high - low) * u).astype(np.float32)
+
+
+def dynamic_owner(keys, world: int) -> np.ndarray:
+    """The rank of a dynamic table's keys: mix64(k) % W."""
+    with np.errstate(over="ignore"):
+        return (_mix64(np.asarray(keys, np.int64).view(np.uint64)) % np.uint64(world)).astype(np.int64)
