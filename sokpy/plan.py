@@ -585,31 +585,4 @@ def owners(var, keys) -> np.ndarray:
 def rows_of(var, keys, insert: bool):
     """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
     dynamic table when ``insert`` (and initialising their rows)."""
-    xp = runtime.xp()
-    ts = table_set([var])
-    keys = xp.ascontiguousarray(keys, dtype=np.int64)
-    n = int(keys.shape[0])
-    if var.dynamic and insert:
-        var.storage.reserve(n)
-        ts.refresh([var])
-    rows = xp.empty(n, np.int64)
-    _launch(
-        "find_rows",
-        n,
-        1,
-        (
-            xp.asarray(keys),
-            n,
-            xp.asarray(np.array([0, n], np.int64)),
-            1,
-            1,
-            xp.asarray(ts.tabs),
-            xp.asarray(ts.ptrs),
-            runtime.world_size(),
-            int(insert),
-            rows,
-        ),
-    )
-    if var.dynamic and insert:
-        finish_inserts([var.storage])
-    return rows
+    return var.storage.find(runtime.xp().ascontiguousarray(keys, dtype=np.int64), insert)

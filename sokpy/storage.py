@@ -141,6 +141,24 @@ class Storage:
         """After a kernel that may have inserted keys: ``(first new row, new size)``."""
         return self.size, self.size
 
+    def find(self, keys, insert: bool):
+        """The stored rows of ``keys`` (int64, all owned by this rank and valid for the table):
+        -1 for a key a dynamic table does not hold, unless ``insert`` creates its row."""
+        raise NotImplementedError
+
+    def new_like(self) -> Storage:
+        """An empty shard of the same kind, dim and optimizer slots (a static one of the same
+        rows, not initialised): built beside this one, e.g. by a checkpoint load."""
+        raise NotImplementedError
+
+    def _single_descriptor(self):
+        """This shard's descriptor and addresses as a call of one table (device arrays)."""
+        xp, c = runtime.xp(), kernels.constants()
+        tab = np.zeros((1, c["SOKPY_TAB_FIELDS"]), np.int64)
+        ptr = np.zeros((1, c["SOKPY_PTR_FIELDS"]), np.uint64)
+        self.descriptor(tab[0], ptr[0])
+        return xp.asarray(tab), xp.asarray(ptr)
+
 
 class StaticStorage(Storage):
     """A static table's shard: ``rows`` local rows; key ``k`` is stored at row ``k // W`` on
@@ -162,6 +180,17 @@ class StaticStorage(Storage):
         xp = runtime.xp()
         stop = self.size if stop is None else stop
         return xp.arange(start, stop, dtype=np.int64) * self.key_stride + self.key_base
+
+    def find(self, keys, insert: bool):
+        return (keys - self.key_base) // self.key_stride
+
+    def new_like(self) -> StaticStorage:
+        s = object.__new__(StaticStorage)
+        Storage.__init__(s, self.dim, self.init)
+        s.kind, s.key_stride, s.key_base = self.kind, self.key_stride, self.key_base
+        s.slot_names, s.slot_init = list(self.slot_names), list(self.slot_init)
+        s.data = runtime.xp().empty_like(self.data)
+        return s
 
 
 class HashStorage(Storage):
@@ -241,6 +270,30 @@ class HashStorage(Storage):
         first, size = self._size, int(self.counter[0])
         self._size = size
         return first, size
+
+    def find(self, keys, insert: bool):
+        xp = runtime.xp()
+        keys = xp.ascontiguousarray(keys, dtype=np.int64)
+        n = int(keys.shape[0])
+        if insert:
+            self.reserve(n)
+        tab, ptr = self._single_descriptor()
+        rows = xp.empty(n, np.int64)
+        if n:
+            grid, block = kernels.launch_shape(n, 1)
+            kernels.get("find_rows")(
+                grid, block, (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows)
+            )
+        if insert:
+            finish_inserts([self])
+        return rows
+
+    def new_like(self) -> HashStorage:
+        s = HashStorage(
+            self.dim, self.init, capacity=16, localized=self.kind == kernels.constants()["SOKPY_KIND_DYNAMIC_AT"]
+        )
+        s.add_slots(self.slot_names, self.slot_init)
+        return s
 
 
 def _pow2(n: int) -> int:
