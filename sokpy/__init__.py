@@ -14,7 +14,8 @@ Example (``sokrun -np 2 python this.py``)::
 # The submodule sokpy.comm is loaded first, so that the function sokpy.comm() bound below from
 # sokpy.runtime is not shadowed by it.
 from . import comm as _comm_module  # noqa: F401  # isort: skip
-from . import initializers, kernels, optim, timing
+from . import checkpoint, initializers, kernels, optim, timing
+from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .lookup import lookup_sparse
 from .runtime import (
@@ -48,6 +49,9 @@ __all__ = [
     "SparseGrad",
     "export",
     "assign",
+    "save",
+    "load",
+    "checkpoint",
     "Ragged",
     "lookup_sparse",
     "initializers",

@@ -125,12 +125,13 @@ class Call:
             self._stack.close()
             self._stack = None
 
-    def agree(self, error: str | None, counts=None, volume: int = 0) -> Agreement:
+    def agree(self, error: str | None, counts=None, volume: int = 0, error_type: type = InputError) -> Agreement:
         """Exchanges the header; returns the peers' counts, or raises the same error on every
         rank when any rank has an ``error`` or the ranks' calls differ.
 
         ``counts[d]`` (int64, one per rank) travels to rank d; ``volume`` is the number of
-        elements this rank will send in the call's data exchanges (for the split decision)."""
+        elements this rank will send in the call's data exchanges (for the split decision);
+        ``error_type`` (InputError or a subclass) is raised when some rank has an error."""
         comm = runtime.comm()
         world = comm.size
         self.seq = next(_seq)
@@ -148,10 +149,10 @@ class Call:
         if agreed and not recv[:, _F_ERROR].any():
             large = int(recv[:, _F_VOLUME].sum()) >= max_count()
             return Agreement(recv[:, _F_COUNT].copy(), large, self.seq)
-        self._raise(comm, error, recv, agreed)
+        self._raise(comm, error, recv, agreed, error_type)
         raise AssertionError("unreachable")
 
-    def _raise(self, comm, error: str | None, recv: np.ndarray, agreed: bool) -> None:
+    def _raise(self, comm, error: str | None, recv: np.ndarray, agreed: bool, error_type: type) -> None:
         """Every rank saw the same headers and takes this path together: gather the
         descriptions and messages (a second small exchange) and raise the same error."""
         reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error, self.detail))
@@ -160,7 +161,7 @@ class Call:
         _seq = itertools.count(int(recv[:, _F_SEQ].max()) + 1)
         errors = [f"rank {r}: {rep[4]}" for r, rep in enumerate(reports) if rep[4] is not None]
         if agreed:
-            raise InputError(f"sokpy.{self.op}: " + "\n".join(errors))
+            raise error_type(f"sokpy.{self.op}: " + "\n".join(errors))
         show_detail = len({rep[0] for rep in reports}) == 1  # the same call with other details: show them
         lines = []
         for r, (desc, seq, grad_mode, op, _, detail) in enumerate(reports):

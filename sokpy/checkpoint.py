@@ -1,0 +1,476 @@
+"""Checkpoints: ``save`` and ``load`` tables and optimizer state, at any world size, atomically.
+
+A checkpoint is a folder::
+
+    path/
+      manifest.json                 what is saved, which files hold it, a CRC-32 per file
+      data-<token>/
+        t<i>.r<rank>.keys.npy       int64 [n]: global keys of table i that rank <rank> held
+        t<i>.r<rank>.values.npy     float32 [n, dim]: their rows
+        t<i>.r<rank>.<slot>.npy     float32 [n, dim]: an optimizer slot of those rows
+
+Every data file is a plain ``.npy`` array that numpy alone reads (``numpy.load(f)``; no
+pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``).
+
+**Atomic.** A save writes a new ``data-<token>`` folder under a temporary name, flushes every
+file to disk, renames the folder, writes the new manifest under a temporary name and puts it
+in place with one ``rename``; only then is the previous data folder removed. A process killed
+at any moment leaves ``path/manifest.json`` naming a complete data folder: the previous
+checkpoint or the new one, never a mix.
+
+**Any world size.** ``load`` reads each saved rank's files on one rank (round robin), checks
+their size and CRC-32, and sends every row with its optimizer slots to its owner under the
+current placement. Every check (format version, missing or extra table, dim, kind, rows, a
+corrupt or missing file, the optimizer's kind and groups) runs before anything changes; a
+failure raises the same :class:`~sokpy.errors.CheckpointError` on every rank, naming the file
+and the table, and no table or optimizer state changes. A dynamic table ends with exactly the
+saved rows; a static table's rows are all replaced.
+
+Loading never runs code from the checkpoint: arrays are read with ``allow_pickle=False``, the
+manifest is JSON, and every file name in it must match the pattern above (no path taken from
+a checkpoint can point outside its folder).
+
+Example::
+
+    import os, tempfile, torch, sokpy
+    sokpy.init()
+    v = sokpy.Variable(100, 8, name="ckpt_user")
+    opt = sokpy.optim.Adagrad([v], lr=0.1)
+    path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    sokpy.save(path, [v], optimizer=opt)
+    sokpy.load(path, [v], optimizer=opt)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from . import collective, runtime
+from .errors import CheckpointError
+from .storage import _bump
+
+__all__ = ["save", "load", "FORMAT", "VERSION", "read_table"]
+
+FORMAT = "sokpy-checkpoint"
+VERSION = 1
+_FILE_RE = re.compile(r"^t\d+\.r\d+\.[A-Za-z_][A-Za-z0-9_]*\.npy$")
+_DATA_RE = re.compile(r"^data-[0-9a-f]{32}$")
+_CHUNK = 64 << 20  # bytes per write / checksum step
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def _write_npy(path: Path, array: np.ndarray) -> dict:
+    """Writes ``array`` (any strides: a view of a table's value or slot columns) as a .npy file
+    in one pass that also computes its CRC-32, row chunks at a time (no copy of the whole),
+    flushed to disk; returns ``{"file", "bytes", "crc32"}``."""
+    header = {"descr": np.lib.format.dtype_to_descr(array.dtype), "fortran_order": False, "shape": array.shape}
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_2_0(buf, header)
+    head = buf.getvalue()
+    crc = zlib.crc32(head)
+    row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
+    step = max(1, _CHUNK // row_bytes)
+    with open(path, "wb") as f:
+        f.write(head)
+        for lo in range(0, array.shape[0], step):
+            piece = memoryview(np.ascontiguousarray(array[lo : lo + step])).cast("B")
+            crc = zlib.crc32(piece, crc)
+            f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    return {"file": path.name, "bytes": size, "crc32": crc}
+
+
+def _read_npy(path: Path, entry: dict, dtype, ncols: int | None) -> np.ndarray:
+    """Reads a .npy file the manifest describes, checking its size, CRC-32, dtype and shape;
+    raises ValueError saying what is wrong."""
+    if not path.is_file():
+        raise ValueError("the file is missing")
+    if path.stat().st_size != entry["bytes"]:
+        raise ValueError(f"the file has {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dt = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dt = np.lib.format.read_array_header_2_0(f)
+        header_len = f.tell()
+        f.seek(0)
+        crc = zlib.crc32(f.read(header_len))
+        if (
+            dt != np.dtype(dtype)
+            or fortran
+            or len(shape) != (1 if ncols is None else 2)
+            or (ncols is not None and shape[1] != ncols)
+        ):
+            raise ValueError(
+                f"the array is {dt} {list(shape)}, expected {np.dtype(dtype)} [n{'' if ncols is None else f', {ncols}'}]"
+            )
+        out = np.empty(shape, dt)
+        view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(bytearray())
+        for lo in range(0, len(view), _CHUNK):
+            piece = view[lo : lo + _CHUNK]
+            if f.readinto(piece) != len(piece):
+                raise ValueError("the file ends early")
+            crc = zlib.crc32(piece, crc)
+    if crc != entry["crc32"]:
+        raise ValueError("the CRC-32 does not match the manifest (the file is corrupt)")
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        raise ValueError(f"{manifest} does not exist (not a sokpy checkpoint, or none was saved there yet)")
+    m = json.loads(manifest.read_text())
+    if m.get("format") != FORMAT:
+        raise ValueError(f"{manifest} is not a sokpy checkpoint manifest")
+    if int(m.get("version", 0)) > VERSION:
+        raise ValueError(
+            f"{manifest} was written in checkpoint format version {m['version']}, newer than this "
+            f"sokpy reads ({VERSION}); upgrade sokpy"
+        )
+    if not _DATA_RE.match(str(m.get("data", ""))):
+        raise ValueError(f"{manifest} names a data folder {m.get('data')!r} that is not one of a checkpoint")
+    for t in m["tables"]:
+        for group in t["files"]:
+            for entry in [group["keys"], group["values"], *group.get("slots", {}).values()]:
+                if not _FILE_RE.match(str(entry.get("file", ""))):
+                    raise ValueError(f"{manifest} names a file {entry.get('file')!r} that is not one of a checkpoint")
+    return m
+
+
+def read_table(path, name: str):
+    """``(keys, values)`` of table ``name`` in the checkpoint at ``path``, from every saved rank,
+    as numpy arrays (checked against the manifest). Needs no sokpy runtime: serving code can
+    use this, or numpy directly (``docs/checkpoints.md``).
+
+    Example::
+
+        keys, values = sokpy.checkpoint.read_table("ckpt", "user")
+    """
+    path = Path(path)
+    m = _read_manifest(path)
+    entry = next((t for t in m["tables"] if t["name"] == name), None)
+    if entry is None:
+        raise KeyError(f"{path} has no table {name!r} (it has {[t['name'] for t in m['tables']]})")
+    data = path / m["data"]
+    keys = [_read_npy(data / g["keys"]["file"], g["keys"], np.int64, None) for g in entry["files"]]
+    values = [_read_npy(data / g["values"]["file"], g["values"], np.float32, entry["dim"]) for g in entry["files"]]
+    return np.concatenate(keys), np.concatenate(values)
+
+
+# ---- save ----------------------------------------------------------------------------------------
+
+
+def _table_spec(var) -> dict:
+    init = var.initializer
+    spec = {
+        "name": var.name,
+        "kind": "dynamic" if var.dynamic else "static",
+        "dim": var.dim,
+        "target_gpu": var.target_gpu,
+        "seed": var.seed,
+        "initializer": {"kind": init.kind, "a": init.a, "b": init.b},
+    }
+    if not var.dynamic:
+        spec["rows"] = var.rows
+    return spec
+
+
+def _optimizer_spec(optimizer, variables) -> dict:
+    names = {id(v): v.name for v in variables}
+    groups = []
+    for group in optimizer.param_groups:
+        g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        g["tables"] = [names.get(id(optimizer._var_of[id(h)]), None) for h in group["params"]]
+        groups.append(g)
+    steps = {v.name: int(dict.__getitem__(optimizer.state[v.handle], "step")) for _, v in optimizer.variables()}
+    return {"type": type(optimizer).__name__, "slots": list(optimizer.slots), "param_groups": groups, "steps": steps}
+
+
+def save(path, variables, optimizer=None) -> None:
+    """Saves ``variables`` (and ``optimizer``'s state: its slots, step counts and
+    hyper-parameters) to the folder ``path``; collective, atomic (see the module's docs).
+
+    Example::
+
+        sokpy.save("ckpt", [user, item], optimizer=emb_opt)
+    """
+    comm = runtime.comm()
+    variables = list(variables)
+    path = Path(path).absolute()
+    error = None
+    try:
+        names = [v.name for v in variables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a table is listed twice: {names}")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{path} exists and is not a folder")
+        if optimizer is not None:
+            missing = [v.name for _, v in optimizer.variables() if v not in variables]
+            if missing:
+                raise ValueError(f"the optimizer trains tables that are not saved: {missing}")
+    except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+        error = f"{type(e).__name__}: {e}"
+    opt_tables = set() if optimizer is None else {id(v) for _, v in optimizer.variables()}
+    with collective.Call("save", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
+        _agree(call, error)
+        token = comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None, root=0)
+        staging = path / f".staging-{token}"
+        if comm.rank == 0:
+            try:
+                staging.mkdir(parents=True)
+            except Exception as e:  # noqa: BLE001
+                error = f"cannot create {staging}: {e}"
+        _agree(call, error if comm.rank == 0 else None)
+        mine, error = [], None
+        try:
+            for i, var in enumerate(variables):
+                mine.append(_save_shard(staging, i, var, id(var) in opt_tables))
+        except Exception as e:  # noqa: BLE001 - disk full, permissions: every rank learns of it
+            error = f"rank {comm.rank}: writing {staging}: {type(e).__name__}: {e}"
+        files = comm.allgather_object(mine)
+        _agree(call, error, cleanup=staging if comm.rank == 0 else None)
+        error = None
+        if comm.rank == 0:
+            try:
+                _commit(path, staging, token, variables, optimizer, files, comm.size)
+            except Exception as e:  # noqa: BLE001
+                error = f"rank 0: committing {path}: {type(e).__name__}: {e}"
+                shutil.rmtree(staging, ignore_errors=True)
+        _agree(call, error)
+
+
+def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
+    s = var.storage
+    xp = runtime.xp()
+    keys = np.asarray(handoff_host(xp.ascontiguousarray(s.keys())))
+    rank = runtime.rank()
+    out = {
+        "rank": rank,
+        "rows": int(keys.size),
+        "keys": _write_npy(staging / f"t{i}.r{rank}.keys.npy", keys),
+        "values": _write_npy(staging / f"t{i}.r{rank}.values.npy", np.asarray(handoff_host(s.values()))),
+    }
+    if with_slots:
+        out["slots"] = {
+            name: _write_npy(staging / f"t{i}.r{rank}.{name}.npy", np.asarray(handoff_host(s.slot(name))))
+            for name in s.slot_names
+        }
+    return out
+
+
+def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int) -> None:
+    """Rank 0: puts the staged data folder and a new manifest in place; removes what the
+    previous manifest named and any leftovers of interrupted saves."""
+    _fsync_dir(staging)
+    data = path / f"data-{token}"
+    os.rename(staging, data)
+    _fsync_dir(path)
+    tables = []
+    for i, var in enumerate(variables):
+        spec = _table_spec(var)
+        spec["files"] = [ranks[i] for ranks in files]
+        spec["size"] = sum(f["rows"] for f in spec["files"])
+        tables.append(spec)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": world,
+        "data": data.name,
+        "tables": tables,
+        "optimizer": None if optimizer is None else _optimizer_spec(optimizer, variables),
+    }
+    tmp = path / f".manifest-{token}.json"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / "manifest.json")  # the moment the new checkpoint takes effect
+    _fsync_dir(path)
+    for entry in path.iterdir():  # the previous data folder and leftovers of interrupted saves
+        if entry.name != data.name and (entry.name.startswith(("data-", ".staging-", ".manifest-"))):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _agree(call, error: str | None, cleanup: Path | None = None) -> None:
+    """The call's verdict: a CheckpointError on every rank when some rank has an error (after
+    removing ``cleanup``, a staging folder)."""
+    try:
+        call.agree(error, error_type=CheckpointError)
+    except CheckpointError:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise
+
+
+def handoff_host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+
+def _check_tables(m: dict, variables, optimizer) -> str | None:
+    """The first way the checkpoint does not fit ``variables`` / ``optimizer``, or None."""
+    saved = {t["name"]: t for t in m["tables"]}
+    for var in variables:
+        t = saved.get(var.name)
+        if t is None:
+            return f"table {var.name!r} is not in the checkpoint (it holds {sorted(saved)})"
+        kind = "dynamic" if var.dynamic else "static"
+        if t["kind"] != kind:
+            return f"table {var.name!r} is {kind} here but {t['kind']} in the checkpoint"
+        if t["dim"] != var.dim:
+            return f"table {var.name!r} has dim {var.dim} here but {t['dim']} in the checkpoint"
+        if not var.dynamic and t["rows"] != var.rows:
+            return f"table {var.name!r} has {var.rows} rows here but {t['rows']} in the checkpoint"
+    if optimizer is not None:
+        o = m.get("optimizer")
+        if o is None:
+            return "the checkpoint holds no optimizer state"
+        if o["type"] != type(optimizer).__name__:
+            return f"the checkpoint's optimizer is {o['type']}, not {type(optimizer).__name__}"
+        if len(o["param_groups"]) != len(optimizer.param_groups):
+            return (
+                f"the checkpoint's optimizer has {len(o['param_groups'])} parameter groups, this one "
+                f"{len(optimizer.param_groups)}"
+            )
+        for _, var in optimizer.variables():
+            if var.name not in o["steps"]:
+                return f"the checkpoint holds no optimizer state of table {var.name!r}"
+            if var not in variables:
+                return f"the optimizer trains table {var.name!r}, which is not being loaded"
+    return None
+
+
+def load(path, variables, optimizer=None) -> None:
+    """Loads ``variables`` (and ``optimizer``'s state) from the checkpoint at ``path``, saved at
+    any world size; collective. Everything is checked before anything changes: a fault raises
+    :class:`sokpy.CheckpointError` on every rank and leaves tables and optimizer as they were.
+
+    Example::
+
+        sokpy.load("ckpt", [user, item], optimizer=emb_opt)
+    """
+    comm = runtime.comm()
+    variables = list(variables)
+    path = Path(path).absolute()
+    m, error = None, None
+    try:
+        m = _read_manifest(path)
+        error = _check_tables(m, variables, optimizer)
+    except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+        error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+    with collective.Call("load", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
+        _agree(call, error)
+        saved = {t["name"]: t for t in m["tables"]}
+        with_slots = set() if optimizer is None else {v.name for _, v in optimizer.variables()}
+        # Read this rank's share of the saved files (saved rank s is read by rank s % W), checked.
+        parts, error = {}, None
+        try:
+            for var in variables:
+                parts[var.name] = _read_share(path / m["data"], saved[var.name], var, var.name in with_slots)
+        except ValueError as e:
+            error = str(e)
+        _agree(call, error)
+        # Send every row (with its slots) to its owner and build the new shards beside the old.
+        new, error = {}, None
+        for var in variables:
+            keys, rows = parts.pop(var.name)
+            try:
+                new[var.name] = _new_storage(var, keys, rows, comm)
+            except ValueError as e:
+                error = error or f"rank {comm.rank}: table {var.name!r}: {e}"
+        _agree(call, error)
+    # Everything checked and built: put it in place.
+    for var in variables:
+        var.storage = new[var.name]
+        var.zero_grad()
+    _bump()
+    if optimizer is not None:
+        o = m["optimizer"]
+        for saved_group, group in zip(o["param_groups"], optimizer.param_groups):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved_group.items() if k != "tables"})
+        for _, var in optimizer.variables():
+            dict.__setitem__(optimizer.state[var.handle], "step", int(o["steps"][var.name]))
+
+
+def _read_share(data: Path, spec: dict, var, with_slots: bool):
+    """Keys and rows (values, then the slots the table has now) of the saved ranks this rank
+    reads (saved rank s is read by rank s % W), each file checked."""
+    rank, world = runtime.rank(), runtime.world_size()
+    slot_names = var.storage.slot_names
+
+    def read(entry, dtype, ncols):
+        try:
+            return _read_npy(data / entry["file"], entry, dtype, ncols)
+        except ValueError as e:
+            raise ValueError(f"table {spec['name']!r}, file {data.name}/{entry['file']}: {e}") from None
+
+    keys, rows = [], []
+    for group in spec["files"]:
+        if group["rank"] % world != rank:
+            continue
+        k = read(group["keys"], np.int64, None)
+        cols = [read(group["values"], np.float32, spec["dim"])]
+        if k.shape[0] != group["rows"] or cols[0].shape[0] != group["rows"]:
+            raise ValueError(
+                f"table {spec['name']!r}, file {data.name}/{group['keys']['file']}: "
+                f"{k.shape[0]} keys and {cols[0].shape[0]} rows, the manifest says {group['rows']}"
+            )
+        for name, value in zip(slot_names, var.storage.slot_init):
+            entry = group.get("slots", {}).get(name)
+            if with_slots and entry is None:
+                raise ValueError(f"table {spec['name']!r}: saved rank {group['rank']} has no optimizer slot {name!r}")
+            cols.append(read(entry, np.float32, spec["dim"]) if with_slots else np.full_like(cols[0], value))
+        keys.append(k)
+        rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
+    if not keys:
+        return np.empty(0, np.int64), np.empty((0, var.dim * (1 + len(slot_names))), np.float32)
+    return np.concatenate(keys), np.concatenate(rows)
+
+
+def _new_storage(var, keys: np.ndarray, rows: np.ndarray, comm):
+    """This rank's new shard of ``var``, built beside the current one from the rows the
+    readers send (a collective exchange); raises ValueError when they do not fit it."""
+    from . import plan
+
+    xp = runtime.xp()
+    owner = plan.owners(var, keys)
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
+    rk, _ = comm.alltoallv(keys[order], counts)
+    rr, _ = comm.alltoallv(np.ascontiguousarray(rows[order]), counts)
+    if np.unique(rk).shape[0] != rk.shape[0]:
+        raise ValueError("the checkpoint holds a key twice")
+    new = var.storage.new_like()
+    if not var.dynamic and rk.shape[0] != new.size:
+        raise ValueError(f"the checkpoint holds {rk.shape[0]} of the {new.size} rows this rank holds")
+    found = new.find(rk, insert=True)
+    new.data[xp.asarray(found)] = xp.asarray(rr)
+    return new
