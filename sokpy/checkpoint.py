@@ -209,13 +209,17 @@ def _optimizer_spec(optimizer, variables) -> dict:
     return {"type": type(optimizer).__name__, "slots": list(optimizer.slots), "param_groups": groups, "steps": steps}
 
 
-def save(path, variables, optimizer=None) -> None:
+def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     """Saves ``variables`` (and ``optimizer``'s state: its slots, step counts and
     hyper-parameters) to the folder ``path``; collective, atomic (see the module's docs).
 
+    ``extra`` is anything JSON can hold (rank 0's value is kept: the training step, the name of
+    a dense-model file saved beside it, ...). It is written into the manifest, so it changes
+    in the same atomic step as the tables, and :func:`load` returns it.
+
     Example::
 
-        sokpy.save("ckpt", [user, item], optimizer=emb_opt)
+        sokpy.save("ckpt", [user, item], optimizer=emb_opt, extra={"step": 1000})
     """
     comm = runtime.comm()
     variables = list(variables)
@@ -231,6 +235,8 @@ def save(path, variables, optimizer=None) -> None:
             missing = [v.name for _, v in optimizer.variables() if v not in variables]
             if missing:
                 raise ValueError(f"the optimizer trains tables that are not saved: {missing}")
+        if extra is not None:
+            extra = json.loads(json.dumps(extra, allow_nan=False))  # refuses what JSON cannot hold
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         error = f"{type(e).__name__}: {e}"
     opt_tables = set() if optimizer is None else {id(v) for _, v in optimizer.variables()}
@@ -255,7 +261,7 @@ def save(path, variables, optimizer=None) -> None:
         error = None
         if comm.rank == 0:
             try:
-                _commit(path, staging, token, variables, optimizer, files, comm.size)
+                _commit(path, staging, token, variables, optimizer, files, comm.size, extra)
             except Exception as e:  # noqa: BLE001
                 error = f"rank 0: committing {path}: {type(e).__name__}: {e}"
                 shutil.rmtree(staging, ignore_errors=True)
@@ -281,7 +287,7 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
     return out
 
 
-def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int) -> None:
+def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int, extra) -> None:
     """Rank 0: puts the staged data folder and a new manifest in place; removes what the
     previous manifest named and any leftovers of interrupted saves."""
     _fsync_dir(staging)
@@ -301,6 +307,7 @@ def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, 
         "data": data.name,
         "tables": tables,
         "optimizer": None if optimizer is None else _optimizer_spec(optimizer, variables),
+        "extra": extra,
     }
     tmp = path / f".manifest-{token}.json"
     with open(tmp, "w") as f:
@@ -368,14 +375,15 @@ def _check_tables(m: dict, variables, optimizer) -> str | None:
     return None
 
 
-def load(path, variables, optimizer=None) -> None:
+def load(path, variables, optimizer=None):
     """Loads ``variables`` (and ``optimizer``'s state) from the checkpoint at ``path``, saved at
     any world size; collective. Everything is checked before anything changes: a fault raises
     :class:`sokpy.CheckpointError` on every rank and leaves tables and optimizer as they were.
+    Returns the ``extra`` that :func:`save` was given (``None`` if none).
 
     Example::
 
-        sokpy.load("ckpt", [user, item], optimizer=emb_opt)
+        extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
     """
     comm = runtime.comm()
     variables = list(variables)
@@ -418,6 +426,7 @@ def load(path, variables, optimizer=None) -> None:
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved_group.items() if k != "tables"})
         for _, var in optimizer.variables():
             dict.__setitem__(optimizer.state[var.handle], "step", int(o["steps"][var.name]))
+    return m.get("extra")
 
 
 def _read_share(data: Path, spec: dict, var, with_slots: bool):

@@ -55,7 +55,7 @@ while True:
     version += 1
     sokpy.assign(v, torch.arange(300_000), torch.full((300_000, 32), float(version)))
     sokpy.assign(d, keys, torch.full((50_000, 16), float(version)))
-    sokpy.save(path, [v, d])
+    sokpy.save(path, [v, d], extra={"version": version})
     print(f"saved {version}", flush=True)
 """
 
@@ -64,10 +64,11 @@ import sys, numpy as np, torch, sokpy
 sokpy.init()
 v = sokpy.Variable(300_000, 32, name="crash_static")
 d = sokpy.DynamicVariable(16, name="crash_dynamic")
-sokpy.load(sys.argv[1], [v, d])
+extra = sokpy.load(sys.argv[1], [v, d])
 values = {float(x) for t in (v, d) for x in np.unique(sokpy.export(t)[1].numpy())}
 assert len(values) == 1, f"a mix of saves: {sorted(values)[:5]}"
 assert len(d) == 50_000
+assert values == {float(extra["version"])}, f"extra {extra} saved with tables of {values}"
 print(f"loaded {values.pop():g}")
 """
 
@@ -109,3 +110,19 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         assert (path / manifest["data"]).is_dir()  # (leftovers of the killed save go at the next save)
     # The kills landed at different moments: not always right after a save completed.
     assert len(set(loaded_versions)) > 1
+
+
+def test_extra_is_saved_with_the_tables_and_returned_by_load(sokpy_host, tmp_path):
+    import torch
+
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 4, name="ckpt_extra")
+    path = tmp_path / "ckpt"
+    sokpy.save(path, [v], extra={"step": 7, "dense": "dense-7.pt"})
+    assert sokpy.load(path, [v]) == {"step": 7, "dense": "dense-7.pt"}
+    before = (path / "manifest.json").read_text()
+    with pytest.raises(sokpy.CheckpointError, match="not JSON serializable"):
+        sokpy.save(path, [v], extra={"step": torch.tensor(8)})
+    assert (path / "manifest.json").read_text() == before  # the refused save changed nothing
+    sokpy.save(path, [v])
+    assert sokpy.load(path, [v]) is None
