@@ -24,6 +24,14 @@ Run it (``make demo`` runs the first line)::
     sokrun -np 3 python examples/train_dlrm.py --steps 300 --batch-size 2048
     python examples/train_dlrm.py --help
 
+Save and resume (at any world size): ``--save DIR`` writes the embedding tables and their
+optimizer with ``sokpy.save`` (``DIR/embeddings``, which also records the step) and the dense
+model and its optimizer with ``torch.save`` (``DIR/dense-<step>.pt``); ``--resume DIR`` loads
+both and continues at the saved step on the same data stream::
+
+    sokrun -np 2 python examples/train_dlrm.py --steps 1000 --save ckpt
+    python examples/train_dlrm.py --steps 2000 --resume ckpt     # one rank, steps 1000..1999
+
 Rank 0 prints progress every ``--log-every`` steps, then the mean training loss over the
 first and the last 10% of steps and the AUC on held-out data, ending with one line that also
 gives the held-out log loss, the AUC of the planted noise-free logit (about the best any
@@ -39,6 +47,7 @@ size and even when ranks hold unequal parts of the batch.
 """
 
 import argparse
+import os
 import socket
 import time
 
@@ -68,9 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="learning rate of the embedding tables (Adagrad)")
     p.add_argument("--dense-lr", type=float, default=2e-3, help="learning rate of the dense model (Adam)")
     p.add_argument("--log-every", type=int, default=250, help="print progress every this many steps")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint (tables, optimizers, step) to DIR at the end")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="resume from the checkpoint in DIR (saved at any world size): "
+        "training continues at the saved step, up to --steps in all",
+    )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.eval_batches < 1 or args.log_every < 1:
-        p.error("--steps, --eval-batches and --log-every must be positive")
+    if args.steps < 1 or args.eval_batches < 1 or args.log_every < 1 or args.save_every < 0:
+        p.error("--steps, --eval-batches and --log-every must be positive, --save-every non-negative")
     return args
 
 
@@ -204,24 +221,57 @@ class Trainer:
         self.dense_opt.zero_grad()
         return bce.item()
 
-    def train(self) -> np.ndarray:
-        """Runs ``--steps`` steps; returns the global mean loss of every step (on every rank)."""
+    def train(self, first: int = 0) -> np.ndarray:
+        """Runs steps ``first`` .. ``--steps`` - 1 (saving every ``--save-every`` steps); returns
+        the global mean loss of each of them (on every rank)."""
         args, comm = self.args, self.comm
-        loss_sums = np.zeros(args.steps)  # this rank's summed BCE per step
+        loss_sums = np.zeros(args.steps - first)  # this rank's summed BCE per step
         start = logged_at = time.perf_counter()
-        logged = 0  # steps done at the last progress line
-        for step in range(args.steps):
-            loss_sums[step] = self.train_step(step)
-            done = step + 1
-            if done % args.log_every == 0 or done == args.steps:
+        logged = 0  # steps done (since first) at the last progress line
+        for step in range(first, args.steps):
+            loss_sums[step - first] = self.train_step(step)
+            done = step + 1 - first
+            if done % args.log_every == 0 or step + 1 == args.steps:
                 window = comm.allreduce(loss_sums[logged:done]) / args.batch_size
                 now = time.perf_counter()
                 if comm.rank == 0:
                     rate = (done - logged) * args.batch_size / (now - logged_at)
-                    print(f"step {done:5d}/{args.steps}  loss {window.mean():.4f}  samples/s {rate:,.0f}", flush=True)
+                    print(
+                        f"step {step + 1:5d}/{args.steps}  loss {window.mean():.4f}  samples/s {rate:,.0f}", flush=True
+                    )
                 logged, logged_at = done, now
+            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                self.save(args.save, step + 1)
         self.train_seconds = time.perf_counter() - start
         return comm.allreduce(loss_sums) / args.batch_size
+
+    def save(self, folder: str, step: int) -> None:
+        """Saves a checkpoint at ``step``: rank 0 first writes the dense model and its optimizer
+        to ``DIR/dense-<step>.pt`` (under a temporary name, then renamed); then ``sokpy.save``
+        writes the embedding tables and their optimizer (collective, atomic, loadable at any
+        world size) with the step and that file's name in its ``extra``, so the tables and
+        the dense file they name change together. Older dense files go afterwards."""
+        dense_name = f"dense-{step}.pt"
+        if self.comm.rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            dense = {"model": self.model.module.state_dict(), "optimizer": self.dense_opt.state_dict()}
+            tmp = os.path.join(folder, f".{dense_name}.tmp-{os.getpid()}")
+            torch.save(dense, tmp)
+            os.replace(tmp, os.path.join(folder, dense_name))
+        extra = {"step": step, "dense": dense_name}
+        sokpy.save(os.path.join(folder, "embeddings"), self.tables, optimizer=self.sparse_opt, extra=extra)
+        if self.comm.rank == 0:
+            for name in os.listdir(folder):
+                if name.startswith("dense-") and name != dense_name:
+                    os.remove(os.path.join(folder, name))
+
+    def resume(self, folder: str) -> int:
+        """Loads what :meth:`save` wrote (at any world size); returns the step to continue from."""
+        extra = sokpy.load(os.path.join(folder, "embeddings"), self.tables, optimizer=self.sparse_opt)
+        dense = torch.load(os.path.join(folder, extra["dense"]), weights_only=True)  # tensors only, no code
+        self.model.module.load_state_dict(dense["model"])
+        self.dense_opt.load_state_dict(dense["optimizer"])
+        return int(extra["step"])
 
     @torch.no_grad()
     def evaluate(self):
@@ -253,15 +303,22 @@ def main(argv=None) -> None:
             flush=True,
         )
 
-    losses = trainer.train()
+    first = trainer.resume(args.resume) if args.resume else 0
+    if rank == 0 and args.resume:
+        print(f"resumed from {args.resume} at step {first}", flush=True)
+    if first >= args.steps:
+        raise SystemExit(f"the checkpoint is at step {first}: nothing to do for --steps {args.steps}")
+    losses = trainer.train(first)
+    if args.save:
+        trainer.save(args.save, args.steps)
     labels, logits, true_logits = trainer.evaluate()
 
     if rank == 0:
-        tenth = max(1, args.steps // 10)
+        tenth = max(1, (args.steps - first) // 10)
         loss_start, loss_end = losses[:tenth].mean(), losses[-tenth:].mean()
         eval_loss = np.mean(np.logaddexp(0.0, logits) - labels * logits)  # BCE with logits
         auc, oracle = roc_auc(labels, logits), roc_auc(labels, true_logits)
-        rate = args.steps * args.batch_size / trainer.train_seconds
+        rate = (args.steps - first) * args.batch_size / trainer.train_seconds
         print(f"training loss: first {tenth} steps {loss_start:.4f}, last {tenth} steps {loss_end:.4f}")
         print(
             f"held-out ({labels.size} samples, CTR {labels.mean():.3f}): AUC {auc:.4f}, log loss {eval_loss:.4f} "
