@@ -24,6 +24,7 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import weakref
 
@@ -66,6 +67,8 @@ class _Table:
             check()
             init = resolve(initializer)
             name = f"table{uid}" if name is None else str(name)
+            if name in _names:
+                gc.collect()  # a dropped table may wait in a reference cycle (autograd, optimizer)
             if name in _names:
                 raise ValueError(
                     f"a table named {name!r} already exists; table names must be unique in a job "

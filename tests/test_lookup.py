@@ -135,3 +135,15 @@ def test_export_and_assign_round_trip(sokpy_host):
     with pytest.raises(sokpy.InputError, match="shape"):
         sokpy.assign(v, torch.tensor([1]), torch.zeros(1, 3))
     assert sokpy.export(v)[1][1].tolist() == [3.0, 4.0]
+
+
+def test_name_of_a_dropped_table_can_be_reused_even_from_a_reference_cycle(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 4, name="reused_name")
+    out = sokpy.lookup_sparse(v, [[1]], combiners="sum")
+    v.cycle = v  # kept alive by a reference cycle until the garbage collector runs
+    del v, out
+    w = sokpy.Variable(10, 4, name="reused_name")
+    with pytest.raises(sokpy.InputError, match="already exists"):
+        sokpy.Variable(10, 4, name="reused_name")
+    del w
