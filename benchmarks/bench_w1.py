@@ -32,6 +32,8 @@ import warnings  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from sokpy.lookup import lookup  # noqa: E402
+
 LR, EPS = 0.01, 1e-10
 
 # torch.optim.Adagrad builds sparse tensors without invariant checks and says so on every run.
@@ -59,7 +61,7 @@ class SokpyContestant:
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
         off = torch.from_numpy(wl.offsets)
         self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), off) for t in range(wl.tables)] for b in wl.batches]
-        self.upstream = [torch.from_numpy(u) for u in wl.upstream]
+        self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
 
     def initial_tables(self):
         out = []
@@ -74,9 +76,11 @@ class SokpyContestant:
         return [v.weight for v in self.vars]  # one rank: the shard is the whole table, row k = key k
 
     def step(self, i):
+        # Keyed output: every table's bags side by side in one [B, T*dim] tensor, the layout
+        # FBGEMM's TBE returns and a model concatenates anyway (one autograd node, not T).
         t0 = time.perf_counter()
-        outs = self.sokpy.lookup_sparse(self.vars, self.inputs[i % len(self.inputs)], combiners="sum")
-        loss = sum((o * u).sum() for o, u in zip(outs, self.upstream))
+        (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
+        loss = (out * self.upstream).sum()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -84,6 +88,52 @@ class SokpyContestant:
         self.opt.zero_grad()
         t3 = time.perf_counter()
         return t1 - t0, t2 - t1, t3 - t2
+
+
+class DynamicSokpyContestant(SokpyContestant):
+    """sokpy with W1's tables as DynamicVariables: key k of the workload becomes
+    ``k * SPREAD mod 2**64`` (a bijection that spreads the keys over the whole int64 range),
+    and every row of the static table is assigned up front, so both start from the same
+    values and hold the same number of rows."""
+
+    name = "sokpy_dynamic"
+    SPREAD = 0x9E3779B97F4A7C15  # odd: multiplication by it is invertible mod 2**64
+
+    def __init__(self, wl, init_tables):
+        import sokpy
+
+        self.sokpy = sokpy
+        self.wl = wl
+        self.vars = [sokpy.DynamicVariable(wl.dim, name=f"dyn{t}") for t in range(wl.tables)]
+        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
+        all_keys = self.spread(np.arange(wl.rows, dtype=np.int64))
+        for v, w in zip(self.vars, init_tables):
+            sokpy.assign(v, torch.from_numpy(all_keys), w)
+        off = torch.from_numpy(wl.offsets)
+        self.inputs = [
+            [sokpy.Ragged(torch.from_numpy(self.spread(b[t])), off) for t in range(wl.tables)] for b in wl.batches
+        ]
+        self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
+
+    @classmethod
+    def spread(cls, keys: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return (keys.astype(np.uint64) * np.uint64(cls.SPREAD)).view(np.int64)
+
+    @classmethod
+    def unspread(cls, keys: np.ndarray) -> np.ndarray:
+        inverse = np.uint64(pow(cls.SPREAD, -1, 2**64))
+        with np.errstate(over="ignore"):
+            return (keys.view(np.uint64) * inverse).view(np.int64)
+
+    def tables(self):
+        out = []
+        for v in self.vars:
+            keys, values = self.sokpy.export(v)
+            full = torch.empty((self.wl.rows, v.dim), dtype=torch.float32)
+            full[torch.from_numpy(self.unspread(keys.numpy()))] = values
+            out.append(full)
+        return out
 
 
 class TorchContestant:
@@ -241,6 +291,8 @@ def run(args) -> dict:
     # Contestants, all starting from sokpy's initial tables.
     contestants = [SokpyContestant(wl)]
     init = contestants[0].initial_tables()
+    if args.dynamic:
+        contestants.append(DynamicSokpyContestant(wl, init))
     contestants.append(TorchContestant(wl, init))
     report["fbgemm"] = None
     if args.skip_fbgemm:
@@ -287,20 +339,24 @@ def run(args) -> dict:
     # contestants rotates each round.
     times = {c.name: [] for c in contestants}
     phases = {c.name: [] for c in contestants}
-    contestants[0].sokpy.timing.reset()
+    timing = contestants[0].sokpy.timing
+    split = {c.name: {"exchange": 0.0, "kernels": 0.0} for c in contestants if hasattr(c, "sokpy")}
     load = _common.LoadMonitor()
     done, rnd = 0, 0
     while done < args.steps:
         n = min(args.nbatches, args.steps - done)
         order = contestants[rnd % len(contestants) :] + contestants[: rnd % len(contestants)]
         for c in order:
+            timing.reset()
             for i in range(done, done + n):
                 f, b, o = c.step(i)
                 times[c.name].append(f + b + o)
                 phases[c.name].append((f, b, o))
+            if c.name in split:
+                for k, v in timing.totals().items():
+                    split[c.name][k] = split[c.name].get(k, 0.0) + v
         done += n
         rnd += 1
-    sok_totals = contestants[0].sokpy.timing.totals()
     report["load_during_timing"] = load.stop()
 
     step = _common.step_bytes(wl)
@@ -310,14 +366,13 @@ def run(args) -> dict:
         ph = np.median(np.array(phases[c.name]), axis=0) * 1e3
         s.update(forward_ms=float(ph[0]), backward_ms=float(ph[1]), optimizer_ms=float(ph[2]))
         results[c.name] = s
-    steps_sok = len(times["sokpy"])
-    results["sokpy"]["split_ms"] = dict(
-        exchange=1e3 * sok_totals.get("exchange", 0.0) / steps_sok,
-        kernels=1e3 * sok_totals.get("kernels", 0.0) / steps_sok,
-        overhead=1e3
-        * (sum(times["sokpy"]) - sok_totals.get("exchange", 0.0) - sok_totals.get("kernels", 0.0))
-        / steps_sok,
-    )
+    for name, tot in split.items():
+        steps_sok = len(times[name])
+        results[name]["split_ms"] = dict(
+            exchange=1e3 * tot["exchange"] / steps_sok,
+            kernels=1e3 * tot["kernels"] / steps_sok,
+            overhead=1e3 * (sum(times[name]) - tot["exchange"] - tot["kernels"]) / steps_sok,
+        )
     for r in results.values():
         r["vs_torch"] = r["median_ms"] / results["torch"]["median_ms"]
         r["vs_fbgemm"] = r["median_ms"] / results["fbgemm"]["median_ms"] if "fbgemm" in results else None
@@ -361,7 +416,12 @@ def print_table(report) -> None:
     if not fb:
         print(f"fbgemm     {report['fbgemm']}")
     rf = report["roofline"]
-    sp = res["sokpy"]["split_ms"]
+    for name in (n for n in res if "split_ms" in res[n]):
+        sp = res[name]["split_ms"]
+        print(
+            f"{name} split per step (mean): kernels {sp['kernels']:.2f} ms, exchange {sp['exchange']:.2f} ms, "
+            f"Python/numpy/autograd overhead {sp['overhead']:.2f} ms"
+        )
     print(
         f"\nroofline: a step must move {rf['step_bytes_compulsory'] / 1e6:.1f} MB (compulsory; "
         f"{rf['step_bytes_as_executed'] / 1e6:.1f} MB counting a row read per key lookup); at the measured "
@@ -369,10 +429,6 @@ def print_table(report) -> None:
         f"sokpy reaches {100 * rf['sokpy_fraction']:.1f}% of the streaming bandwidth. (Random 256-byte rows come "
         f"at only {report['bandwidth']['random_row_gather']['best_Bps'] / 1e9:.1f} GB/s through numpy's gather: "
         f"access latency, not bandwidth, is the practical roof.)"
-    )
-    print(
-        f"sokpy split per step (mean): kernels {sp['kernels']:.2f} ms, exchange {sp['exchange']:.2f} ms, "
-        f"Python/numpy/autograd overhead {sp['overhead']:.2f} ms"
     )
     ld = report["load_during_timing"]
     print(
@@ -390,7 +446,7 @@ def plot(report, path) -> None:
 
     res = report["results"]
     names = list(res)
-    colors = {"sokpy": "#1f77b4", "torch": "#ff7f0e", "fbgemm": "#2ca02c"}
+    colors = {"sokpy": "#1f77b4", "sokpy_dynamic": "#6baed6", "torch": "#ff7f0e", "fbgemm": "#2ca02c"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     med = [res[n]["median_ms"] for n in names]
     err = [
@@ -440,6 +496,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stream-mb", type=int, default=256, help="array size of the bandwidth probe")
     p.add_argument("--skip-fbgemm", action="store_true")
+    p.add_argument(
+        "--dynamic", action="store_true", help="also run sokpy with the tables as DynamicVariables (keys over int64)"
+    )
     p.add_argument(
         "--wait-quiet",
         type=float,

@@ -1,0 +1,54 @@
+"""The benchmark scripts run end to end on tiny sizes (their numbers are not checked here:
+speed is measured by running them, see docs/benchmarks.md), and the W1 correctness check
+they make (every contestant's tables equal after one step) passes, dynamic tables included."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def run(args, tmp_path):
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=None)
+    assert res.returncode == 0, f"{args}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res.stdout
+
+
+def test_w1_with_dynamic_tables_agrees_with_the_peers(tmp_path):
+    out = tmp_path / "w1.json"
+    bench = str(ROOT / "benchmarks" / "bench_w1.py")
+    run(
+        [
+            bench,
+            "--rows",
+            "3000",
+            "--steps",
+            "4",
+            "--nbatches",
+            "2",
+            "--batch",
+            "256",
+            "--stream-mb",
+            "8",
+            "--dynamic",
+            "--skip-fbgemm",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+    )
+    report = json.loads(out.read_text())
+    assert report["correctness"]["passed"]
+    assert report["correctness"]["sokpy_vs_sokpy_dynamic_max_abs_diff"] < 1e-6
+    assert {"sokpy", "sokpy_dynamic", "torch"} <= set(report["results"])
+
+
+def test_storage_benchmark_runs(tmp_path):
+    out = tmp_path / "storage.json"
+    bench = str(ROOT / "benchmarks" / "bench_storage.py")
+    run([bench, "--rows", "2000", "--tables", "2", "--dim", "8", "--growth-rows", "5000", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    (g,) = report["growth"]
+    assert g["rows"] == 5000 and g["growths_during_fill"] >= 1
+    assert report["checkpoint"]["bytes"] == 2 * 2000 * 8 * 2 * 4  # values + Adagrad sums
