@@ -29,8 +29,9 @@
 // segment s (seg_start[s] <= i < seg_start[s+1]) and is stored row FIRST_ROW + i - seg_start[s].
 extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* info, const float* param,
                                      const u64* addr, i64 n) {
+    int s = -1;
     SOKPY_FOR_ROWS(i, n) {
-        const int s = sokpy_segment_of(seg_start, nseg, i);
+        s = sokpy_segment_near(seg_start, nseg, i, s);
         const i64* f = info + (i64)s * SOKPY_INIT_FIELDS;
         const float* p = param + (i64)s * SOKPY_INIT_FLOATS;
         const i64 row = f[SOKPY_INIT_FIRST_ROW] + (i - seg_start[s]);
@@ -73,8 +74,9 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
                                       int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
     const double inv_world = 1.0 / (double)world;
+    int t = -1;
     SOKPY_FOR_KEYS(j, n) {
-        const int t = sokpy_segment_of(key_start, ntables, j);
+        t = sokpy_segment_near(key_start, ntables, j, t);
         const i64 k = keys[j];
         const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
         i64 owner = SOKPY_TAB(tabs, t, SOKPY_TAB_TARGET), local = k;
@@ -105,8 +107,9 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // dynamic table does not hold, looked up without insert) gives a zero row.
 extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_start, const i64* seg_elem, int nseg,
                                        int ntables, const i64* tabs, const u64* ptrs, float* dst) {
+    int s = -1;
     SOKPY_FOR_ROWS(i, n) {
-        const int s = sokpy_segment_of(seg_start, nseg, i);
+        s = sokpy_segment_near(seg_start, nseg, i, s);
         const int t = s % ntables;
         const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
         const i64 width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);
@@ -159,8 +162,9 @@ extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, cons
 extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, const i64* offsets,
                                            const float* weights, const i64* bag_start, int ntables, const i64* tabs,
                                            i64 nbags, float* out, float* den, i64* bag_of) {
+    int t = -1;
     SOKPY_FOR_ROWS(b, nbags) {
-        const int t = sokpy_segment_of(bag_start, ntables, b);
+        t = sokpy_segment_near(bag_start, ntables, b, t);
         const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
         const int combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
         const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
@@ -182,12 +186,12 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
                 if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
             }
         }
-        float* o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+        float* __restrict__ o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
         SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         for (i64 j = begin; j < end; ++j) {
             if (val_off[j] < 0) continue;
             const float wj = w ? w[j] : 1.0f;
-            const float* r = rows + val_off[j] * stride;
+            const float* __restrict__ r = rows + val_off[j] * stride;
             SOKPY_FOR_COLS(d, dim) o[d] += wj * r[d];
         }
         if (combiner != SOKPY_SUM) {
@@ -221,7 +225,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         const i64 stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
         const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
         const float* g = (const float*)grad[t];
-        float* o = dst + dst_off[u];
+        float* __restrict__ o = dst + dst_off[u];
         SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         if (!g) continue;
         const i64 first_bag = bag_start[t];
@@ -234,7 +238,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
             const float dn = den[b];
             if (dn == 0.0f) continue;
             const float wj = w ? w[j] : 1.0f;
-            const float* s = g + (b - first_bag) * stride;
+            const float* __restrict__ s = g + (b - first_bag) * stride;
             if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
                 SOKPY_FOR_COLS(d, dim) o[d] += s[d] * wj;
             } else {
@@ -264,8 +268,9 @@ extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const
                                        const float* weights, const float* den, const i64* bag_of,
                                        const i64* key_start, const i64* bag_start, int ntables, const i64* tabs,
                                        i64 n, float* dw) {
+    int t = -1;
     SOKPY_FOR_KEYS(j, n) {
-        const int t = sokpy_segment_of(key_start, ntables, j);
+        t = sokpy_segment_near(key_start, ntables, j, t);
         const float* g = (const float*)grad[t];
         const i64 b = bag_of[j];
         const float dn = den[b];

@@ -15,8 +15,10 @@
 extern "C" __global__ void find_rows(const i64* keys, i64 n, const i64* seg_start, int nseg, int ntables,
                                      const i64* tabs, const u64* ptrs, int world, int insert, i64* rows) {
     const double inv_world = 1.0 / (double)world;
+    int s = -1;
     SOKPY_FOR_KEYS(i, n) {
-        const int t = sokpy_segment_of(seg_start, nseg, i) % ntables;
+        s = sokpy_segment_near(seg_start, nseg, i, s);
+        const int t = s % ntables;
         rows[i] = sokpy_row_of(tabs, ptrs, t, keys[i], world, inv_world, insert);
     }
 }

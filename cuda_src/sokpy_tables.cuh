@@ -58,6 +58,13 @@ __device__ __forceinline__ int sokpy_segment_of(const i64* start, int nseg, i64 
     return lo;
 }
 
+// sokpy_segment_of, first trying segment `hint` (e.g. the previous row's): a thread walking a
+// contiguous run of rows (the host) then searches once per segment instead of once per row.
+__device__ __forceinline__ int sokpy_segment_near(const i64* start, int nseg, i64 i, int hint) {
+    if (hint >= 0 && start[hint] <= i && i < start[hint + 1]) return hint;
+    return sokpy_segment_of(start, nseg, i);
+}
+
 // ---- static placement ----------------------------------------------------------------------
 // q = k / world and *rem = k % world for a key 0 <= k, without a 64-bit integer division (tens
 // of cycles each, the larger part of routing a key) when k < 2^50: a double estimate is then
