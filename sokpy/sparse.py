@@ -257,7 +257,17 @@ def _from_keyed_jagged(kjt, ntables: int) -> Batch:
     w = kjt.weights_or_none()
     weights = None if w is None else _float_array(w, "weights")
     bag_start = np.arange(ntables + 1, dtype=np.int64) * stride
-    for t in range(ntables):
+    # One check over all features at once (the per-feature loop below only names the first
+    # faulty feature): the offsets run from 0 to len(values) without decreasing, and the
+    # weights are one finite number per key.
+    fine = (
+        offsets.size > 0
+        and offsets[0] == 0
+        and offsets[-1] == keys.size
+        and bool((offsets[1:] >= offsets[:-1]).all())
+        and (weights is None or (weights.size == keys.size and bool(np.isfinite(weights).all())))
+    )
+    for t in range(0 if fine else ntables):
         lo, hi = bag_start[t], bag_start[t + 1]
         try:
             _check_table(
