@@ -45,6 +45,35 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 # float32 tensors (for the correctness check), load(tables) to start from given weights.
 
 
+class Jagged:
+    """One batch of every table in one buffer, with the accessors of TorchRec's
+    KeyedJaggedTensor that sokpy reads: the input layout FBGEMM's TBE also takes."""
+
+    def __init__(self, per_table_keys, wl):
+        self._values = torch.from_numpy(np.concatenate(per_table_keys))
+        self._lengths = torch.full((wl.tables * wl.batch,), wl.hotness, dtype=torch.int64)
+        self._keys = [f"t{t}" for t in range(wl.tables)]
+        self._stride = wl.batch
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def offsets(self):
+        return None
+
+    def stride(self):
+        return self._stride
+
+    def weights_or_none(self):
+        return None
+
+
 class SokpyContestant:
     name = "sokpy"
 
@@ -59,8 +88,7 @@ class SokpyContestant:
             for t in range(wl.tables)
         ]
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
-        off = torch.from_numpy(wl.offsets)
-        self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), off) for t in range(wl.tables)] for b in wl.batches]
+        self.inputs = [Jagged(b, wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
 
     def initial_tables(self):
@@ -109,10 +137,7 @@ class DynamicSokpyContestant(SokpyContestant):
         all_keys = self.spread(np.arange(wl.rows, dtype=np.int64))
         for v, w in zip(self.vars, init_tables):
             sokpy.assign(v, torch.from_numpy(all_keys), w)
-        off = torch.from_numpy(wl.offsets)
-        self.inputs = [
-            [sokpy.Ragged(torch.from_numpy(self.spread(b[t])), off) for t in range(wl.tables)] for b in wl.batches
-        ]
+        self.inputs = [Jagged([self.spread(k) for k in b], wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
 
     @classmethod
