@@ -50,16 +50,22 @@
 // The host backend launches one emulated thread per block (blockDim = 1): each thread walks
 // a whole row, and because blockDim.x and threadIdx.x are compile-time constants here, g++
 // turns `for (d = threadIdx.x; d < dim; d += blockDim.x)` into a unit-stride, vectorised loop.
+// With SOKPY_EMULATE_BLOCKS (sokpy/kernels.py, SOKPY_EMULATE_DEVICE_SHAPES=1) they are
+// variables instead, and each block runs the device launch shape's threads one by one.
 struct dim3 {
     unsigned int x, y, z;
 };
+#ifdef SOKPY_EMULATE_BLOCKS
+static thread_local dim3 threadIdx __attribute__((tls_model("initial-exec")));
+static thread_local dim3 blockDim __attribute__((tls_model("initial-exec")));
+#else
 static constexpr dim3 threadIdx{0, 0, 0};
 static constexpr dim3 blockDim{1, 1, 1};
+#endif
 // initial-exec: a thread-local access is one register-relative load, not a call to
 // __tls_get_addr (which a shared library's default model costs on every access).
 static thread_local dim3 blockIdx __attribute__((tls_model("initial-exec")));
 static thread_local dim3 gridDim __attribute__((tls_model("initial-exec")));
-
 // ---- atomics (GCC __atomic builtins) ----------------------------------------------------
 template <class T>
 static inline T sokpy_atomic_add_int(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
@@ -111,20 +117,35 @@ static inline T max(T a, T b) { return a < b ? b : a; }
 // ---- the launcher ------------------------------------------------------------------------
 // Runs body() once per block of the grid, blocks in parallel (OpenMP). Each OpenMP thread
 // sets gridDim once and walks its share of the blocks; a 1-D grid (what the host backend
-// launches) needs no divisions to find a block's coordinates.
+// launches) needs no divisions to find a block's coordinates. `block` is (1, 1, 1) except
+// with SOKPY_EMULATE_BLOCKS, where every block runs its threads in order.
 template <class Body>
-static void sokpy_host_launch(dim3 grid, Body body) {
+static void sokpy_host_launch(dim3 grid, dim3 block, Body body) {
     const long long nblocks = (long long)grid.x * grid.y * grid.z;
     const bool flat = grid.y == 1 && grid.z == 1;
 #pragma omp parallel if (nblocks > 16)
     {
         gridDim = grid;
+#ifdef SOKPY_EMULATE_BLOCKS
+        blockDim = block;
+#else
+        (void)block;
+#endif
 #pragma omp for schedule(static)
         for (long long b = 0; b < nblocks; ++b) {
             blockIdx = flat ? dim3{(unsigned)b, 0, 0}
                             : dim3{(unsigned)(b % grid.x), (unsigned)((b / grid.x) % grid.y),
                                    (unsigned)(b / ((long long)grid.x * grid.y))};
+#ifdef SOKPY_EMULATE_BLOCKS
+            for (unsigned tz = 0; tz < block.z; ++tz)
+                for (unsigned ty = 0; ty < block.y; ++ty)
+                    for (unsigned tx = 0; tx < block.x; ++tx) {
+                        threadIdx = dim3{tx, ty, tz};
+                        body();
+                    }
+#else
             body();
+#endif
         }
     }
 }

@@ -16,6 +16,13 @@ for a kernel with ``n`` rows of ``dim`` columns: rows over the grid and ``thread
 the dimension over ``threadIdx.x``; the host runs one thread per block, so a host launch
 takes block ``(1, 1)``.
 
+``SOKPY_EMULATE_DEVICE_SHAPES=1`` (read at import) builds the host library so that it runs
+the device's launch shapes: every block runs its threads one after another (``threadIdx``
+and ``blockDim`` become variables) and rows are walked grid-stride as on a GPU;
+``launch_shape`` then returns the device shape on the host too. A kernel that only works
+with one thread per row gives different results there; ``tests/test_launch_shapes.py``
+runs the lookup and optimizer paths both ways and requires identical results.
+
 The host library is cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed
 by a hash of the sources, flags and compiler; ranks that build at once serialise on a file
 lock and the library is written under a temporary name and renamed into place.
@@ -178,7 +185,15 @@ def _check_array(kernel: str, p: _Param, x):
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
+EMULATE_DEVICE_SHAPES = os.environ.get("SOKPY_EMULATE_DEVICE_SHAPES", "") == "1"
+
+# NVRTC options of every device build. --fmad=false: NVRTC fuses a*b+c into one rounding by
+# default, the host build does not (-ffp-contract=off below), so both round each product
+# and each sum on their own and give the same bits.
+DEVICE_OPTIONS = ("-std=c++14", "--fmad=false")
+
 _HOST_FLAGS = [
+    *(["-DSOKPY_EMULATE_BLOCKS"] if EMULATE_DEVICE_SHAPES else []),
     "-O3",
     "-std=c++17",
     "-fopenmp",
@@ -239,9 +254,9 @@ def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:
         decl = ", ".join(f"{p.base}{'*' if p.pointer else ''} a{i}" for i, p in enumerate(params))
         call = ", ".join(f"a{i}" for i in range(len(params)))
         lines.append(
-            f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz'
-            f"{', ' if decl else ''}{decl}) {{\n"
-            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, [&] {{ {name}({call}); }});\n}}"
+            f'extern "C" void sokpy_launch_{name}(unsigned gx, unsigned gy, unsigned gz, '
+            f"unsigned bx, unsigned by, unsigned bz{', ' if decl else ''}{decl}) {{\n"
+            f"    sokpy_host_launch(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}"
         )
     return "\n".join(lines) + "\n"
 
@@ -290,7 +305,7 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
 class _HostKernel:
     def __init__(self, name: str, fn, params: list[_Param]):
         self.name, self.params = name, params
-        fn.argtypes = [ctypes.c_uint] * 3 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
+        fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
         fn.restype = None
         self._fn = fn
 
@@ -298,7 +313,8 @@ class _HostKernel:
         if len(args) != len(self.params):
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
         g = (tuple(grid) + (1, 1))[:3]
-        if tuple(block) + (1,) * (3 - len(block)) != (1, 1, 1):
+        blk = (tuple(block) + (1, 1))[:3]
+        if blk != (1, 1, 1) and not EMULATE_DEVICE_SHAPES:
             raise KernelError(
                 f"sokpy kernel {self.name}: the host backend runs one thread per block; "
                 f"launch with block (1, 1), not {tuple(block)} (see launch_shape)"
@@ -312,7 +328,7 @@ class _HostKernel:
         if min(g) <= 0:
             return
         with timed("kernels"):
-            self._fn(*g, *conv)
+            self._fn(*g, *blk, *conv)
 
 
 class HostModule:
@@ -351,7 +367,7 @@ def _device_module(cu: Path):
     import cupy
 
     src_dir = cu.parent
-    mod = cupy.RawModule(code=cu.read_text(), options=("-std=c++14", f"-I{src_dir}"))
+    mod = cupy.RawModule(code=cu.read_text(), options=(*DEVICE_OPTIONS, f"-I{src_dir}"))
     sigs = signatures(cu.read_text())
     return {n: _DeviceKernel(n, mod.get_function(n), ps) for n, ps in sigs.items()}
 
@@ -369,7 +385,7 @@ def nvrtc_compile(cu: Path, arch: str) -> bytes:
     )
     try:
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", "-std=c++14"])
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *DEVICE_OPTIONS])
         except nvrtc.NVRTCError as e:
             raise KernelError(f"sokpy: NVRTC failed on {cu.name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
         return nvrtc.getPTX(prog)
@@ -425,7 +441,7 @@ def launch_shape(n: int, dim: int, backend: str | None = None):
         from . import runtime
 
         backend = runtime.backend()
-    if backend == "host":
+    if backend == "host" and not EMULATE_DEVICE_SHAPES:
         return (max(1, min(int(n), _HOST_BLOCKS)),), (1, 1)
     bx = 1
     while bx < min(int(dim), 32):

@@ -1,0 +1,43 @@
+"""Every kernel gives the same results with the host's launch shape (one thread per block,
+a run of rows each) and with the device's (SOKPY_EMULATE_DEVICE_SHAPES=1: blocks of 32-128
+threads, the dimension over threadIdx.x, rows over threadIdx.y and the grid, grid-stride,
+threads of a block emulated one after another). A kernel that only works with one thread
+per row, or whose results depend on which thread takes which row, fails here: this is the
+host-side proof that the kernels are ready for the device's launch shapes."""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi
+
+
+def all_kernels() -> set[str]:
+    names = set()
+    for cu in (ROOT / "cuda_src").glob("*.cu"):
+        names |= set(re.findall(r'extern "C" __global__ void (\w+)\(', cu.read_text()))
+    return names
+
+
+def test_every_kernel_source_is_listed():
+    assert {"combine_forward", "segment_sum", "find_rows", "adam_update"} <= all_kernels()
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_host_and_device_launch_shapes_give_identical_results(tmp_path, nranks, request):
+    host, device = tmp_path / "host.npz", tmp_path / "device.npz"
+    run_mpi(nranks, "shapes_worker.py", host)
+    run_mpi(nranks, "shapes_worker.py", device, env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"})
+    with np.load(host) as a, np.load(device) as b:
+        assert set(a.files) == set(b.files)
+        differ = [k for k in a.files if k != "launched" and not np.array_equal(a[k], b[k])]
+        assert not differ, f"results differ between the launch shapes: {differ[:10]}"
+        assert set(a["launched"]) == set(b["launched"])
+        assert int(a["r0_growths"][0]) >= 1  # the dynamic table grew during the run
+        request.config.cache.set(f"shapes/launched{nranks}", sorted(str(n) for n in a["launched"]))
+    launched = set(request.config.cache.get("shapes/launched1", [])) | set(
+        request.config.cache.get("shapes/launched2", [])
+    )
+    if nranks == 2:  # the two runs together must launch every kernel there is
+        missing = all_kernels() - launched
+        assert not missing, f"kernels the test never ran: {sorted(missing)}"

@@ -1,0 +1,104 @@
+"""Runs lookups (static, localized and dynamic tables; every combiner; weights that need a
+gradient; insert=False), backward, every optimizer, assign and a dynamic table's growth, and
+saves every result plus the names of the kernels launched to ``argv[1]`` (rank 0 gathers).
+tests/test_launch_shapes.py runs it with the host's launch shapes and with the device's
+(SOKPY_EMULATE_DEVICE_SHAPES=1) and requires identical files."""
+
+import sys
+
+import numpy as np
+import torch
+
+import sokpy
+from sokpy import kernels
+
+launched = set()
+_call = kernels._HostKernel.__call__
+
+
+def recording_call(self, grid, block, args):
+    launched.add(self.name)
+    return _call(self, grid, block, args)
+
+
+kernels._HostKernel.__call__ = recording_call
+
+sokpy.init()
+rank, world = sokpy.rank(), sokpy.world_size()
+rng = np.random.default_rng(7 + rank)
+tables = [
+    sokpy.Variable(60, 8, name="shape_static", initializer=sokpy.initializers.normal(0.0, 0.5)),
+    sokpy.Variable(40, 5, target_gpu=world - 1, name="shape_localized"),
+    sokpy.DynamicVariable(16, capacity=4, name="shape_dynamic"),
+    sokpy.DynamicVariable(3, target_gpu=0, name="shape_dynamic_at"),
+]
+opts = [
+    sokpy.optim.SGD([tables[0]], lr=0.1),
+    sokpy.optim.Adagrad([tables[1]], lr=0.1, initial_accumulator_value=0.1),
+    sokpy.optim.Adam([tables[2]], lr=0.01),
+    sokpy.optim.Ftrl([tables[3]], lr=0.1, l1=0.001, l2=0.01),
+]
+combiners = ["sum", "mean", "sqrtn", "mean"]
+rows = [60, 40, None, None]
+results = {}
+
+
+def bags(t, nbags):
+    out = []
+    for _ in range(nbags):
+        n = int(rng.integers(0, 5))
+        if rows[t] is None:  # dynamic: int64 keys from a few hundred values, extremes included
+            pool = np.array([-(2**63), 2**63 - 1, -1, 0], np.int64)
+            keys = np.where(rng.random(n) < 0.1, rng.choice(pool, n), rng.integers(-300, 300, n))
+        else:
+            keys = rng.integers(0, rows[t], n)
+        out.append([int(k) for k in keys])
+    return out
+
+
+for step in range(5):
+    ids = [bags(t, 6 + step) for t in range(4)]
+    weights = [[[float(x) for x in rng.uniform(0.5, 2.0, len(b))] for b in per] for per in ids]
+    wt = torch.tensor([x for b in weights[1] for x in b], requires_grad=True)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(b) for b in ids[1]])]))
+    sp_ids = [
+        ids[0],
+        sokpy.Ragged(torch.tensor([k for b in ids[1] for k in b], dtype=torch.int64), offsets),
+        ids[2],
+        ids[3],
+    ]
+    sp_w = [weights[0], wt, None, weights[3]]
+    outs = sokpy.lookup_sparse(tables, sp_ids, sp_weights=sp_w, combiners=combiners)
+    loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs)
+    loss.backward()
+    for t, o in enumerate(outs):
+        results[f"out{step}_{t}"] = o.detach().numpy().copy()
+    results[f"wgrad{step}"] = wt.grad.numpy().copy()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+with torch.no_grad():
+    ev = sokpy.lookup_sparse(tables[2], [[5, 10**12], [-3]], combiners="sum", insert=False)
+results["eval"] = ev.numpy().copy()
+sokpy.assign(tables[0], torch.tensor([1, 2, 3]), torch.full((3, 8), float(rank)))
+sokpy.assign(tables[2], torch.tensor([77, -77]), torch.full((2, 16), float(rank)))
+
+# Every table's rows and optimizer slots, by key (a dynamic table's rows may be stored in
+# another order when threads race to insert them).
+for t, var in enumerate(tables):
+    s = var.storage
+    keys = np.asarray(s.keys()).copy()
+    order = np.argsort(keys)
+    results[f"keys{t}"] = keys[order]
+    results[f"values{t}"] = np.asarray(s.values())[order].copy()
+    for name in s.slot_names:
+        results[f"slot{t}_{name}"] = np.asarray(s.slot(name))[order].copy()
+results["growths"] = np.array([tables[2].storage.growths])
+
+everything = sokpy.comm().allgather_object((results, sorted(launched)))
+if rank == 0:
+    merged = {f"r{r}_{k}": v for r, (res, _) in enumerate(everything) for k, v in res.items()}
+    merged["launched"] = np.array(sorted({n for _, names in everything for n in names}))
+    np.savez(sys.argv[1], **merged)
+print(f"rank {rank}: ok")
