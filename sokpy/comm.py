@@ -1,7 +1,7 @@
 """Collectives between ranks: one ``Communicator`` interface, one implementation per backend.
 
-``MpiComm`` moves host (numpy) arrays over mpi4py's buffer interface. ``NcclComm`` (device
-arrays, bootstrapped over MPI) comes with the device backend.
+``MpiComm`` moves host (numpy) arrays over mpi4py's buffer interface. ``NcclComm``
+(``sokpy/nccl_comm.py``) moves device arrays over NCCL, bootstrapped over MPI.
 
 Example (under ``sokrun -np 2``)::
 
@@ -47,6 +47,12 @@ class Communicator:
     rank: int
     size: int
 
+    def alltoall_counts(self, counts):
+        """Exchanges one row of int64 counts per destination: ``counts[d]`` (any trailing
+        shape) goes to rank d; returns what every rank sent to this one, ``[size, ...]``.
+        Host values: the collective header and exchange sizes travel this way."""
+        raise NotImplementedError
+
     def alltoallv(self, send, send_counts, recv_counts=None, large=None):
         """Sends rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` of ``send`` to rank d.
         Returns ``(recv, recv_counts)``: the rows from every rank, in rank order. When the
@@ -73,6 +79,10 @@ class Communicator:
         raise NotImplementedError
 
     def barrier(self) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Releases the communicator (``sokpy.shutdown``)."""
         raise NotImplementedError
 
 

@@ -185,7 +185,7 @@ def _check_array(kernel: str, p: _Param, x):
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
-EMULATE_DEVICE_SHAPES = os.environ.get("SOKPY_EMULATE_DEVICE_SHAPES", "") == "1"
+EMULATE_DEVICE_SHAPES = "1" in (os.environ.get("SOKPY_EMULATE_DEVICE_SHAPES"), os.environ.get("SOKPY_EMULATE_DEVICE"))
 
 # NVRTC options of every device build. --fmad=false: NVRTC fuses a*b+c into one rounding by
 # default, the host build does not (-ffp-contract=off below), so both round each product

@@ -111,11 +111,25 @@ def init(backend: str = "auto") -> str:
     world = MPI.COMM_WORLD
     _check_launch(world.Get_size())
     _state.comm = MpiComm(world.Dup())
+    if os.environ.get("SOKPY_EMULATE_DEVICE") == "1":
+        _state.comm = _emulated_device_comm(_state.comm)
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     _state.local_rank = local.Get_rank()
     local.Free()
     _state.backend = backend
     return backend
+
+
+def _emulated_device_comm(mpi):
+    """``SOKPY_EMULATE_DEVICE=1``: the device backend's communicator (NcclComm) over the
+    MPI-backed NCCL test double, with host arrays; the kernels run the device's launch
+    shapes (sokpy/kernels.py). Proves the device path's exchange code without a GPU."""
+    import numpy
+
+    from .nccl_comm import NcclComm
+    from .nccl_double import MpiBackedNccl
+
+    return NcclComm(mpi, MpiBackedNccl(), xp=numpy, is_device=lambda a: False)
 
 
 def shutdown() -> None:

@@ -101,4 +101,4 @@ if rank == 0:
     merged = {f"r{r}_{k}": v for r, (res, _) in enumerate(everything) for k, v in res.items()}
     merged["launched"] = np.array(sorted({n for _, names in everything for n in names}))
     np.savez(sys.argv[1], **merged)
-print(f"rank {rank}: ok")
+print(f"rank {rank}: comm {type(sokpy.comm()).__name__} ok")

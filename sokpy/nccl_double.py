@@ -1,0 +1,130 @@
+"""A test double of the NCCL calls :class:`sokpy.nccl_comm.NcclComm` makes, over MPI.
+
+``MpiBackedNccl`` has the shape of ``cupy.cuda.nccl`` as far as ``NcclComm`` uses it
+(``get_unique_id``, ``groupStart``, ``groupEnd``, ``NcclCommunicator`` with ``send``,
+``recv``, ``allReduce``, ``allGather``, ``broadcast``, ``destroy``), but its buffers are
+**host** memory addresses and it moves them with MPI. It is not a communicator for real use:
+it exists so that NcclComm's own logic (grouped per-peer sends and receives, element and
+byte offsets, counts, dtypes) runs and is checked on machines without a GPU. What it cannot
+show: NCCL's own behaviour, device memory, and stream ordering on a GPU.
+
+Like NCCL, sends and receives between ``groupStart()`` and ``groupEnd()`` are queued and
+run together at ``groupEnd()`` (so every rank may post its sends first); outside a group
+they run at once.
+
+Example::
+
+    import numpy as np, sokpy
+    from sokpy.nccl_double import MpiBackedNccl
+    sokpy.init()
+    nccl = MpiBackedNccl()
+    c = nccl.NcclCommunicator(sokpy.world_size(), nccl.get_unique_id(), sokpy.rank())
+    a = np.ones(4, np.float32)
+    out = np.empty_like(a)
+    c.allReduce(a.ctypes.data, out.ctypes.data, 4, 7, 0, 0)    # NCCL_FLOAT32, NCCL_SUM
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+__all__ = ["MpiBackedNccl"]
+
+_TYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16}
+_TYPES.update({7: np.float32, 8: np.float64})
+_TAG = 7302
+
+
+def _view(address: int, count: int, datatype: int) -> np.ndarray:
+    """The ``count`` elements of NCCL type ``datatype`` at host ``address``, as a numpy view."""
+    dtype = np.dtype(_TYPES[datatype])
+    if count == 0:
+        return np.empty(0, dtype)
+    buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+    return np.frombuffer(buf, dtype=dtype, count=count)
+
+
+class _Communicator:
+    def __init__(self, owner: MpiBackedNccl, ndev: int, uid, rank: int):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._owner = owner
+        self._comm = MPI.COMM_WORLD.Dup()
+        if self._comm.Get_size() != ndev or self._comm.Get_rank() != rank:
+            raise ValueError(f"MpiBackedNccl: ndev {ndev} / rank {rank} do not match the MPI world")
+        if uid != owner.get_unique_id():
+            raise ValueError("MpiBackedNccl: the unique id did not reach this rank unchanged")
+        self._ops = {0: MPI.SUM, 1: MPI.PROD, 2: MPI.MAX, 3: MPI.MIN}
+
+    def destroy(self) -> None:
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    def _post(self, kind: str, address: int, count: int, datatype: int, peer: int) -> None:
+        view = _view(address, count, datatype)
+        if self._owner._group is not None:
+            self._owner._group.append((self, kind, view, peer))
+        else:
+            _run([(self, kind, view, peer)])
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._post("send", sendbuf, count, datatype, peer)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._post("recv", recvbuf, count, datatype, peer)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
+        send, recv = _view(sendbuf, count, datatype), _view(recvbuf, count, datatype)
+        self._comm.Allreduce(send.copy(), recv, op=self._ops[op])
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
+        send = _view(sendbuf, count, datatype).copy()
+        self._comm.Allgather(send, _view(recvbuf, count * self._comm.Get_size(), datatype))
+
+    def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int) -> None:
+        recv = _view(recvbuf, count, datatype)
+        if self._comm.Get_rank() == root and sendbuf != recvbuf:
+            recv[...] = _view(sendbuf, count, datatype)
+        self._comm.Bcast(recv, root=root)
+
+
+def _run(ops) -> None:
+    """Runs queued sends and receives together (nonblocking, then wait for all)."""
+    requests = []
+    for comm, kind, view, peer in ops:
+        if kind == "recv":
+            requests.append(comm._comm.Irecv(view, source=peer, tag=_TAG))
+    for comm, kind, view, peer in ops:
+        if kind == "send":
+            requests.append(comm._comm.Isend(view, dest=peer, tag=_TAG))
+    if requests:
+        ops[0][0]._MPI.Request.Waitall(requests)
+
+
+class MpiBackedNccl:
+    """The module-like test double (see the module's docs)."""
+
+    def __init__(self):
+        self._group: list | None = None
+        self.calls: list[str] = []  # the names of the calls made, for tests
+
+    def get_unique_id(self) -> tuple:
+        return tuple(range(128))  # NCCL's ids are 128 bytes; any fixed value identifies this double
+
+    def groupStart(self) -> None:
+        self.calls.append("groupStart")
+        if self._group is not None:
+            raise RuntimeError("MpiBackedNccl: groups do not nest here")
+        self._group = []
+
+    def groupEnd(self) -> None:
+        self.calls.append("groupEnd")
+        ops, self._group = self._group or [], None
+        _run(ops)
+
+    def NcclCommunicator(self, ndev: int, uid, rank: int) -> _Communicator:
+        return _Communicator(self, ndev, uid, rank)
