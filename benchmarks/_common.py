@@ -275,6 +275,20 @@ def machine_info() -> dict:
     return info
 
 
+def pyplot_or_none(path: str):
+    """matplotlib.pyplot with the file backend, or None (and a note) when matplotlib is not
+    installed: plots are optional (``pip install -e '.[bench]'``), the numbers are not."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"# plot {path} skipped: matplotlib is not installed (pip install -e '.[bench]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_json(path: str, obj) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -285,11 +285,9 @@ def merge(paths, out_json, out_png) -> None:
         out_json,
         dict(workload="W1 scaling", machine=base["machine"], data=base["data"], runs=rows, sources=list(paths)),
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _common.pyplot_or_none(out_png)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(9, 4.2))
     names = [x["config"] + ("\n(oversub.)" if x["oversubscribed"] else "") for x in rows]
     bottom = np.zeros(len(rows))

@@ -25,6 +25,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
 
 WORKLOADS = {
     "W1": ["--tables", "4", "--rows", "1000000", "--dim", "64", "--batch", "4096", "--hotness", "8"],
@@ -61,10 +63,9 @@ def summarize(name: str, report: dict) -> dict:
 
 
 def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot_or_none(path)
+    if plt is None:
+        return
 
     x = [r["tables"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -464,10 +464,9 @@ def print_table(report) -> None:
 
 
 def plot(report, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _common.pyplot_or_none(path)
+    if plt is None:
+        return
 
     res = report["results"]
     names = list(res)
