@@ -25,12 +25,35 @@ import torch
 
 from . import runtime
 
-__all__ = ["from_torch", "to_torch", "device"]
+__all__ = ["from_torch", "to_torch", "device", "stream_handle"]
+
+
+def _on_device() -> bool:
+    return runtime.backend() == "device"
 
 
 def device() -> torch.device:
     """The torch device that holds this rank's tables and outputs."""
+    if runtime.is_initialized() and _on_device():
+        return torch.device("cuda", runtime._state.device)
     return torch.device("cpu")
+
+
+def stream_handle() -> int:
+    """The raw handle of torch's current CUDA stream (0 on the host): kernels and NCCL work
+    are queued there, so they are ordered with the torch work around them."""
+    if not _on_device():
+        return 0
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def _follow_torch_stream() -> None:
+    """Makes CuPy's current stream torch's current stream (kernels launch on CuPy's)."""
+    import cupy
+
+    handle = stream_handle()
+    if cupy.cuda.get_current_stream().ptr != handle:
+        cupy.cuda.ExternalStream(handle).use()
 
 
 def from_torch(x, dtype=None):
@@ -38,14 +61,22 @@ def from_torch(x, dtype=None):
     of ``dtype`` (a numpy dtype or its name) when given. Shares memory with a tensor that is
     already on the right device, contiguous and of that dtype; copies otherwise."""
     xp = runtime.xp()
+    dtype = None if dtype is None else np.dtype(dtype)
+    if _on_device():
+        _follow_torch_stream()
+        if isinstance(x, torch.Tensor):
+            x = xp.from_dlpack(x.detach().to(device()).contiguous())
+        return xp.ascontiguousarray(xp.asarray(x, dtype=dtype))
     if isinstance(x, torch.Tensor):
         x = x.detach()
         if x.device.type != "cpu":
             x = x.cpu()
         x = x.numpy()
-    return xp.ascontiguousarray(xp.asarray(x, dtype=None if dtype is None else np.dtype(dtype)))
+    return xp.ascontiguousarray(xp.asarray(x, dtype=dtype))
 
 
 def to_torch(a) -> torch.Tensor:
     """A tensor sharing ``a``'s memory (an array of the backend)."""
-    return torch.from_numpy(a)
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    return torch.from_dlpack(a)

@@ -18,6 +18,7 @@ __all__ = [
     "rank",
     "world_size",
     "local_rank",
+    "device_index",
     "backend",
     "comm",
     "xp",
@@ -38,6 +39,7 @@ class _State:
     comm = None
     backend = None
     local_rank = 0
+    device = None  # the CUDA device index this rank uses (device backend only)
 
 
 _state = _State()
@@ -46,9 +48,13 @@ _state = _State()
 # world of 1 and would silently train its own model.
 _LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
 
-# The device backend (NcclComm, device arrays) lands with its own issue; until then "auto"
-# always resolves to the host backend.
-DEVICE_BACKEND_READY = False
+# Whether "auto" picks the device backend when CuPy sees a GPU. The device path is proven
+# without a GPU (emulated launch shapes, NcclComm over a test double, NVRTC builds) but has
+# not yet run on one, so "auto" stays on the host until the GPU-gated tests have passed on a
+# GPU; backend="device" (or SOKPY_BACKEND=device) asks for it explicitly.
+# SOKPY_BACKEND=host|device|auto in the environment sets what "auto" means, so a job moves
+# between backends without editing the script.
+AUTO_PICKS_DEVICE = False
 
 
 def _gpu_usable() -> bool:
@@ -78,8 +84,12 @@ def init(backend: str = "auto") -> str:
     """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
 
     ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
-    exchange) or ``"device"`` (CuPy arrays and NCCL). Idempotent: a second call with the same
-    or ``"auto"`` backend returns the first one's choice.
+    exchange) or ``"device"`` (CuPy arrays on this rank's GPU, kernels compiled by NVRTC,
+    NCCL exchange). ``"auto"`` reads ``SOKPY_BACKEND`` from the environment and otherwise
+    picks the host (the device backend has not yet run on a GPU: ask for it by name). On the device backend the rank binds GPU
+    ``local_rank % device_count`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible) for
+    CuPy and torch before anything is allocated. Idempotent: a second call with the same or
+    ``"auto"`` backend returns the first one's choice.
 
     Example::
 
@@ -95,14 +105,16 @@ def init(backend: str = "auto") -> str:
             )
         return _state.backend
     if backend == "auto":
-        backend = "device" if DEVICE_BACKEND_READY and _gpu_usable() else "host"
+        backend = os.environ.get("SOKPY_BACKEND", "auto").strip().lower() or "auto"
+        if backend not in ("auto", "host", "device"):
+            raise ValueError(f"sokpy.init: SOKPY_BACKEND must be 'auto', 'host' or 'device', not {backend!r}")
+    if backend == "auto":
+        backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
     if backend == "device":
         if not _gpu_usable():
-            raise RuntimeError("sokpy.init(backend='device'): no usable GPU is visible to CuPy")
-        if not DEVICE_BACKEND_READY:
-            raise NotImplementedError(
-                "sokpy.init(backend='device'): the device backend (NCCL exchange) "
-                "is not available in this version; use backend='host'"
+            raise RuntimeError(
+                "sokpy.init(backend='device'): no usable GPU is visible to CuPy "
+                "(install sokpy[cuda] and check CUDA_VISIBLE_DEVICES), or use backend='host'"
             )
     from mpi4py import MPI
 
@@ -110,14 +122,51 @@ def init(backend: str = "auto") -> str:
 
     world = MPI.COMM_WORLD
     _check_launch(world.Get_size())
-    _state.comm = MpiComm(world.Dup())
-    if os.environ.get("SOKPY_EMULATE_DEVICE") == "1":
-        _state.comm = _emulated_device_comm(_state.comm)
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    _state.local_rank = local.Get_rank()
+    local_rank = local.Get_rank()
     local.Free()
-    _state.backend = backend
+    mpi = MpiComm(world.Dup())
+    if backend == "device":
+        _state.device = _bind_device(local_rank)
+        comm = _device_comm(mpi)
+    elif os.environ.get("SOKPY_EMULATE_DEVICE") == "1":
+        comm = _emulated_device_comm(mpi)
+    else:
+        comm = mpi
+    _state.comm, _state.local_rank, _state.backend = comm, local_rank, backend
     return backend
+
+
+def device_index(local_rank: int, device_count: int) -> int:
+    """The GPU (an index among the visible ones) that the rank with node-local rank
+    ``local_rank`` uses: ``local_rank % device_count``. With ``CUDA_VISIBLE_DEVICES=2,3``
+    local ranks 0 and 1 get indices 0 and 1, i.e. physical GPUs 2 and 3."""
+    if device_count <= 0:
+        raise RuntimeError("sokpy: no GPU is visible (CUDA_VISIBLE_DEVICES may hide them all)")
+    return int(local_rank) % int(device_count)
+
+
+def _bind_device(local_rank: int) -> int:
+    """Makes this rank's GPU current for CuPy and torch, before either allocates on it."""
+    import cupy
+    import torch
+
+    index = device_index(local_rank, cupy.cuda.runtime.getDeviceCount())
+    cupy.cuda.Device(index).use()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(index)
+    return index
+
+
+def _device_comm(mpi):
+    """The device backend's communicator: NCCL (through CuPy) on torch's current stream."""
+    import cupy
+
+    from . import handoff, timing
+    from .nccl_comm import NcclComm
+
+    timing.set_synchronize(lambda: cupy.cuda.get_current_stream().synchronize())
+    return NcclComm(mpi, stream=handoff.stream_handle)
 
 
 def _emulated_device_comm(mpi):
@@ -139,6 +188,10 @@ def shutdown() -> None:
     _state.comm = None
     _state.backend = None
     _state.local_rank = 0
+    _state.device = None
+    from . import timing
+
+    timing.set_synchronize(None)
 
 
 def is_initialized() -> bool:

@@ -17,13 +17,28 @@ __all__ = ["timed", "totals", "reset"]
 
 _totals = {"exchange": 0.0, "kernels": 0.0}
 
+# On the device backend work is queued on a stream: a timer that did not wait for it would
+# measure the launch only. ``set_synchronize(fn)`` installs the wait (the runtime does it
+# when the device backend starts); the host needs none.
+_synchronize = None
+
+
+def set_synchronize(fn) -> None:
+    """Installs ``fn()`` (or None) as the wait before each reading of the clock."""
+    global _synchronize
+    _synchronize = fn
+
 
 @contextmanager
 def timed(category: str):
+    if _synchronize is not None:
+        _synchronize()
     start = time.perf_counter()
     try:
         yield
     finally:
+        if _synchronize is not None:
+            _synchronize()
         _totals[category] = _totals.get(category, 0.0) + time.perf_counter() - start
 
 

@@ -176,3 +176,53 @@ def test_ranks_under_mpirun(nranks):
         assert r["switch_backend"] == "RuntimeError"
         assert r["after_shutdown_initialized"] is False and r["after_shutdown_rank"] == "NotInitializedError"
         assert (r["reinit"], r["reinit_rank"], r["reinit_size"], r["reinit_sum"]) == ("host", r["rank"], nranks, nranks)
+
+
+# ---- backend choice and device binding -------------------------------------------------------
+
+BACKEND_SCRIPT = """
+import json, sokpy
+try:
+    out = {"backend": sokpy.init(), "error": None}
+except Exception as e:
+    out = {"backend": None, "error": type(e).__name__, "message": str(e)}
+out["initialized"] = sokpy.is_initialized()
+print("backend " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("host", "host"), ("auto", "host"), ("", "host"), ("bogus", "ValueError")],
+    ids=["host", "auto", "empty", "bogus"],
+)
+def test_sokpy_backend_variable(value, expected):
+    out = json_from(run_python(BACKEND_SCRIPT, {"SOKPY_BACKEND": value}), "backend")[0]
+    assert (out["backend"] or out["error"]) == expected, out
+    assert out["initialized"] is (expected == "host")
+
+
+def test_device_backend_without_gpu_is_refused_clearly():
+    from sokpy import runtime
+
+    if runtime._gpu_usable():
+        pytest.skip("a GPU is visible: the device backend starts here (tests/test_gpu.py)")
+    out = json_from(run_python(BACKEND_SCRIPT, {"SOKPY_BACKEND": "device"}), "backend")[0]
+    assert out["error"] == "RuntimeError" and "no usable GPU" in out["message"], out
+    assert out["initialized"] is False
+
+
+@pytest.mark.parametrize(
+    "local_rank, count, expected", [(0, 1, 0), (3, 1, 0), (1, 2, 1), (2, 2, 0), (5, 8, 5), (9, 8, 1)]
+)
+def test_device_index_follows_the_node_local_rank(local_rank, count, expected):
+    from sokpy import runtime
+
+    assert runtime.device_index(local_rank, count) == expected
+
+
+def test_device_index_without_visible_gpus():
+    from sokpy import runtime
+
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
+        runtime.device_index(0, 0)
