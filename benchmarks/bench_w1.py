@@ -207,33 +207,40 @@ def fbgemm_available():
     return True, None
 
 
+def make_tbe(wl, device: torch.device):
+    """FBGEMM's table-batched embedding bags for ``wl`` on ``device`` (CPU or CUDA), with
+    EXACT_ADAGRAD: acc += g*g; w -= lr * g / (sqrt(acc) + eps), acc starting at 0; the update
+    is fused into the backward pass (there is no separate optimizer step)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    on_gpu = device.type == "cuda"
+    place = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if on_gpu else (EmbeddingLocation.HOST, ComputeDevice.CPU)
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(wl.rows, wl.dim, *place) for _ in range(wl.tables)],
+        optimizer=EmbOptimType.EXACT_ADAGRAD,
+        learning_rate=LR,
+        eps=EPS,
+        pooling_mode=PoolingMode.SUM,
+        weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32,
+        device=device,
+    )
+
+
 class FbgemmContestant:
     name = "fbgemm"
 
     def __init__(self, wl, init_tables):
         import fbgemm_gpu
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
 
         self.version = getattr(fbgemm_gpu, "__version__", "unknown")
         self.wl = wl
-        specs = [(wl.rows, wl.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for _ in range(wl.tables)]
-        # EXACT_ADAGRAD: acc += g*g; w -= lr * g / (sqrt(acc) + eps), acc starting at 0; the
-        # update is fused into the backward pass (there is no separate optimizer step).
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=specs,
-            optimizer=EmbOptimType.EXACT_ADAGRAD,
-            learning_rate=LR,
-            eps=EPS,
-            pooling_mode=PoolingMode.SUM,
-            weights_precision=SparseType.FP32,
-            output_dtype=SparseType.FP32,
-            device=torch.device("cpu"),
-        )
+        self.tbe = make_tbe(wl, torch.device("cpu"))
         with torch.no_grad():
             for w, src in zip(self.tbe.split_embedding_weights(), init_tables):
                 w.copy_(src)

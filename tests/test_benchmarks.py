@@ -52,3 +52,17 @@ def test_storage_benchmark_runs(tmp_path):
     (g,) = report["growth"]
     assert g["rows"] == 5000 and g["growths_during_fill"] >= 1
     assert report["checkpoint"]["bytes"] == 2 * 2000 * 8 * 2 * 4  # values + Adagrad sums
+
+
+def test_gpu_benchmark_script_runs_on_the_host_backend(tmp_path):
+    """bench_gpu.py is for GPU nodes; run on the host backend at 2 ranks it exercises the
+    same script (data, steps, the slowest-rank reduction, the report)."""
+    out = tmp_path / "gpu.json"
+    bench = str(ROOT / "benchmarks" / "bench_gpu.py")
+    args = ["--backend", "host", "--workload", "t100", "--rows", "2000", "--batch", "64"]
+    args += ["--steps", "3", "--warmup", "1", "--nbatches", "2", "--out", str(out)]
+    run([str(ROOT / "launch" / "sokrun"), "-np", "2", "--timeout", "240", "python", bench, *args], tmp_path)
+    report = json.loads(out.read_text())
+    assert report["ranks"] == 2 and report["shape"]["tables"] == 100
+    res = report["sokpy"]
+    assert res["step"]["n"] == 3 and res["samples_per_s"] > 0 and "forward_hbm_share" not in res
