@@ -473,9 +473,10 @@ def _new_storage(var, keys: np.ndarray, rows: np.ndarray, comm):
     owner = plan.owners(var, keys)
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
-    rk, _ = comm.alltoallv(keys[order], counts)
-    rr, _ = comm.alltoallv(np.ascontiguousarray(rows[order]), counts)
-    if np.unique(rk).shape[0] != rk.shape[0]:
+    # The shares are read on the host; they travel (and land) as arrays of the backend.
+    rk, _ = comm.alltoallv(xp.asarray(keys[order]), counts)
+    rr, _ = comm.alltoallv(xp.asarray(np.ascontiguousarray(rows[order])), counts)
+    if xp.unique(rk).shape[0] != rk.shape[0]:
         raise ValueError("the checkpoint holds a key twice")
     new = var.storage.new_like()
     if not var.dynamic and rk.shape[0] != new.size:

@@ -163,13 +163,26 @@ def _array_info(x):
 def address_of(x) -> int:
     """The data address of a numpy/cupy array or torch tensor (for tables of pointers that a
     table-batched kernel reads, e.g. one row buffer per table)."""
+    _refuse_host_array("address_of", "a pointer table", x)
     info = _array_info(x)
     if info is None:
         raise KernelError(f"sokpy kernels: cannot take the address of a {type(x).__name__}")
     return int(info[0])
 
 
+def _refuse_host_array(kernel: str, what: str, x) -> None:
+    """Under SOKPY_EMULATE_DEVICE=1 arrays of the device code path are emulated device arrays
+    (sokpy.cupy_double); a numpy array reaching a kernel there is a host pointer, which a
+    GPU kernel cannot read."""
+    if EMULATE_DEVICE_ARRAYS and type(x) is np.ndarray:
+        raise KernelError(
+            f"sokpy kernel {kernel}: {what} is a host (numpy) array; the device backend passes "
+            f"device arrays only (move it with runtime.xp().asarray)"
+        )
+
+
 def _check_array(kernel: str, p: _Param, x):
+    _refuse_host_array(kernel, f"argument {p.name}", x)
     info = _array_info(x)
     if info is None:
         raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be an array, got {type(x).__name__}")
@@ -186,6 +199,7 @@ def _check_array(kernel: str, p: _Param, x):
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
 EMULATE_DEVICE_SHAPES = "1" in (os.environ.get("SOKPY_EMULATE_DEVICE_SHAPES"), os.environ.get("SOKPY_EMULATE_DEVICE"))
+EMULATE_DEVICE_ARRAYS = os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
 
 # NVRTC options of every device build. --fmad=false: NVRTC fuses a*b+c into one rounding by
 # default, the host build does not (-ffp-contract=off below), so both round each product

@@ -569,7 +569,7 @@ def owners(var, keys) -> np.ndarray:
     xp = runtime.xp()
     world = runtime.world_size()
     ts = table_set([var])
-    keys = xp.ascontiguousarray(keys, dtype=np.int64)
+    keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))  # host or device keys
     n = int(keys.shape[0])
     pos_bits, sv_bits = _sort_bits(n, world)
     tabs = ts.tabs.copy()
@@ -585,4 +585,5 @@ def owners(var, keys) -> np.ndarray:
 def rows_of(var, keys, insert: bool):
     """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
     dynamic table when ``insert`` (and initialising their rows)."""
-    return var.storage.find(runtime.xp().ascontiguousarray(keys, dtype=np.int64), insert)
+    xp = runtime.xp()
+    return var.storage.find(xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64)), insert)

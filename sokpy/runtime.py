@@ -40,6 +40,7 @@ class _State:
     backend = None
     local_rank = 0
     device = None  # the CUDA device index this rank uses (device backend only)
+    emulated = False  # SOKPY_EMULATE_DEVICE=1: device code path, host memory (cupy_double)
 
 
 _state = _State()
@@ -133,6 +134,7 @@ def init(backend: str = "auto") -> str:
         comm = _emulated_device_comm(mpi)
     else:
         comm = mpi
+    _state.emulated = comm is not mpi and backend == "host"
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, backend
     return backend
 
@@ -170,15 +172,16 @@ def _device_comm(mpi):
 
 
 def _emulated_device_comm(mpi):
-    """``SOKPY_EMULATE_DEVICE=1``: the device backend's communicator (NcclComm) over the
-    MPI-backed NCCL test double, with host arrays; the kernels run the device's launch
-    shapes (sokpy/kernels.py). Proves the device path's exchange code without a GPU."""
-    import numpy
-
+    """``SOKPY_EMULATE_DEVICE=1``: the device backend's code path on host memory. Arrays come
+    from ``sokpy.cupy_double`` (numpy behind CuPy's rules: no implicit conversion to numpy,
+    no numpy operands), the communicator is NcclComm over the MPI-backed NCCL test double,
+    and the kernels run the device's launch shapes and refuse host (numpy) pointers
+    (sokpy/kernels.py). Proves the device path's Python code without a GPU."""
+    from . import cupy_double
     from .nccl_comm import NcclComm
     from .nccl_double import MpiBackedNccl
 
-    return NcclComm(mpi, MpiBackedNccl(), xp=numpy, is_device=lambda a: False)
+    return NcclComm(mpi, MpiBackedNccl(), xp=cupy_double, is_device=lambda a: isinstance(a, cupy_double.ndarray))
 
 
 def shutdown() -> None:
@@ -189,6 +192,7 @@ def shutdown() -> None:
     _state.backend = None
     _state.local_rank = 0
     _state.device = None
+    _state.emulated = False
     from . import timing
 
     timing.set_synchronize(None)
@@ -235,6 +239,10 @@ def xp():
         import cupy
 
         return cupy
+    if _state.emulated:
+        from . import cupy_double
+
+        return cupy_double
     import numpy
 
     return numpy

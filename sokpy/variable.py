@@ -239,9 +239,10 @@ def export(var: _Table):
 
 def _last_of_equal(keys: np.ndarray) -> np.ndarray:
     """Positions of the last occurrence of each distinct key (so the highest rank wins)."""
-    order = np.argsort(keys, kind="stable")
+    xp = runtime.xp()
+    order = xp.argsort(keys, kind="stable")
     sk = keys[order]
-    last = np.ones(sk.size, bool)
+    last = xp.ones(sk.size, bool)
     last[:-1] = sk[1:] != sk[:-1]
     return order[last]
 
@@ -282,7 +283,7 @@ def assign(var: _Table, keys, values) -> None:
         recv_keys, _ = comm.alltoallv(keys[order], counts, agreement.recv_counts, large=agreement.large)
         recv_values, _ = comm.alltoallv(values[order], counts, agreement.recv_counts, large=agreement.large)
     keep = _last_of_equal(recv_keys)
-    recv_keys, recv_values = recv_keys[keep], np.ascontiguousarray(recv_values[keep])
+    recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
     rows = plan.rows_of(var, recv_keys, insert=True)
     n = rows.size
     if n:

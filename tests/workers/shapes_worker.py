@@ -84,16 +84,22 @@ results["eval"] = ev.numpy().copy()
 sokpy.assign(tables[0], torch.tensor([1, 2, 3]), torch.full((3, 8), float(rank)))
 sokpy.assign(tables[2], torch.tensor([77, -77]), torch.full((2, 16), float(rank)))
 
+
 # Every table's rows and optimizer slots, by key (a dynamic table's rows may be stored in
 # another order when threads race to insert them).
+def host(a):
+    """A host copy of an array of the backend (an emulated device array has .get())."""
+    return a.copy() if isinstance(a, np.ndarray) else a.get()
+
+
 for t, var in enumerate(tables):
     s = var.storage
-    keys = np.asarray(s.keys()).copy()
+    keys = host(s.keys())
     order = np.argsort(keys)
     results[f"keys{t}"] = keys[order]
-    results[f"values{t}"] = np.asarray(s.values())[order].copy()
+    results[f"values{t}"] = host(s.values())[order]
     for name in s.slot_names:
-        results[f"slot{t}_{name}"] = np.asarray(s.slot(name))[order].copy()
+        results[f"slot{t}_{name}"] = host(s.slot(name))[order]
 results["growths"] = np.array([tables[2].storage.growths])
 
 everything = sokpy.comm().allgather_object((results, sorted(launched)))
