@@ -1,6 +1,6 @@
 """Runs lookups (static, localized and dynamic tables; every combiner; weights that need a
-gradient; insert=False), backward, every optimizer, assign and a dynamic table's growth, and
-saves every result plus the names of the kernels launched to ``argv[1]`` (rank 0 gathers).
+gradient; insert=False), backward, every optimizer, assign, a dynamic table's growth and a
+checkpoint round trip, and saves every result plus the names of the kernels launched to ``argv[1]`` (rank 0 gathers).
 tests/test_launch_shapes.py runs it with the host's launch shapes and with the device's
 (SOKPY_EMULATE_DEVICE_SHAPES=1) and requires identical files."""
 
@@ -83,6 +83,14 @@ with torch.no_grad():
 results["eval"] = ev.numpy().copy()
 sokpy.assign(tables[0], torch.tensor([1, 2, 3]), torch.full((3, 8), float(rank)))
 sokpy.assign(tables[2], torch.tensor([77, -77]), torch.full((2, 16), float(rank)))
+
+# A checkpoint round trip: save, change rows, load; the results below are the saved state.
+for t, opt in enumerate(opts):
+    sokpy.save(f"{sys.argv[1]}.ckpt{t}", [tables[t]], opt)
+sokpy.assign(tables[0], torch.tensor([4, 5]), torch.zeros(2, 8))
+sokpy.assign(tables[2], torch.tensor([1234]), torch.zeros(1, 16))
+for t, opt in enumerate(opts):
+    sokpy.load(f"{sys.argv[1]}.ckpt{t}", [tables[t]], opt)
 
 
 # Every table's rows and optimizer slots, by key (a dynamic table's rows may be stored in

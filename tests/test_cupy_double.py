@@ -1,0 +1,76 @@
+"""sokpy.cupy_double, the test double of CuPy's array module that SOKPY_EMULATE_DEVICE=1 runs
+the device path on: it must refuse what CuPy refuses (else the emulation proves nothing) and
+allow what CuPy allows (else it flags correct code)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+
+from sokpy import cupy_double as xp
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [np.asarray, np.array, np.ascontiguousarray, torch.from_numpy, lambda a: memoryview(a)],
+    ids=["asarray", "array", "ascontiguousarray", "from_numpy", "buffer"],
+)
+def test_no_implicit_conversion_to_the_host(convert):
+    with pytest.raises(TypeError):
+        convert(xp.arange(4))
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        lambda d, h: d + h,
+        lambda d, h: h * d,
+        lambda d, h: xp.concatenate([d, h]),
+        lambda d, h: np.concatenate([d, h]),
+        lambda d, h: xp.ascontiguousarray(h),
+        lambda d, h: xp.add.reduceat(d, h),
+    ],
+    ids=["add", "rmul", "xp.concatenate", "np.concatenate", "xp.ascontiguousarray", "reduceat"],
+)
+def test_numpy_operands_refused(mix):
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        mix(xp.arange(4), np.arange(4))
+
+
+def test_what_cupy_allows():
+    a = xp.arange(6, dtype=np.int64)
+    assert isinstance(a, xp.ndarray) and a.dtype == np.int64 and a.shape == (6,)
+    s = a.sum()
+    assert isinstance(s, xp.ndarray) and s.ndim == 0 and int(s) == 15  # reductions give 0-d arrays
+    assert np.array_equal(np.cumsum(a).get(), np.cumsum(np.arange(6)))  # numpy functions dispatch
+    assert np.array_equal(a[np.array([1, 3])].get(), [1, 3])  # numpy and list indices are copied in
+    a[[0, 1]] = np.array([10, 11])
+    assert np.array_equal(xp.asarray(np.arange(3)).get(), [0, 1, 2])  # asarray copies a host array in
+    assert np.array_equal(xp.add.reduceat(a, xp.asarray([0, 3])).get(), [10 + 11 + 2, 3 + 4 + 5])
+    b = xp.zeros(3, np.float32)
+    b += 1
+    assert isinstance(b, xp.ndarray) and float(b.sum()) == 3.0
+    t = torch.from_dlpack(a)  # DLPack shares the memory
+    t[5] = 99
+    assert int(a[5]) == 99
+    assert a.__cuda_array_interface__["data"][0] == t.data_ptr()
+    with pytest.raises(AttributeError):
+        xp.add.at  # noqa: B018 - CuPy's ufuncs have no .at
+
+
+def test_kernels_refuse_host_pointers_under_emulation():
+    code = (
+        "import numpy as np, sokpy\n"
+        "from sokpy import kernels, cupy_double as xp\n"
+        "try:\n"
+        "    kernels.address_of(np.zeros(2))\n"
+        "except kernels.KernelError as e:\n"
+        "    print('refused', 'host (numpy) array' in str(e))\n"
+        "print('device', kernels.address_of(xp.zeros(2)) > 0)\n"
+    )
+    env = {"SOKPY_EMULATE_DEVICE": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.split() == ["refused", "True", "device", "True"], res.stdout + res.stderr
