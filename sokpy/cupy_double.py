@@ -19,8 +19,11 @@ meets those rules on a machine without a GPU:
 * It exposes ``__cuda_array_interface__`` (CuPy's way of giving its pointer to kernels and
   to NCCL) and DLPack (to torch), never the host's ``__array_interface__``.
 
-It emulates what the code may do with arrays, not CuPy's speed or memory, and not every
-CuPy function: a numpy function CuPy lacks would pass here and fail there.
+Where CuPy is installed (it imports without a GPU), a function, ufunc method or array
+method CuPy does not have raises ``AttributeError`` / ``TypeError`` here too, so code that
+calls a numpy routine CuPy lacks fails under the emulation as it would on a GPU. The double
+emulates what code may do with arrays, not CuPy's speed, memory or every argument of every
+routine.
 
 Example::
 
@@ -44,6 +47,30 @@ _IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed (emulated CuPy array, SOKPY_EMULATE_DEVICE): "
     "copy it to the host explicitly with .get()"
 )
+
+
+def _cupy():
+    """The installed CuPy module (only its names are consulted), or None."""
+    global _CUPY
+    if _CUPY is False:
+        try:
+            import cupy
+        except Exception:  # not installed, or a build that does not import here
+            cupy = None
+        _CUPY = cupy
+    return _CUPY
+
+
+_CUPY = False
+
+
+def _require(owner_name: str, owner, name: str) -> None:
+    cp = _cupy()
+    if cp is None:
+        return
+    target = cp if owner is None else owner(cp)
+    if not hasattr(target, name):
+        raise AttributeError(f"CuPy {cp.__version__} has no {owner_name}{name} (emulated CuPy, SOKPY_EMULATE_DEVICE)")
 
 
 def _mixed(kind: str) -> TypeError:
@@ -148,6 +175,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def __getattr__(self, name):
         if name.startswith("__"):  # never numpy's __array_interface__ / __array_struct__ / buffer
             raise AttributeError(name)
+        _require("ndarray.", lambda cp: cp.ndarray, name)
         attr = getattr(self._a, name)
         if not callable(attr):
             return _wrap(attr) if isinstance(attr, np.ndarray) else attr
@@ -157,6 +185,9 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return _call(getattr(ufunc, method), inputs, kwargs, False, f"ufunc {ufunc.__name__}")
 
     def __array_function__(self, func, types, args, kwargs):
+        cp = _cupy()
+        if cp is not None and not hasattr(cp, func.__name__):  # CuPy answers NotImplemented
+            raise TypeError(f"numpy.{func.__name__} has no CuPy implementation (emulated CuPy, SOKPY_EMULATE_DEVICE)")
         return _call(func, args, kwargs, False, f"numpy.{func.__name__}")
 
 
@@ -230,6 +261,7 @@ class _Ufunc:
     def __getattr__(self, method):
         if method not in ("reduce", "reduceat", "accumulate", "outer"):
             raise AttributeError(f"cupy.{self.__name__}.{method} is not available in CuPy")
+        _require(f"{self.__name__}.", lambda cp: getattr(cp, self.__name__), method)
         fn = getattr(self._uf, method)
         return lambda *args, **kwargs: _call(fn, args, kwargs, False, f"cupy.{self.__name__}.{method}")
 
@@ -238,6 +270,7 @@ def __getattr__(name):
     """Every other numpy name: functions under CuPy's operand rules, the rest (dtypes,
     constants) as they are."""
     attr = getattr(np, name)
+    _require("", None, name)
     if isinstance(attr, np.ufunc):
         return _Ufunc(attr)
     if not callable(attr) or isinstance(attr, type):

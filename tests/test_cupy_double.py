@@ -74,3 +74,13 @@ def test_kernels_refuse_host_pointers_under_emulation():
     env = {"SOKPY_EMULATE_DEVICE": "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert res.stdout.split() == ["refused", "True", "device", "True"], res.stdout + res.stderr
+
+
+def test_names_cupy_lacks_fail_as_on_a_gpu():
+    pytest.importorskip("cupy", reason="CuPy is not installed: the double cannot consult its names")
+    a = xp.arange(4)
+    with pytest.raises(AttributeError, match="CuPy"):
+        xp.insert  # noqa: B018 - numpy has it, CuPy does not
+    with pytest.raises(TypeError, match="no CuPy implementation"):
+        np.insert(a, 0, 5)  # reaches the double through __array_function__
+    assert int(np.cumsum(a)[-1]) == 6  # one CuPy has
