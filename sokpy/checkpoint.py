@@ -385,6 +385,8 @@ def load(path, variables, optimizer=None):
 
         extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
     """
+    from . import plan
+
     comm = runtime.comm()
     variables = list(variables)
     path = Path(path).absolute()
@@ -399,21 +401,23 @@ def load(path, variables, optimizer=None):
         saved = {t["name"]: t for t in m["tables"]}
         with_slots = set() if optimizer is None else {v.name for _, v in optimizer.variables()}
         # Read this rank's share of the saved files (saved rank s is read by rank s % W), checked.
+        # Any fault here (a bad file, an unreadable one: OSError too) is agreed on before the
+        # exchange below, so no rank is left waiting in it.
         parts, error = {}, None
         try:
             for var in variables:
-                parts[var.name] = _read_share(path / m["data"], saved[var.name], var, var.name in with_slots)
-        except ValueError as e:
-            error = str(e)
+                keys, rows = _read_share(path / m["data"], saved[var.name], var, var.name in with_slots)
+                parts[var.name] = (keys, rows, plan.owners(var, keys))
+        except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+            error = f"rank {comm.rank}: " + (str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
         _agree(call, error)
         # Send every row (with its slots) to its owner and build the new shards beside the old.
         new, error = {}, None
         for var in variables:
-            keys, rows = parts.pop(var.name)
             try:
-                new[var.name] = _new_storage(var, keys, rows, comm)
-            except ValueError as e:
-                error = error or f"rank {comm.rank}: table {var.name!r}: {e}"
+                new[var.name] = _new_storage(var, *parts.pop(var.name), comm)
+            except Exception as e:  # noqa: BLE001
+                error = error or f"rank {comm.rank}: table {var.name!r}: {type(e).__name__}: {e}"
         _agree(call, error)
     # Everything checked and built: put it in place.
     for var in variables:
@@ -464,13 +468,11 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
     return np.concatenate(keys), np.concatenate(rows)
 
 
-def _new_storage(var, keys: np.ndarray, rows: np.ndarray, comm):
+def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm):
     """This rank's new shard of ``var``, built beside the current one from the rows the
-    readers send (a collective exchange); raises ValueError when they do not fit it."""
-    from . import plan
-
+    readers send to their ``owner`` ranks (a collective exchange, made by every rank before
+    anything here can raise); raises ValueError when they do not fit it."""
     xp = runtime.xp()
-    owner = plan.owners(var, keys)
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
     # The shares are read on the host; they travel (and land) as arrays of the backend.

@@ -37,7 +37,7 @@ def test_saved_at_four_ranks_resumes_exactly_at_one_two_and_three(tmp_path):
             assert np.array_equal(resumed[k], v), f"resumed at {nranks} ranks: {k} differs from uninterrupted"
 
 
-@pytest.mark.parametrize("case", ["flip", "truncate", "missing_file", "newer", "escape"])
+@pytest.mark.parametrize("case", ["flip", "truncate", "missing_file", "newer", "escape", "oserror"])
 def test_damaged_checkpoint_is_refused_on_every_rank_and_changes_nothing(tmp_path, case):
     out = run_mpi(2, "checkpoint_worker.py", "corrupt", tmp_path, case, timeout=180)
     assert out.count(f"corrupt {case} ok") == 2

@@ -140,6 +140,8 @@ def damage(ckpt: Path, case: str) -> str:
         manifest["version"] = 99
         (ckpt / "manifest.json").write_text(json.dumps(manifest))
         return "newer"
+    if case == "oserror":  # no damage: the last rank's reads fail (main_corrupt), e.g. an I/O error on NFS
+        return "OSError"
     if case == "escape":
         manifest["tables"][0]["files"][0]["keys"]["file"] = "../../manifest.json"
         (ckpt / "manifest.json").write_text(json.dumps(manifest))
@@ -157,6 +159,13 @@ def main_corrupt(folder, case):
     piece = damage(ckpt, case) if RANK == 0 else None
     piece = sokpy.comm().bcast(piece)
     sokpy.comm().barrier()
+    if case == "oserror" and RANK == WORLD - 1:
+        read_npy = sokpy.checkpoint._read_npy
+
+        def failing_read(*args, **kwargs):
+            raise OSError(5, "Input/output error")
+
+        sokpy.checkpoint._read_npy = failing_read
     texts = []
     manifest_damaged = case in ("newer", "escape")  # then no table check is reached
     for attempt in range(1 if manifest_damaged else 2):
@@ -173,6 +182,8 @@ def main_corrupt(folder, case):
     assert piece in texts[0], f"rank {RANK}: {piece!r} not in {texts[0]}"
     assert manifest_damaged or "ck_static_other" in texts[1], texts[1]
     assert len(set(sokpy.comm().allgather_object(texts[0]))) == 1, "the ranks raised different errors"
+    if case == "oserror" and RANK == WORLD - 1:
+        sokpy.checkpoint._read_npy = read_npy
     for k, v in state(tables, opt).items():
         assert np.array_equal(v, before[k]), f"rank {RANK}: {k} changed by a refused load"
     train(tables, opt, 2, 3)  # the ranks are still in step
