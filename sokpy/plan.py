@@ -451,8 +451,9 @@ class LookupPlan:
                 chunk = self._owner_chunk(grecv)
         for t in self.tables:
             t._grad_refs.append(chunk)
-        del keep
-        return self._weight_grads(gptr, grads)
+        weight_grads = self._weight_grads(gptr, grads)
+        del keep  # the contiguous gradient copies gptr points to: only now may they go
+        return weight_grads
 
     def _grad_pointers(self, grads):
         """(used flags [T], device array of gradient addresses [T], tensors to keep alive)."""

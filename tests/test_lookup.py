@@ -195,3 +195,45 @@ def test_keyed_jagged_input_equals_per_table_input(sokpy_host):
     nan = _Jagged(["fa", "fb"], torch.tensor(flat), lengths, torch.tensor(flat_w[:-1] + [float("nan")]))
     with pytest.raises(sokpy.InputError, match="kjt_b.*not finite"):
         sokpy.lookup_sparse([a, b], nan, combiners=combs)
+
+
+NONCONTIGUOUS_GRAD = r"""
+import torch, sokpy
+sokpy.init()
+B, H, D, ROWS = 40000, 3, 16, 1000
+table = sokpy.Variable(ROWS, D, initializer=sokpy.initializers.uniform(-1.0, 1.0), name="noncontig")
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, ROWS, (B, H), generator=g)
+w = torch.rand(B, H, generator=g).requires_grad_()
+m = torch.randn(D, B, generator=g)
+out = sokpy.lookup_sparse(table, ids, sp_weights=w, combiners=COMBINER)
+(out.t() * m).sum().backward()  # the output's gradient arrives transposed: not contiguous
+keys, values = sokpy.export(table)
+full = torch.empty(ROWS, D)
+full[keys] = values
+w_ref = w.detach().clone().requires_grad_()
+ref = (full[ids] * w_ref[..., None]).sum(1)
+if COMBINER == "mean":
+    ref = ref / w_ref.sum(1, keepdim=True)
+(ref.t() * m).sum().backward()
+err = (w.grad - w_ref.grad).abs().max().item()
+assert err < 1e-3, f"per-key weight gradients differ from torch's by {err}"
+print("weight grads ok")
+"""
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_weight_gradients_from_a_non_contiguous_output_gradient(combiner):
+    """The backward copies a non-contiguous output gradient to contiguous memory; that copy
+    must live until the weights' gradient kernel has read it (run in its own process: reading
+    freed memory may crash)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = NONCONTIGUOUS_GRAD.replace("COMBINER", repr(combiner))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0 and "weight grads ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
