@@ -445,7 +445,12 @@ class LookupPlan:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None
                 used_flags = None if used.all() else used[None, :]
                 rows = self.rows[d.first]
-                chunk = GradChunk(self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=True, bad=bad)
+                # A table passed twice (two features sharing it) has rows under both of its
+                # table slots: they are summed at the step, like gradients from other ranks.
+                merged = len({id(t) for t in self.tables}) == ntab
+                chunk = GradChunk(
+                    self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=merged, bad=bad
+                )
             else:
                 grecv, _ = comm.alltoallv(buf, self.recv_elems, self.send_elems, large=agreement.large)
                 chunk = self._owner_chunk(grecv)

@@ -237,3 +237,23 @@ def test_weight_gradients_from_a_non_contiguous_output_gradient(combiner):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0 and "weight grads ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("optimizer", ["Adagrad", "Adam"])
+def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
+    """A table read by two features of one call (as several features share a table) gets one
+    optimizer update from the sum of both features' gradients, as torch's optimizers would
+    do for an nn.EmbeddingBag used twice; not one update per feature."""
+    sokpy = sokpy_host
+    v = sokpy.Variable(8, 2, initializer=sokpy.initializers.uniform(-1, 1), name=f"twice_{optimizer}")
+    opt = getattr(sokpy.optim, optimizer)([v], lr=0.1)
+    start = sokpy.export(v)[1].clone()
+    a, b = sokpy.lookup_sparse([v, v], [[[1, 3]], [[3, 5]]], combiners=["sum", "sum"])
+    (a.sum() * 2 + b.sum() * 3).backward()
+    opt.step()
+    w = torch.nn.Parameter(start.clone())
+    ref_opt = {"Adagrad": torch.optim.Adagrad, "Adam": torch.optim.Adam}[optimizer]([w], lr=0.1)
+    (w[[1, 3]].sum() * 2 + w[[3, 5]].sum() * 3).backward()
+    ref_opt.step()
+    touched = [1, 3, 5]  # torch's dense optimizers also move no row without gradient under Adagrad
+    torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
