@@ -17,6 +17,7 @@ from . import comm as _comm_module  # noqa: F401  # isort: skip
 from . import checkpoint, initializers, kernels, optim, timing
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
+from .kernels import KernelError, UnsafeCacheError
 from .lookup import lookup_sparse
 from .runtime import (
     LaunchError,
@@ -61,6 +62,8 @@ __all__ = [
     "InputError",
     "CollectiveMismatchError",
     "CheckpointError",
+    "KernelError",
+    "UnsafeCacheError",
     "LaunchError",
     "NotInitializedError",
     "__version__",

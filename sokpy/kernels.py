@@ -61,6 +61,12 @@ class KernelError(RuntimeError):
     """A kernel failed to compile or was called with arguments that do not fit it."""
 
 
+class UnsafeCacheError(KernelError):
+    """The kernel cache folder or a library in it could have been written by another user
+    (not owned by this user, or writable by group or others), so sokpy will not load code
+    from it."""
+
+
 def source_dir() -> Path:
     """The folder holding the ``.cu`` sources (inside the package when installed)."""
     env = os.environ.get("SOKPY_CUDA_SRC")
@@ -248,16 +254,49 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
 
 
+def check_private(path: Path, what: str) -> None:
+    """Raises UnsafeCacheError unless ``path`` is owned by this user and not writable by
+    group or others (what a shared /tmp or a shared cache needs before code is loaded)."""
+    st = os.stat(path)
+    problems = []
+    if st.st_uid != os.getuid():
+        problems.append(f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
+    if st.st_mode & 0o022:
+        problems.append(
+            f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} (mode {st.st_mode & 0o777:o})"
+        )
+    if problems:
+        raise UnsafeCacheError(
+            f"sokpy: refusing the {what} {path}: it is {' and '.join(problems)}, so another user could "
+            f"plant code that sokpy would load. Remove it (or run `chmod go-w` on a folder of yours), or "
+            f"point SOKPY_CACHE_DIR at a private folder."
+        )
+
+
+def _private_dir(d: Path) -> None:
+    """Creates ``d`` (and missing parents) with mode 0700."""
+    if not d.exists():
+        _private_dir(d.parent)
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
+
 def _cache_dir() -> Path:
     """``$SOKPY_CACHE_DIR/kernels`` (default ``~/.cache/sokpy/kernels``); a per-user folder
-    under the temp directory when that cannot be written (a read-only home, say)."""
+    under the temp directory when that cannot be written (a read-only home, say). Folders it
+    creates are private (0700); the folder and its parent must be this user's and not
+    writable by others (UnsafeCacheError otherwise)."""
     base = Path(os.environ.get("SOKPY_CACHE_DIR") or Path.home() / ".cache" / "sokpy")
     for d in (base / "kernels", Path(tempfile.gettempdir()) / f"sokpy-{os.getuid()}" / "kernels"):
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            _private_dir(d)
         except OSError:
             continue
         if os.access(d, os.W_OK):
+            check_private(d.parent, "kernel cache folder")
+            check_private(d, "kernel cache folder")
             return d
     raise KernelError(f"sokpy: no writable kernel cache folder (tried {base / 'kernels'}); set SOKPY_CACHE_DIR")
 
@@ -312,6 +351,7 @@ def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
                 raise KernelError(
                     f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n{res.stderr}{res.stdout}"
                 )
+            os.chmod(out, 0o700)
             os.replace(out, lib)  # atomic: a reader sees no library or a whole one
     return lib, sigs
 
@@ -350,6 +390,7 @@ class HostModule:
 
     def __init__(self, cu: Path):
         path, sigs = _build_host_library(cu)
+        check_private(path, "kernel library")  # loading a library runs its code
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         self.kernels = {n: _HostKernel(n, getattr(self._lib, f"sokpy_launch_{n}"), ps) for n, ps in sigs.items()}

@@ -1,0 +1,84 @@
+"""The kernel cache on shared machines: sokpy loads shared libraries from it, so it refuses a
+cache folder or library another user could have written (planted), and creates its folders
+private (0700)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+LOAD = "from sokpy import kernels; kernels.get('copy_rows', 'host'); print('loaded')"
+
+
+def load_with(cache):
+    env = dict(os.environ, SOKPY_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache folder the current user built (the libraries compiled once)."""
+    cache = tmp_path_factory.mktemp("cache") / "sokpy"
+    res = load_with(cache)
+    assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-3000:]
+    return cache
+
+
+def test_new_cache_folders_are_private(built):
+    for d in (built, built / "kernels"):
+        assert d.stat().st_mode & 0o777 == 0o700, f"{d} has mode {d.stat().st_mode & 0o777:o}"
+    for lib in (built / "kernels").glob("*.so"):
+        assert lib.stat().st_mode & 0o022 == 0, f"{lib} is writable by others"
+
+
+def _copy(built, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("planting a file of another user needs root (chown)")
+    cache = tmp_path / "sokpy"
+    shutil.copytree(built, cache)
+    return cache, sorted((cache / "kernels").glob("*.so"))
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda p: os.chmod(p, 0o777),  # a library others can replace
+        lambda p: os.chown(p, 65534, 65534),  # a library another user planted
+    ],
+    ids=["library-writable-by-others", "library-of-another-user"],
+)
+def test_planted_library_is_refused(built, tmp_path, plant):
+    cache, libs = _copy(built, tmp_path)
+    assert libs
+    for lib in libs:
+        plant(lib)
+    res = load_with(cache)
+    assert res.returncode != 0 and "loaded" not in res.stdout
+    assert "UnsafeCacheError" in res.stderr and "kernel library" in res.stderr, res.stderr[-2000:]
+    assert str(cache / "kernels") in res.stderr
+
+
+@pytest.mark.parametrize(
+    "folder, plant",
+    [
+        ("sokpy", lambda p: os.chown(p, 65534, 65534)),  # another user created the folder first
+        ("kernels", lambda p: os.chmod(p, 0o777)),  # a shared, world-writable cache
+    ],
+    ids=["folder-of-another-user", "world-writable-folder"],
+)
+def test_unsafe_cache_folder_is_refused(built, tmp_path, folder, plant):
+    cache, _ = _copy(built, tmp_path)
+    plant(cache if folder == "sokpy" else cache / "kernels")
+    res = load_with(cache)
+    assert res.returncode != 0 and "loaded" not in res.stdout
+    assert "UnsafeCacheError" in res.stderr and "kernel cache folder" in res.stderr, res.stderr[-2000:]
+    assert "SOKPY_CACHE_DIR" in res.stderr  # says what to do
+
+
+def test_a_private_copy_still_loads(built, tmp_path):
+    cache, _ = _copy(built, tmp_path)
+    res = load_with(cache)
+    assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-2000:]
