@@ -81,7 +81,7 @@ def _check_launch(mpi_size: int) -> None:
             )
 
 
-def init(backend: str = "auto") -> str:
+def init(backend: str = "auto", timeout: float | None = None) -> str:
     """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
 
     ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
@@ -92,6 +92,11 @@ def init(backend: str = "auto") -> str:
     CuPy and torch before anything is allocated. Idempotent: a second call with the same or
     ``"auto"`` backend returns the first one's choice.
 
+    A failed rank then ends the whole job (``sokpy.watchdog``): an uncaught exception aborts
+    the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
+    and a collective call that waits longer than ``timeout`` seconds (default
+    ``SOKPY_COLLECTIVE_TIMEOUT`` or 600; 0 for none) ends the job naming the call.
+
     Example::
 
         import sokpy
@@ -99,6 +104,8 @@ def init(backend: str = "auto") -> str:
     """
     if backend not in ("auto", "host", "device"):
         raise ValueError(f"sokpy.init: backend must be 'auto', 'host' or 'device', not {backend!r}")
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"sokpy.init: timeout must be >= 0 seconds (0: none), not {timeout!r}")
     if _state.comm is not None:
         if backend not in ("auto", _state.backend):
             raise RuntimeError(
@@ -136,6 +143,9 @@ def init(backend: str = "auto") -> str:
         comm = mpi
     _state.emulated = comm is not mpi and backend == "host"
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, backend
+    from . import watchdog
+
+    watchdog.install(timeout)
     return backend
 
 

@@ -1,0 +1,37 @@
+"""A training loop in which rank 1 fails in the way argv[1] names; tests/test_reliability.py
+checks the whole job ends promptly, with a non-zero code and a message naming the rank.
+
+  before   raises before the first collective call (after sokpy.init)
+  between  raises between a lookup and its backward
+  inside   passes a bad key to a lookup: every rank raises the same InputError, uncaught
+  killed   is killed (SIGKILL) in the middle of a step
+  early    leaves the training loop early and exits normally (uneven data)
+"""
+
+import os
+import signal
+import sys
+
+import sokpy
+
+sokpy.init()
+mode, rank = sys.argv[1], sokpy.rank()
+fails = rank == 1
+v = sokpy.Variable(100, 4, name="failing")
+opt = sokpy.optim.Adagrad([v], lr=0.1)
+if mode == "before" and fails:
+    raise RuntimeError("rank 1 fails before any collective call")
+for step in range(4):
+    if mode == "early" and fails and step == 2:
+        print(f"rank {rank}: leaving the loop early", flush=True)
+        sys.exit(0)
+    ids = [[1, 2], [3]] if not (mode == "inside" and fails and step == 1) else [[1, 200]]
+    out = sokpy.lookup_sparse(v, ids, combiners="sum")
+    if mode == "between" and fails and step == 1:
+        raise RuntimeError("rank 1 fails between a lookup and its backward")
+    if mode == "killed" and fails and step == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out.sum().backward()
+    opt.step()
+    opt.zero_grad()
+print(f"rank {rank}: finished", flush=True)
