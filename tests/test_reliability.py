@@ -24,8 +24,6 @@ def run_job(launch: str, mode: str, env=None):
         cmd = [launcher._mpirun(), "-np", "2", "-x", "OMP_NUM_THREADS", "-x", "PATH"]
         cmd += ["-x", "SOKPY_COLLECTIVE_TIMEOUT"] if "SOKPY_COLLECTIVE_TIMEOUT" in full_env else []
         cmd += [sys.executable, *prog[1:]]
-    elif "SOKPY_COLLECTIVE_TIMEOUT" in full_env:
-        cmd = [cmd[0], "-x", "SOKPY_COLLECTIVE_TIMEOUT", *cmd[1:]]
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     start = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=3 * BOUND_S[mode] + 30, cwd=ROOT)

@@ -155,3 +155,49 @@ def test_timeout_ends_a_hung_job():
     assert res.returncode != 0, res.stdout + res.stderr
     assert elapsed < 40, f"a job with --timeout 6 ran {elapsed:.1f}s"
     assert "finished" not in res.stdout
+
+
+# ---- several nodes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, env, btl",
+    [
+        ([], {}, "self,sm"),  # one node: shared memory only
+        (["--host", "a:2,b:2"], {}, None),
+        (["--hostfile", "hosts.txt"], {}, None),
+        ([], {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}, None),
+        ([], {"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1"}, "self,sm"),  # a one-node allocation
+        ([], {"PBS_NODEFILE": "/var/spool/nodes"}, None),
+        ([], {"LSB_HOSTS": "a a b b"}, None),
+    ],
+    ids=["one-node", "host", "hostfile", "slurm-2-nodes", "slurm-1-node", "pbs", "lsf"],
+)
+def test_transports_are_not_forced_to_shared_memory_across_nodes(build, args, env, btl):
+    _, _, out = build(["-np", "4", *args, "python", "train.py"], env=env)
+    assert out.get("OMPI_MCA_btl") == btl
+
+
+@pytest.mark.parametrize(
+    "args, env, want",
+    [
+        (["--host", "a:2,b:2"], {}, "4"),  # 8 cores, 2 ranks on each node
+        (["--host", "a,b"], {}, "4"),  # 4 ranks over 2 nodes
+        (["--hostfile", "h", "--npernode", "4"], {}, "2"),
+        (["--hostfile", "h", "--map-by", "ppr:8:node"], {}, "1"),
+        ([], {"SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_NUM_NODES": "4"}, "8"),  # one rank per node
+        ([], {}, "2"),  # one node: 4 ranks share its 8 cores
+    ],
+    ids=["host-slots", "host-even", "npernode", "ppr", "slurm", "one-node"],
+)
+def test_omp_threads_follow_the_ranks_on_each_node(build, args, env, want):
+    _, _, out = build(["-np", "4", *args, "python", "train.py"], env=env, cores=8)
+    assert out["OMP_NUM_THREADS"] == want
+
+
+def test_sokpy_variables_reach_every_rank(build):
+    env = {"SOKPY_COLLECTIVE_TIMEOUT": "60", "SOKPY_BACKEND": "host", "PYTHONPATH": "/src", "OTHER": "1"}
+    opts, _, _ = build(["-np", "2", "--host", "a,b", "python", "train.py"], env=env)
+    passed = {opts[i + 1] for i, w in enumerate(opts) if w == "-x"}
+    assert {"SOKPY_COLLECTIVE_TIMEOUT", "SOKPY_BACKEND", "PYTHONPATH", "OMP_NUM_THREADS", "PATH"} <= passed
+    assert "OTHER" not in passed
