@@ -66,3 +66,14 @@ def test_gpu_benchmark_script_runs_on_the_host_backend(tmp_path):
     assert report["ranks"] == 2 and report["shape"]["tables"] == 100
     res = report["sokpy"]
     assert res["step"]["n"] == 3 and res["samples_per_s"] > 0 and "forward_hbm_share" not in res
+
+
+def test_soak_script_runs(tmp_path):
+    """benchmarks/soak.py end to end, briefly (its numbers come from long runs, see
+    docs/benchmarks.md): the dynamic table grows by the fresh keys of every rank."""
+    out = tmp_path / "soak.json"
+    args = [str(ROOT / "benchmarks" / "soak.py"), "--steps", "6", "--window", "3", "--new-keys", "8"]
+    run([str(ROOT / "launch" / "sokrun"), "-np", "2", "--timeout", "240", "python", *args, "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    assert [w["step"] for w in report["windows"]] == [3, 6]
+    assert report["windows"][-1]["dynamic_rows"] >= 6 * 2 * 8  # every fresh key of both ranks is a row
