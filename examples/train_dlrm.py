@@ -134,14 +134,19 @@ class DLRM(nn.Module):
 
 def init_process_group(comm) -> None:
     """Starts torch.distributed (gloo) over the ranks sokpy already knows: rank 0 picks a
-    free local port and sends it to the others over MPI."""
+    free port and sends it to the others over MPI. Its address is MASTER_ADDR when set (as
+    torchrun uses it; across nodes gloo may also need GLOO_SOCKET_IFNAME), 127.0.0.1 when all
+    ranks share a node, else the address rank 0's hostname resolves to."""
+    host = socket.gethostname()
+    one_node = len(set(comm.allgather_object(host))) == 1
+    addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))
     port = None
     if comm.rank == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("127.0.0.1" if addr == "127.0.0.1" else "", 0))
             port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    addr, port = comm.bcast((addr, port), root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
 
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

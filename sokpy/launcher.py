@@ -136,12 +136,12 @@ def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     nranks = _np(opts)
     cores = os.cpu_count() or 1
-    if nranks > cores:
-        env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     nodes = _nodes(opts, env)
     if nodes is None or nodes == 1:
         env.setdefault("OMPI_MCA_btl", "self,sm")
     per_node = _ranks_per_node(opts, nranks, nodes)
+    if per_node > cores:
+        env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(per_node, cores)))))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     passed = ["OMP_NUM_THREADS", "PATH", *(["PYTHONPATH"] if "PYTHONPATH" in env else [])]

@@ -1,0 +1,246 @@
+"""Emulated nodes: several "nodes" on one Linux machine, joined by a rate-limited network, for
+running and measuring multi-node jobs without a cluster (root only).
+
+A node is a network namespace with its own hostname. Each node has one virtual ethernet
+link to a switch (a bridge inside a namespace of its own), shaped in both directions with
+``tc ... tbf`` at the given rate. ``mpirun`` runs on the first node and starts its daemon
+on every other node through a launch agent (instead of ssh) that enters that node's
+namespace and sets its hostname; Open MPI's TCP transport and out-of-band channel are held
+to the emulated subnet. Nothing is added to the machine's own network namespace, and
+everything is removed when the run ends, also when it fails or is interrupted.
+
+From the shell (``sokpy-nodes``, also ``launch/sokpy-nodes``)::
+
+    sokpy-nodes --nodes 2 --ranks-per-node 2 --rate 1gbit -- python train.py
+    sokpy-nodes --cleanup        # removes what an interrupted run left behind
+
+From Python (tests, benchmarks)::
+
+    from sokpy.emulated_nodes import EmulatedNodes
+    with EmulatedNodes(nodes=2, rate="10gbit") as cluster:
+        result = cluster.run(["python", "train.py"], ranks_per_node=2, timeout=300)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["EmulatedNodes", "available", "cleanup", "main"]
+
+PREFIX = "sokpyn"  # every namespace this module creates starts with it
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"emulated nodes: `{' '.join(cmd)}` failed: {res.stderr.strip()}")
+    return res
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when namespaces, veth links and tbf can be made here, else (False, why)."""
+    if os.geteuid() != 0:
+        return False, "emulated nodes need root (network namespaces)"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return False, f"emulated nodes need the `{tool}` command"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    res = _ip("ip", "netns", "add", probe, check=False)
+    if res.returncode != 0:
+        return False, f"cannot create a network namespace: {res.stderr.strip()}"
+    _ip("ip", "netns", "del", probe, check=False)
+    return True, ""
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def cleanup(tag: str = PREFIX) -> list[str]:
+    """Removes every namespace whose name starts with ``tag`` (their links go with them)."""
+    gone = []
+    for ns in _namespaces():
+        if ns.startswith(tag):
+            _ip("ip", "netns", "del", ns, check=False)
+            gone.append(ns)
+    return gone
+
+
+def _free_subnet() -> str:
+    """A 10.213.x.0/24 subnet no interface of this machine uses (three octets, no mask)."""
+    used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+    for ns in _namespaces():
+        used += _ip("ip", "-4", "addr", ns=ns, check=False).stdout
+    for x in [os.getpid() % 200 + 20, *range(20, 250)]:
+        if f"10.213.{x}." not in used:
+            return f"10.213.{x}"
+    raise RuntimeError("emulated nodes: no free 10.213.x.0/24 subnet")
+
+
+_AGENT = """#!/bin/sh
+# Launch agent for Open MPI (called as ssh would be: AGENT [options] HOST COMMAND...):
+# runs COMMAND on the emulated node HOST, inside its namespace, under its hostname.
+while [ $# -gt 0 ]; do
+  case "$1" in -*) shift ;; *) break ;; esac
+done
+host="$1"; shift
+exec ip netns exec "{tag}-$host" unshare -u sh -c "hostname $host; $*"
+"""
+
+
+class EmulatedNodes:
+    """``nodes`` emulated nodes named node0, node1, ..., each linked to a switch at ``rate``
+    (a tc rate such as "1gbit", "10gbit", "25gbit"); a context manager that tears everything
+    down on exit."""
+
+    def __init__(self, nodes: int = 2, rate: str = "10gbit", burst: str = "1mb", latency: str = "50ms"):
+        if nodes < 1:
+            raise ValueError("emulated nodes: at least one node")
+        self.nodes, self.rate, self.burst, self.latency = int(nodes), rate, burst, latency
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.names = [f"node{i}" for i in range(self.nodes)]
+        self.subnet = ""
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._old_handlers: dict = {}
+
+    # ---- set-up and tear-down --------------------------------------------------------------
+    def __enter__(self) -> EmulatedNodes:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(why)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._interrupted)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _interrupted(self, signum, frame):
+        self.close()
+        raise KeyboardInterrupt(f"emulated nodes: signal {signum}")
+
+    def _build(self) -> None:
+        self.subnet = _free_subnet()
+        sw = f"{self.tag}-switch"
+        _ip("ip", "netns", "add", sw)
+        _ip("ip", "link", "add", "br0", "type", "bridge", ns=sw)
+        _ip("ip", "link", "set", "br0", "up", ns=sw)
+        for i, name in enumerate(self.names):
+            ns = f"{self.tag}-{name}"
+            _ip("ip", "netns", "add", ns)
+            _ip("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
+            _ip("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=ns)
+            for dev_ns, dev in ((ns, "lo"), (ns, "eth0"), (sw, f"p{i}")):
+                _ip("ip", "link", "set", dev, "up", ns=dev_ns)
+            _ip("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
+            for dev_ns, dev in ((ns, "eth0"), (sw, f"p{i}")):  # both directions of the link
+                _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
+                    "latency", self.latency, ns=dev_ns)  # fmt: skip
+        self._dir = tempfile.TemporaryDirectory(prefix="sokpy-nodes-")
+        agent = Path(self._dir.name) / "agent"
+        agent.write_text(_AGENT.format(tag=self.tag))
+        agent.chmod(0o700)
+        self.agent = str(agent)
+
+    def close(self) -> None:
+        """Removes the namespaces (and with them the links) and the agent; idempotent."""
+        cleanup(self.tag + "-")
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # ---- running jobs -------------------------------------------------------------------------
+    def command(self, program: list[str], ranks_per_node: int = 1, mpirun_args=()) -> tuple[list[str], dict]:
+        """The command line (run from the machine's own namespace) and environment that run
+        ``program`` with ``ranks_per_node`` ranks on every node, through sokrun's defaults."""
+        from . import launcher
+
+        hosts = ",".join(f"{n}:{ranks_per_node}" for n in self.names)
+        cidr = f"{self.subnet}.0/24"
+        # ranks_per_node on every node, even where that is more than the node's cores.
+        mapping = f"ppr:{ranks_per_node}:node:oversubscribe"
+        args = ["-np", str(self.nodes * ranks_per_node), "--host", hosts, "--map-by", mapping, *mpirun_args]
+        args += ["--prtemca", "plm_ssh_agent", self.agent, "--prtemca", "prte_if_include", cidr]
+        env = dict(os.environ)
+        env.update(
+            OMPI_MCA_btl="self,sm,tcp",
+            OMPI_MCA_btl_tcp_if_include=cidr,
+            OMPI_MCA_oob_tcp_if_include=cidr,
+            PRTE_MCA_prte_if_include=cidr,
+            # torch.distributed (gloo) in the job: rank 0 is on node0, every node's link is eth0.
+            MASTER_ADDR=f"{self.subnet}.1",
+            GLOO_SOCKET_IFNAME="eth0",
+        )
+        args += ["-x", "MASTER_ADDR", "-x", "GLOO_SOCKET_IFNAME"]
+        cmd, env = launcher.build_command([*args, *program], env)
+        inner = " ".join(shlex.quote(c) for c in cmd)
+        head = f"{self.tag}-{self.names[0]}"
+        return [
+            "ip",
+            "netns",
+            "exec",
+            head,
+            "unshare",
+            "-u",
+            "sh",
+            "-c",
+            f"hostname {self.names[0]}; exec {inner}",
+        ], env
+
+    def run(self, program: list[str], ranks_per_node: int = 1, timeout: float = 600, mpirun_args=(), **kwargs):
+        """Runs ``program`` across the nodes; returns the CompletedProcess (output captured
+        unless ``capture_output=False`` is passed)."""
+        cmd, env = self.command(program, ranks_per_node, mpirun_args)
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(cmd, env=env, timeout=timeout, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="sokpy-nodes",
+        description="Run an MPI job across emulated nodes (network namespaces, rate-limited links) on this machine.",
+    )
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--rate", default="10gbit", help="link rate per node, as tc takes it (1gbit, 10gbit, 25gbit)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is ended")
+    p.add_argument("--cleanup", action="store_true", help="remove namespaces an interrupted run left, and exit")
+    p.add_argument("program", nargs=argparse.REMAINDER, help="-- python script.py [args]")
+    args = p.parse_args(argv)
+    if args.cleanup:
+        print("removed:", " ".join(cleanup()) or "nothing")
+        return
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not program:
+        p.error("no program: sokpy-nodes [options] -- python script.py")
+    with EmulatedNodes(args.nodes, args.rate) as cluster:
+        try:
+            res = cluster.run(program, args.ranks_per_node, timeout=args.timeout, capture_output=False)
+            code = res.returncode
+        except subprocess.TimeoutExpired:
+            print(f"sokpy-nodes: the job ran past --timeout {args.timeout:g} s", file=sys.stderr)
+            code = 124
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
