@@ -64,9 +64,7 @@ def sokpy_steps(wl, args, dev):
         for t in range(wl.tables)
     ]
     opt = sokpy.optim.Adagrad(tables, lr=LR, eps=EPS, initial_accumulator_value=0.0)
-    inputs = [Jagged(b, wl) for b in wl.batches]
-    for j in inputs:
-        j._values, j._lengths = j._values.to(dev), j._lengths.to(dev)
+    inputs = [Jagged(b, wl).to(dev) for b in wl.batches]
     upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1)).to(dev)
 
     def step(i):

@@ -73,6 +73,11 @@ class Jagged:
     def weights_or_none(self):
         return None
 
+    def to(self, device):
+        """This batch with its tensors on ``device``."""
+        self._values, self._lengths = self._values.to(device), self._lengths.to(device)
+        return self
+
 
 class SokpyContestant:
     name = "sokpy"

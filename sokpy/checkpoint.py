@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import collective, runtime
+from . import collective, handoff, runtime
 from .errors import CheckpointError
 from .storage import _bump
 
@@ -271,17 +271,17 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
 def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
     s = var.storage
     xp = runtime.xp()
-    keys = np.asarray(handoff_host(xp.ascontiguousarray(s.keys())))
+    keys = handoff.to_host(xp.ascontiguousarray(s.keys()))
     rank = runtime.rank()
     out = {
         "rank": rank,
         "rows": int(keys.size),
         "keys": _write_npy(staging / f"t{i}.r{rank}.keys.npy", keys),
-        "values": _write_npy(staging / f"t{i}.r{rank}.values.npy", np.asarray(handoff_host(s.values()))),
+        "values": _write_npy(staging / f"t{i}.r{rank}.values.npy", handoff.to_host(s.values())),
     }
     if with_slots:
         out["slots"] = {
-            name: _write_npy(staging / f"t{i}.r{rank}.{name}.npy", np.asarray(handoff_host(s.slot(name))))
+            name: _write_npy(staging / f"t{i}.r{rank}.{name}.npy", handoff.to_host(s.slot(name)))
             for name in s.slot_names
         }
     return out
@@ -333,10 +333,6 @@ def _agree(call, error: str | None, cleanup: Path | None = None) -> None:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
         raise
-
-
-def handoff_host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 # ---- load ----------------------------------------------------------------------------------------

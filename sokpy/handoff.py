@@ -25,7 +25,7 @@ import torch
 
 from . import runtime
 
-__all__ = ["from_torch", "to_torch", "device", "stream_handle"]
+__all__ = ["from_torch", "to_torch", "to_host", "device", "stream_handle"]
 
 
 def _on_device() -> bool:
@@ -61,18 +61,19 @@ def from_torch(x, dtype=None):
     of ``dtype`` (a numpy dtype or its name) when given. Shares memory with a tensor that is
     already on the right device, contiguous and of that dtype; copies otherwise."""
     xp = runtime.xp()
-    dtype = None if dtype is None else np.dtype(dtype)
-    if _on_device():
+    on_device = _on_device()
+    if on_device:
         _follow_torch_stream()
-        if isinstance(x, torch.Tensor):
-            x = xp.from_dlpack(x.detach().to(device()).contiguous())
-        return xp.ascontiguousarray(xp.asarray(x, dtype=dtype))
     if isinstance(x, torch.Tensor):
         x = x.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        x = x.numpy()
-    return xp.ascontiguousarray(xp.asarray(x, dtype=dtype))
+        x = xp.from_dlpack(x.to(device()).contiguous()) if on_device else x.cpu().numpy()
+    return xp.ascontiguousarray(xp.asarray(x, dtype=None if dtype is None else np.dtype(dtype)))
+
+
+def to_host(a) -> np.ndarray:
+    """A numpy array of ``a`` (an array of the backend): ``a`` itself on the host, a copy
+    from the device otherwise. For small bookkeeping (counts, flags) and for files."""
+    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def to_torch(a) -> torch.Tensor:

@@ -261,10 +261,9 @@ def check_private(path: Path, what: str) -> None:
     problems = []
     if st.st_uid != os.getuid():
         problems.append(f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
-    if st.st_mode & 0o022:
-        problems.append(
-            f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} (mode {st.st_mode & 0o777:o})"
-        )
+    writable_by = {0o022: "group and others", 0o020: "group", 0o002: "others"}.get(st.st_mode & 0o022)
+    if writable_by:
+        problems.append(f"writable by {writable_by} (mode {st.st_mode & 0o777:o})")
     if problems:
         raise UnsafeCacheError(
             f"sokpy: refusing the {what} {path}: it is {' and '.join(problems)}, so another user could "

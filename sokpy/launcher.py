@@ -78,7 +78,6 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
     return args[:i], args[i:]
 
 
-_HOST_OPTIONS = ("--host", "-H", "--hostfile", "--machinefile", "--default-hostfile")
 # Variables through which a scheduler hands its node list to mpirun.
 _SCHEDULER_VARS = ("SLURM_JOB_NODELIST", "PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE")
 

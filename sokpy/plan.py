@@ -294,7 +294,7 @@ class LookupPlan:
         if world == 1:
             return np.zeros(1, np.int64), 0
         d = self.dedup = _Dedup(packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
-        group = np.asarray(handoff_host(d.group))
+        group = handoff.to_host(d.group)
         per = np.bincount(group, minlength=world * ntab).reshape(world, ntab)
         self.counts = per
         self.peer_of = d.group // ntab
@@ -364,7 +364,7 @@ class LookupPlan:
         # Owner: parse the counts, then find and gather the rows.
         rblk = _exclusive(np.asarray(recv_msg))[:-1]
         head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
-        rcnt = np.asarray(handoff_host(recv[xp.asarray(head)])).reshape(world, ntab)
+        rcnt = handoff.to_host(recv[xp.asarray(head)]).reshape(world, ntab)
         keep = xp.ones(int(recv.shape[0]), bool)
         keep[xp.asarray(head)] = False
         self.okeys = recv[keep]
@@ -487,7 +487,7 @@ class LookupPlan:
         xp = runtime.xp()
         world, ntab = self.world, self.ntables
         starts = _exclusive(self.send_elems)[:-1]
-        flags = np.asarray(handoff_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))]))
+        flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
         used = flags.reshape(world, ntab) != 0
         seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
         dims = np.tile(self.dims, world)
@@ -561,11 +561,6 @@ def _alias(storage, offset: int, rows: int, cols: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=handoff.device()).set_(storage, offset, (rows, cols), (cols, 1))
 
 
-def handoff_host(a):
-    """A host (numpy) copy of a small array of the backend (counts, flags)."""
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
 # ---- single tables: routing for assign and load ------------------------------------------------
 
 
@@ -585,7 +580,7 @@ def owners(var, keys) -> np.ndarray:
     )
     if bad < n:
         raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
-    return np.asarray(handoff_host(packed >> (pos_bits + sv_bits)))
+    return handoff.to_host(packed >> (pos_bits + sv_bits))
 
 
 def rows_of(var, keys, insert: bool):

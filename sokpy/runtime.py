@@ -134,14 +134,14 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     local_rank = local.Get_rank()
     local.Free()
     mpi = MpiComm(world.Dup())
+    _state.emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
     if backend == "device":
         _state.device = _bind_device(local_rank)
         comm = _device_comm(mpi)
-    elif os.environ.get("SOKPY_EMULATE_DEVICE") == "1":
+    elif _state.emulated:
         comm = _emulated_device_comm(mpi)
     else:
         comm = mpi
-    _state.emulated = comm is not mpi and backend == "host"
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, backend
     from . import watchdog
 

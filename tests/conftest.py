@@ -17,6 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+def run_python(code, env=None, timeout=120):
+    """Runs ``python -c code`` in a fresh process (init state is process-global) with sokpy
+    from this checkout and ``env`` added; returns the CompletedProcess. Launcher variables of
+    the surrounding shell are dropped."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
+    )
+
+
 def mpi_job(nranks, script, *args, timeout=240, env=None):
     """Runs a worker under sokrun; returns the CompletedProcess (does not check the exit code)."""
     cmd = [

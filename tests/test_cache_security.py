@@ -4,18 +4,15 @@ private (0700)."""
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_python
 
 LOAD = "from sokpy import kernels; kernels.get('copy_rows', 'host'); print('loaded')"
 
 
 def load_with(cache):
-    env = dict(os.environ, SOKPY_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=300, env=env)
+    return run_python(LOAD, env={"SOKPY_CACHE_DIR": str(cache)}, timeout=300)
 
 
 @pytest.fixture(scope="module")

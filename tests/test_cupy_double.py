@@ -2,13 +2,10 @@
 the device path on: it must refuse what CuPy refuses (else the emulation proves nothing) and
 allow what CuPy allows (else it flags correct code)."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import run_python
 
 from sokpy import cupy_double as xp
 
@@ -71,8 +68,7 @@ def test_kernels_refuse_host_pointers_under_emulation():
         "    print('refused', 'host (numpy) array' in str(e))\n"
         "print('device', kernels.address_of(xp.zeros(2)) > 0)\n"
     )
-    env = {"SOKPY_EMULATE_DEVICE": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    res = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"})
     assert res.stdout.split() == ["refused", "True", "device", "True"], res.stdout + res.stderr
 
 

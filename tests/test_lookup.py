@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi
+from conftest import run_mpi, run_python
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
@@ -227,15 +227,7 @@ def test_weight_gradients_from_a_non_contiguous_output_gradient(combiner):
     """The backward copies a non-contiguous output gradient to contiguous memory; that copy
     must live until the weights' gradient kernel has read it (run in its own process: reading
     freed memory may crash)."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    code = NONCONTIGUOUS_GRAD.replace("COMBINER", repr(combiner))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    res = run_python(NONCONTIGUOUS_GRAD.replace("COMBINER", repr(combiner)), timeout=240)
     assert res.returncode == 0 and "weight grads ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, WORKERS
+from conftest import ROOT, WORKERS, run_python
 
 from sokpy import launcher
 
@@ -65,9 +65,7 @@ def test_bad_timeout_values_are_refused():
         "import sokpy\n"
         "try:\n    sokpy.init(timeout=-1)\nexcept ValueError as e:\n    print('refused', 'timeout' in str(e))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    res = run_python(code)
     assert res.stdout.split() == ["refused", "True"], res.stdout + res.stderr
-    env["SOKPY_COLLECTIVE_TIMEOUT"] = "soon"
-    res = subprocess.run([sys.executable, "-c", "import sokpy; sokpy.init()"], capture_output=True, text=True, env=env)
+    res = run_python("import sokpy; sokpy.init()", env={"SOKPY_COLLECTIVE_TIMEOUT": "soon"})
     assert res.returncode != 0 and "SOKPY_COLLECTIVE_TIMEOUT" in res.stderr

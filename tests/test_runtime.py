@@ -2,23 +2,9 @@
 idempotent init, refusal before init, and refusal under a launcher MPI does not see."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, mpi_job
-
-
-def run_python(code, env=None):
-    """Runs ``python -c code`` in a fresh process (init state is process-global); returns the
-    CompletedProcess. Launcher variables of the surrounding shell are dropped."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120, cwd=ROOT
-    )
+from conftest import mpi_job, run_python
 
 
 def json_from(res, tag):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import sokpy
+from sokpy import handoff
 
 sokpy.init()
 RANK, WORLD = sokpy.rank(), sokpy.world_size()
@@ -70,8 +71,7 @@ def state(tables, opt) -> dict:
         st = opt.state[v.handle]
         slots = np.concatenate([st[name].numpy() for name in v.storage.slot_names], axis=1)
         if v.dynamic:  # export sorts by key; the slots follow the stored rows: sort them alike
-            stored = v.storage.keys()  # an array of the backend: a host copy first
-            slots = slots[np.argsort(stored if isinstance(stored, np.ndarray) else stored.get(), kind="stable")]
+            slots = slots[np.argsort(handoff.to_host(v.storage.keys()), kind="stable")]
         parts = sokpy.comm().allgather_object((keys.numpy(), values.numpy(), slots))
         k = np.concatenate([p[0] for p in parts])
         order = np.argsort(k, kind="stable")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import kernels
+from sokpy import handoff, kernels
 
 launched = set()
 _call = kernels._HostKernel.__call__
@@ -95,19 +95,14 @@ for t, opt in enumerate(opts):
 
 # Every table's rows and optimizer slots, by key (a dynamic table's rows may be stored in
 # another order when threads race to insert them).
-def host(a):
-    """A host copy of an array of the backend (an emulated device array has .get())."""
-    return a.copy() if isinstance(a, np.ndarray) else a.get()
-
-
 for t, var in enumerate(tables):
     s = var.storage
-    keys = host(s.keys())
+    keys = handoff.to_host(s.keys())
     order = np.argsort(keys)
     results[f"keys{t}"] = keys[order]
-    results[f"values{t}"] = host(s.values())[order]
+    results[f"values{t}"] = handoff.to_host(s.values())[order]
     for name in s.slot_names:
-        results[f"slot{t}_{name}"] = host(s.slot(name))[order]
+        results[f"slot{t}_{name}"] = handoff.to_host(s.slot(name))[order]
 results["growths"] = np.array([tables[2].storage.growths])
 
 everything = sokpy.comm().allgather_object((results, sorted(launched)))
