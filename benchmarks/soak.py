@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sokpy.init()
     comm, rank, world = sokpy.comm(), sokpy.rank(), sokpy.world_size()
-    train_dlrm.init_process_group(comm)
+    sokpy.nn.init_process_group()
     job = train_dlrm.parse_args(
         ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--dim", str(args.dim)]
     )

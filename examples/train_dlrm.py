@@ -2,20 +2,21 @@
 
 What it shows:
 
-* six sparse features as ``sokpy.Variable`` tables with mixed placements: most are spread
-  over all ranks (``target_gpu=-1``), one lives whole on rank 0 and one on the last rank;
-  one-hot features and multi-hot bags of 1-5 keys pooled by "sum" or "mean";
-* all tables looked up in one ``sokpy.lookup_sparse`` call per step (one exchange);
-* the dense part (bottom MLP over 13 dense features, DLRM's pairwise dot-product feature
-  interaction, top MLP, BCE loss) data-parallel with torch ``DistributedDataParallel`` over
-  gloo, next to sokpy's MPI world;
+* six sparse features in a ``sokpy.nn.EmbeddingBagCollection`` (TorchRec's module, on sokpy
+  tables) with mixed placements: most tables are spread over all ranks (``target_gpu=-1``),
+  one lives whole on rank 0 and one on the last rank; one-hot features and multi-hot bags
+  of 1-5 keys pooled by "sum" or "mean"; each batch comes as one KeyedJaggedTensor
+  (``sokpy.nn.KeyedJaggedTensor``; TorchRec's own works the same) and every feature is
+  looked up in one call per step (one exchange);
+* the whole model (the module, a bottom MLP over 13 dense features, DLRM's pairwise
+  dot-product feature interaction, a top MLP, BCE loss) wrapped in torch
+  ``DistributedDataParallel`` over gloo, next to sokpy's MPI world: DDP averages (here: sums)
+  the dense gradients and never sees the tables, which are not parameters;
 * the two-optimizer pattern: ``sokpy.optim.Adagrad`` for the tables, ``torch.optim.Adam``
   for the dense parameters;
 * a synthetic Criteo-like stream with a planted signal (``synthetic_data.py``) and a
   held-out AUC at the end. The global batches, and so the loss curve, are the same
   whatever the number of ranks (up to float rounding).
-
-Single node only: torch.distributed meets on 127.0.0.1.
 
 Run it (``make demo`` runs the first line)::
 
@@ -24,10 +25,13 @@ Run it (``make demo`` runs the first line)::
     sokrun -np 3 python examples/train_dlrm.py --steps 300 --batch-size 2048
     python examples/train_dlrm.py --help
 
-Save and resume (at any world size): ``--save DIR`` writes the embedding tables and their
-optimizer with ``sokpy.save`` (``DIR/embeddings``, which also records the step) and the dense
-model and its optimizer with ``torch.save`` (``DIR/dense-<step>.pt``); ``--resume DIR`` loads
-both and continues at the saved step on the same data stream::
+Save and resume (at any world size) with the calls PyTorch users know: every rank calls
+``model.state_dict()`` (collective: rank 0's holds every table whole, with its Adagrad
+state), rank 0 writes it with the dense optimizer's state and the step to
+``DIR/checkpoint.pt`` (``torch.save`` to a temporary name, then an atomic rename);
+``--resume DIR`` loads it on every rank with ``model.load_state_dict`` and continues at the
+saved step on the same data stream (tables too large for one host's memory are saved with
+``sokpy.save`` instead: ``docs/checkpoints.md``)::
 
     sokrun -np 2 python examples/train_dlrm.py --steps 1000 --save ckpt
     python examples/train_dlrm.py --steps 2000 --resume ckpt     # one rank, steps 1000..1999
@@ -48,7 +52,6 @@ size and even when ranks hold unequal parts of the batch.
 
 import argparse
 import os
-import socket
 import time
 
 import numpy as np
@@ -60,6 +63,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sokpy
+from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, concat
 
 TRAIN, EVAL = 0, 1  # stream ids of the synthetic data
 
@@ -114,39 +118,25 @@ def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
-    """DLRM's dense part: a bottom MLP maps the dense features to one ``dim`` vector; the
-    pairwise dot products of that vector and the pooled embeddings, next to the vector
-    itself, feed a top MLP that gives one click logit per sample."""
+    """DLRM: the embedding tables pool each sparse feature to a ``dim`` vector; a bottom MLP
+    maps the dense features to one more; the pairwise dot products of these vectors, next to
+    the dense one, feed a top MLP that gives one click logit per sample."""
 
-    def __init__(self, num_dense: int, num_sparse: int, dim: int, bottom=(64,), top=(128, 64)):
+    def __init__(self, num_dense: int, tables: list[EmbeddingBagConfig], dim: int, bottom=(64,), top=(128, 64)):
         super().__init__()
+        num_sparse = len(tables)
+        self.sparse = EmbeddingBagCollection(tables)
         self.bottom = mlp([num_dense, *bottom, dim])
         vectors = num_sparse + 1
         self.top = mlp([dim + vectors * (vectors - 1) // 2, *top, 1], last_activation=False)
 
-    def forward(self, dense: torch.Tensor, embeddings: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
         x = self.bottom(dense)
-        vectors = torch.stack([x, *embeddings], dim=1)  # [B, F, dim]
+        pooled = concat(self.sparse(features)).view(x.shape[0], -1, x.shape[1])  # [B, sparse features, dim]
+        vectors = torch.cat([x.unsqueeze(1), pooled], dim=1)  # [B, F, dim]
         dots = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F, F]
         i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)
         return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)
-
-
-def init_process_group(comm) -> None:
-    """Starts torch.distributed (gloo) over the ranks sokpy already knows: rank 0 picks a
-    free port and sends it to the others over MPI. Its address is MASTER_ADDR when set (as
-    torchrun uses it; across nodes gloo may also need GLOO_SOCKET_IFNAME), 127.0.0.1 when all
-    ranks share a node, else the address rank 0's hostname resolves to."""
-    host = socket.gethostname()
-    one_node = len(set(comm.allgather_object(host))) == 1
-    addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1" if addr == "127.0.0.1" else "", 0))
-            port = s.getsockname()[1]
-    addr, port = comm.bcast((addr, port), root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
 
 
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -180,23 +170,24 @@ class Trainer:
 
         placed = sparse_features(world)
         self.features = [f for f, _ in placed]
-        self.combiners = [f.combiner for f in self.features]
-        self.tables = [
-            sokpy.Variable(
-                f.rows,
-                args.dim,
-                target_gpu=target,
-                seed=args.seed + i,
+        tables = [
+            EmbeddingBagConfig(
                 name=f.name,
+                embedding_dim=args.dim,
+                num_embeddings=f.rows,
+                pooling=f.combiner,
+                target_gpu=target,
                 initializer=sokpy.initializers.uniform(-0.05, 0.05),
+                seed=args.seed + i,
             )
             for i, (f, target) in enumerate(placed)
         ]
         self.data = SyntheticClicks(self.features, num_dense=args.num_dense, seed=args.seed)
 
         torch.manual_seed(args.seed)
-        self.model = DistributedDataParallel(DLRM(args.num_dense, len(self.features), args.dim))
+        self.model = DistributedDataParallel(DLRM(args.num_dense, tables, args.dim))  # no step for the tables
         self.model.register_comm_hook(None, allreduce_sum_hook)
+        self.tables = self.model.module.sparse.tables()
         self.sparse_opt = sokpy.optim.Adagrad(self.tables, lr=args.lr)
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=args.dense_lr)
         self.train_seconds = 0.0
@@ -212,8 +203,13 @@ class Trainer:
         return "\n".join(lines)
 
     def logits(self, batch, model: nn.Module) -> torch.Tensor:
-        embeddings = sokpy.lookup_sparse(self.tables, batch.sparse, combiners=self.combiners)
-        return model(batch.dense, embeddings)
+        return model(batch.dense, self.keyed(batch.sparse))
+
+    def keyed(self, sparse: list) -> KeyedJaggedTensor:
+        """One KeyedJaggedTensor of the batch's bags (a ``sokpy.Ragged`` per feature)."""
+        lengths = torch.cat([bags.offsets.diff() for bags in sparse])
+        values = torch.cat([bags.values for bags in sparse])
+        return KeyedJaggedTensor([f.name for f in self.features], values, lengths=lengths)
 
     def train_step(self, step: int) -> float:
         """One step on the global batch; returns this rank's summed BCE."""
@@ -251,32 +247,27 @@ class Trainer:
         return comm.allreduce(loss_sums) / args.batch_size
 
     def save(self, folder: str, step: int) -> None:
-        """Saves a checkpoint at ``step``: rank 0 first writes the dense model and its optimizer
-        to ``DIR/dense-<step>.pt`` (under a temporary name, then renamed); then ``sokpy.save``
-        writes the embedding tables and their optimizer (collective, atomic, loadable at any
-        world size) with the step and that file's name in its ``extra``, so the tables and
-        the dense file they name change together. Older dense files go afterwards."""
-        dense_name = f"dense-{step}.pt"
+        """Saves a checkpoint at ``step`` to ``DIR/checkpoint.pt``: every rank calls
+        ``state_dict()`` (collective); rank 0 writes the model (tables whole, with their
+        optimizer state), the dense optimizer and the step under a temporary name, flushes it
+        and renames it into place, so the file is always a whole checkpoint."""
+        state = {"model": self.model.module.state_dict(), "optimizer": self.dense_opt.state_dict(), "step": step}
         if self.comm.rank == 0:
             os.makedirs(folder, exist_ok=True)
-            dense = {"model": self.model.module.state_dict(), "optimizer": self.dense_opt.state_dict()}
-            tmp = os.path.join(folder, f".{dense_name}.tmp-{os.getpid()}")
-            torch.save(dense, tmp)
-            os.replace(tmp, os.path.join(folder, dense_name))
-        extra = {"step": step, "dense": dense_name}
-        sokpy.save(os.path.join(folder, "embeddings"), self.tables, optimizer=self.sparse_opt, extra=extra)
-        if self.comm.rank == 0:
-            for name in os.listdir(folder):
-                if name.startswith("dense-") and name != dense_name:
-                    os.remove(os.path.join(folder, name))
+            tmp = os.path.join(folder, f".checkpoint.pt.tmp-{os.getpid()}")
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(folder, "checkpoint.pt"))
+        self.comm.barrier()  # no rank goes on (or ends the job) before the file is in place
 
     def resume(self, folder: str) -> int:
         """Loads what :meth:`save` wrote (at any world size); returns the step to continue from."""
-        extra = sokpy.load(os.path.join(folder, "embeddings"), self.tables, optimizer=self.sparse_opt)
-        dense = torch.load(os.path.join(folder, extra["dense"]), weights_only=True)  # tensors only, no code
-        self.model.module.load_state_dict(dense["model"])
-        self.dense_opt.load_state_dict(dense["optimizer"])
-        return int(extra["step"])
+        state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)  # tensors only, no code
+        self.model.module.load_state_dict(state["model"])
+        self.dense_opt.load_state_dict(state["optimizer"])
+        return int(state["step"])
 
     @torch.no_grad()
     def evaluate(self):
@@ -298,7 +289,7 @@ def main(argv=None) -> None:
     wall_start = time.perf_counter()
     args = parse_args(argv)
     sokpy.init()
-    init_process_group(sokpy.comm())
+    sokpy.nn.init_process_group()  # torch.distributed for DDP, over the ranks sokpy knows
     rank, world = sokpy.rank(), sokpy.world_size()
     trainer = Trainer(args)
     if rank == 0:

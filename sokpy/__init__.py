@@ -14,7 +14,7 @@ Example (``sokrun -np 2 python this.py``)::
 # The submodule sokpy.comm is loaded first, so that the function sokpy.comm() bound below from
 # sokpy.runtime is not shadowed by it.
 from . import comm as _comm_module  # noqa: F401  # isort: skip
-from . import checkpoint, initializers, kernels, optim, timing
+from . import checkpoint, initializers, kernels, nn, optim, timing
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .kernels import KernelError, UnsafeCacheError
@@ -57,6 +57,7 @@ __all__ = [
     "lookup_sparse",
     "initializers",
     "optim",
+    "nn",
     "kernels",
     "timing",
     "InputError",

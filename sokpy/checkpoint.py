@@ -482,3 +482,160 @@ def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, com
     found = new.find(rk, insert=True)
     new.data[xp.asarray(found)] = xp.asarray(rr)
     return new
+
+
+# ---- whole tables in memory: the state of an nn.Module ---------------------------------------------
+
+STATE_FORMAT = "sokpy.table/1"
+
+
+def gather_state(variables) -> list:
+    """Every table of ``variables`` whole on rank 0: per table a dict (format, name, kind,
+    rows, dim, placement, the world size it was gathered at, sorted int64 ``keys`` ``[n]``,
+    float32 ``values`` ``[n, dim]``, the ``slots`` of the optimizer that trains it and its
+    ``step``), host numpy arrays; on the other ranks None. Collective; changes nothing.
+
+    This is what :meth:`sokpy.nn.EmbeddingBagCollection.state_dict` holds: a checkpoint in
+    memory, as ``torch.save`` of one state dict needs it. Tables that do not fit one host's
+    memory are saved with :func:`save` instead (every rank writes its own rows)."""
+    comm = runtime.comm()
+    variables = list(variables)
+    out = []
+    with collective.Call("state_dict", variables) as call:
+        call.agree(None, error_type=CheckpointError)
+        for var in variables:
+            s = var.storage
+            keys = handoff.to_host(runtime.xp().ascontiguousarray(s.keys()))
+            counts = np.zeros(comm.size, np.int64)
+            counts[0] = keys.size
+            rk, _ = comm.alltoallv(runtime.xp().asarray(keys), counts)
+            rr, _ = comm.alltoallv(runtime.xp().ascontiguousarray(s.data[: s.size]), counts)
+            if comm.rank != 0:
+                out.append(None)
+                continue
+            rk, rr = handoff.to_host(rk), handoff.to_host(rr)
+            order = np.argsort(rk, kind="stable")
+            rk, rr = rk[order], rr[order]
+            d = var.dim
+            entry = _table_spec(var)
+            entry.update(
+                format=STATE_FORMAT,
+                world_size=comm.size,
+                keys=rk,
+                values=np.ascontiguousarray(rr[:, :d]),
+                slots={n: np.ascontiguousarray(rr[:, (k + 1) * d : (k + 2) * d]) for k, n in enumerate(s.slot_names)},
+                optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
+                step=None if var.optimizer is None else int(dict.__getitem__(var.optimizer.state[var.handle], "step")),
+            )
+            out.append(entry)
+    return out
+
+
+def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray] | None:
+    """This rank's copy of ``var``'s saved state, checked: (keys, rows with the slots the
+    table has now), or None when this rank holds no copy; raises ValueError on a fault."""
+    if entry is None or entry.get("keys") is None:
+        return None
+    if entry.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a sokpy table state (format {entry.get('format')!r}, expected {STATE_FORMAT!r})")
+    kind = "dynamic" if var.dynamic else "static"
+    if entry.get("kind") != kind or entry.get("dim") != var.dim or (not var.dynamic and entry.get("rows") != var.rows):
+        saved = f"{entry.get('kind')} table of dim {entry.get('dim')}" + (
+            f" and {entry.get('rows')} rows" if entry.get("kind") == "static" else ""
+        )
+        here = f"{kind} table of dim {var.dim}" + ("" if var.dynamic else f" and {var.rows} rows")
+        raise ValueError(f"the state holds a {saved}, this is a {here}")
+
+    def host(x, dtype):
+        return handoff.to_host(handoff.from_torch(x, dtype))
+
+    keys = host(entry["keys"], np.int64).reshape(-1)
+    cols = [host(entry["values"], np.float32)]
+    if cols[0].shape != (keys.size, var.dim):
+        raise ValueError(f"values of shape {list(cols[0].shape)} for {keys.size} keys of dim {var.dim}")
+    slots = entry.get("slots") or {}
+    for name, init in zip(var.storage.slot_names, var.storage.slot_init):
+        if name in slots:
+            cols.append(host(slots[name], np.float32))
+            if cols[-1].shape != cols[0].shape:
+                raise ValueError(
+                    f"optimizer slot {name!r} of shape {list(cols[-1].shape)}, values {list(cols[0].shape)}"
+                )
+        else:  # saved without this optimizer: its state starts afresh, as a new optimizer's would
+            cols.append(np.full_like(cols[0], init))
+    rows = np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+    if not bool(np.isfinite(rows).all()):
+        raise ValueError("the state holds values that are not finite")
+    if np.unique(keys).size != keys.size:
+        raise ValueError("the state holds a key twice")
+    if not var.dynamic and keys.size != var.rows:
+        raise ValueError(f"the state holds {keys.size} of the table's {var.rows} rows")
+    return keys, rows
+
+
+def load_state(variables, entries, missing_ok: bool = False) -> list:
+    """Puts the tables' states (as :func:`gather_state` made them, at any world size) back;
+    collective. Each rank passes what it holds: the same entries on every rank (every rank
+    read one file), or entries on some ranks and None on the others; the ranks holding an
+    entry share the reading. Every check runs first: a fault raises the same
+    :class:`~sokpy.CheckpointError` on every rank, naming the table, and nothing changes.
+    With ``missing_ok``, a table no rank holds an entry for keeps its rows and is returned
+    (the list of such tables is the same on every rank)."""
+    from . import plan
+
+    comm = runtime.comm()
+    variables, entries = list(variables), list(entries)
+    mine, error = [], None
+    for var, entry in zip(variables, entries):
+        try:
+            state = _check_state(var, entry)
+            mine.append(state)
+            if state is not None:
+                plan.owners(var, state[0])  # a static table's keys in range
+        except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+            error = error or f"table {var.name!r}: {e}"
+            mine.append(None)
+    # What each rank holds, for the others: its row count (-1: none), the step and optimizer kind.
+    held = [
+        None if st is None else (int(st[0].size), e.get("step"), e.get("optimizer")) for st, e in zip(mine, entries)
+    ]
+    with collective.Call("load_state_dict", variables) as call:
+        _agree(call, error)
+        everyone = comm.allgather_object(held)
+        skipped = [var for t, var in enumerate(variables) if missing_ok and all(h[t] is None for h in everyone)]
+        for t, var in enumerate(variables):
+            copies = {h[t] for h in everyone if h[t] is not None}
+            if not copies and var not in skipped:
+                error = (
+                    error or f"table {var.name!r}: no rank holds its state (a state_dict from rank 0 holds the rows)"
+                )
+            elif len(copies) > 1:
+                error = error or f"table {var.name!r}: the ranks hold different states: {sorted(map(str, copies))}"
+        _agree(call, error)
+        new = []
+        for t, var in enumerate(variables):
+            if var in skipped:
+                new.append(None)
+                continue
+            readers = [r for r, h in enumerate(everyone) if h[t] is not None]
+            if comm.rank in readers:  # the readers split the rows: reader j sends rows j, j + R, ...
+                share = slice(readers.index(comm.rank), None, len(readers))
+                keys, rows = mine[t][0][share], np.ascontiguousarray(mine[t][1][share])
+            else:
+                keys, rows = np.empty(0, np.int64), np.empty((0, var.storage.width), np.float32)
+            try:
+                new.append(_new_storage(var, keys, rows, plan.owners(var, keys), comm))
+            except Exception as e:  # noqa: BLE001 - after the exchange: every rank learns of it
+                error = error or f"rank {comm.rank}: table {var.name!r}: {type(e).__name__}: {e}"
+        _agree(call, error)
+    # Everything checked and built: put it in place.
+    for t, (var, storage) in enumerate(zip(variables, new)):
+        if storage is None:
+            continue
+        var.storage = storage
+        var.zero_grad()
+        _, step, kind = next(h[t] for h in everyone if h[t] is not None)
+        if var.optimizer is not None and step is not None and kind == type(var.optimizer).__name__:
+            dict.__setitem__(var.optimizer.state[var.handle], "step", int(step))
+    _bump()
+    return skipped

@@ -1,0 +1,123 @@
+"""sokpy.nn.EmbeddingBagCollection: the module against the free-function path at 1-3 ranks,
+its state_dict saved at 2 ranks and resumed at 1, DDP around it at 2 ranks (real jobs:
+tests/workers/nn_worker.py), and its single-process behaviour in this process."""
+
+import importlib.util
+import io
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_mpi
+
+HAS_TORCHREC = importlib.util.find_spec("torchrec") is not None
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_module_matches_free_functions(nranks):
+    out = run_mpi(nranks, "nn_worker.py", "compare", timeout=180)
+    assert out.count("compare ok") == nranks, out
+
+
+@pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed (docs/migration.md: the torchrec recipe)")
+def test_module_with_torchrec_inputs_and_outputs():
+    out = run_mpi(2, "nn_worker.py", "compare", timeout=300)  # the worker uses TorchRec's KJT and KeyedTensor
+    assert out.count("compare ok") == 2, out
+
+
+def test_state_dict_saved_at_two_ranks_resumed_at_one(tmp_path):
+    out = run_mpi(2, "nn_worker.py", "resume", tmp_path, 3, timeout=180)
+    assert out.count("resume ok") == 2, out
+    out = run_mpi(1, "nn_worker.py", "resumed", tmp_path, 3, timeout=180)
+    assert "resumed ok" in out, out
+    whole, resumed = np.load(tmp_path / "uninterrupted.npz"), np.load(tmp_path / "resumed.npz")
+    assert sorted(whole.files) == sorted(resumed.files)
+    assert "ebc.r_dyn.exp_avg_sq" in whole.files  # Adam's state travels with the rows
+    for name in whole.files:  # equal up to the order of sums over ranks
+        np.testing.assert_allclose(resumed[name], whole[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_ddp_leaves_tables_alone_and_averages_dense():
+    out = run_mpi(2, "nn_worker.py", "ddp", timeout=180)
+    assert out.count("ddp ok") == 2, out
+
+
+# ---- one process -----------------------------------------------------------------------------------
+
+
+def test_single_process_state_dict_and_errors(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, concat
+
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig("nn1_user", 4, 10, ["user"], "sum"),
+            EmbeddingBagConfig("nn1_item", 2, None, ["item", "seen"], "mean"),
+        ]
+    )
+    assert list(ebc.parameters()) == [] and ebc.feature_names() == ["user", "item", "seen"]
+    kjt = KeyedJaggedTensor(
+        ["user", "item", "seen"], torch.tensor([1, 2, 5, 5, 9]), lengths=torch.tensor([1, 1, 2, 0, 0, 1])
+    )
+    out = ebc(kjt)
+    assert concat(out).shape == (2, 8) and torch.equal(out["seen"][0], torch.zeros(2))
+    same = ebc({"user": [[1], [2]], "item": [[5, 5], []], "seen": [[], [9]]})
+    assert torch.equal(concat(same), concat(out))
+    sd = ebc.state_dict()
+    assert sorted(sd) == ["nn1_item", "nn1_user"] and sd["nn1_user"]["keys"].tolist() == list(range(10))
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only: the entries are plain ordered dicts of tensors
+    with pytest.raises(RuntimeError, match='Missing key.*"nn1_item"'):
+        ebc.load_state_dict({"nn1_user": loaded["nn1_user"]})
+    bad = {**loaded, "nn1_user": {**loaded["nn1_user"], "values": loaded["nn1_user"]["values"][:, :2]}}
+    before = sokpy.export(ebc.tables()[0])[1].clone()
+    with pytest.raises(sokpy.CheckpointError, match="table 'nn1_user'.*values of shape"):
+        ebc.load_state_dict(bad)
+    assert torch.equal(sokpy.export(ebc.tables()[0])[1], before)
+    with pytest.raises(KeyError, match="no feature 'seen'"):
+        ebc({"user": [[1]], "item": [[2]]})
+    with pytest.raises(ValueError, match="unknown pooling"):
+        EmbeddingBagCollection([EmbeddingBagConfig("nn1_bad", 2, 5, pooling="max")])
+
+
+def test_torchrec_style_config_is_accepted(sokpy_host):
+    from enum import Enum
+
+    from sokpy.nn import EmbeddingBagCollection
+
+    class PoolingType(Enum):  # the shape of TorchRec's enum
+        MEAN = "MEAN"
+
+    class Config:  # TorchRec's EmbeddingBagConfig fields
+        name, embedding_dim, num_embeddings, feature_names = "nn1_tr", 3, 16, ["f"]
+        pooling, weight_init_min, weight_init_max = PoolingType.MEAN, None, None
+
+    ebc = EmbeddingBagCollection([Config()])
+    (table,) = ebc.tables()
+    assert table.rows == 16 and table.dim == 3
+    assert table.weight.abs().max() <= 0.25  # TorchRec's default init: uniform in ±sqrt(1/16)
+    assert "mean" in repr(ebc)
+
+
+def test_migration_guide_counts_its_diff():
+    """docs/migration.md states how many lines of the TorchRec program change; recount them."""
+    import difflib
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "migration.md").read_text()
+    torchrec_program = re.search(r"```py\n(.*?)```", text, re.S).group(1).splitlines()
+    sokpy_program = re.findall(r"```python\n(.*?)```", text, re.S)[1].splitlines()
+    diff = [
+        line
+        for line in difflib.unified_diff(torchrec_program, sokpy_program, lineterm="", n=0)
+        if not line.startswith(("---", "+++", "@@"))
+    ]
+    removed = sum(line.startswith("-") for line in diff)
+    added = sum(line.startswith("+") for line in diff)
+    claim = re.search(r"(\d+) of the TorchRec program's (\d+) lines are replaced by (\d+) lines", text)
+    assert claim, "the migration guide no longer states its diff count"
+    assert tuple(map(int, claim.groups())) == (removed, len(torchrec_program), added)
+    assert "from sokpy.nn import EmbeddingBagCollection" in "\n".join(sokpy_program)
