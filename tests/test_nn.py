@@ -121,3 +121,48 @@ def test_migration_guide_counts_its_diff():
     assert claim, "the migration guide no longer states its diff count"
     assert tuple(map(int, claim.groups())) == (removed, len(torchrec_program), added)
     assert "from sokpy.nn import EmbeddingBagCollection" in "\n".join(sokpy_program)
+
+
+def test_any_object_with_the_accessors_is_an_input(sokpy_host):
+    """The module reads a KeyedJaggedTensor through its accessors only: an object with keys(),
+    values(), lengths() (offsets() None) and weights_or_none() pools like the dict form."""
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, concat
+
+    class Jagged:
+        def __init__(self, keys, values, lengths, weights):
+            self.k, self.v, self.n, self.w = keys, values, lengths, weights
+
+        def keys(self):
+            return self.k
+
+        def values(self):
+            return self.v
+
+        def lengths(self):
+            return self.n
+
+        def offsets(self):
+            return None
+
+        def weights_or_none(self):
+            return self.w
+
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig("nn1_duck_a", 3, 20, ["a"], "sum"), EmbeddingBagConfig("nn1_duck_b", 2, 20, ["b"], "mean")]
+    )
+    w = torch.tensor([0.5, 2.0, 1.0, 3.0, 1.5])
+    want = concat(
+        ebc(
+            {"a": [[1, 2], [3]], "b": [[], [4, 5]]},
+            weights={"a": [[0.5, 2.0], [1.0]], "b": [[], [3.0, 1.5]]},
+        )
+    )
+    in_order = Jagged(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 1, 0, 2]), w)
+    other_order = Jagged(
+        ["x", "b", "a"],
+        torch.tensor([7, 4, 5, 1, 2, 3]),
+        torch.tensor([1, 0, 0, 2, 2, 1]),
+        torch.tensor([9.0, 3.0, 1.5, 0.5, 2.0, 1.0]),
+    )
+    assert torch.equal(concat(ebc(in_order)), want)
+    assert torch.equal(concat(ebc(other_order)), want)

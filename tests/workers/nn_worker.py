@@ -5,7 +5,7 @@ Modes (argv[1]):
                  same rows) on the same batches: outputs bit-equal at every step, tables equal
                  after Adagrad training; dict input, a KeyedJaggedTensor in the module's feature
                  order and one in another order with an extra feature (TorchRec's own KJT when
-                 torchrec is installed, else a stand-in); weighted and unweighted features, a table
+                 torchrec is installed, else sokpy.nn.KeyedJaggedTensor); weighted and unweighted features, a table
                  read by two features, a feature with no keys at all in a batch
   resume DIR K   train K steps, state_dict() on every rank, torch.save on rank 0 only (rank 1's
                  refuses: it holds no rows), bad states refused everywhere with nothing changed,
