@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from .timing import timed
+from .timing import count_traffic, timed
 
 __all__ = ["Communicator", "MpiComm", "max_count"]
 
@@ -113,6 +113,7 @@ class MpiComm(Communicator):
         if self.size == 1:
             recv[...] = counts
         else:
+            count_traffic("alltoall", counts.nbytes - counts[self.rank].nbytes)
             with timed("exchange"):
                 self._comm.Alltoall(counts, recv)
         return recv
@@ -137,6 +138,7 @@ class MpiComm(Communicator):
             local = max(int(sc.sum()), int(rc.sum()))
             large = int(self.allreduce(np.array([local], np.int64), op="max")[0]) >= max_count()
         sbuf, rbuf = send.reshape(-1), recv.reshape(-1)
+        count_traffic("alltoall", (int(sc.sum()) - int(sc[self.rank])) * send.dtype.itemsize)
         with timed("exchange"):
             if large:
                 self._alltoallv_split(sbuf, sc, rbuf, rc)
@@ -179,6 +181,7 @@ class MpiComm(Communicator):
         if self.size == 1:
             out[...] = arr
         else:
+            count_traffic("other", arr.nbytes)
             with timed("exchange"):
                 self._comm.Allreduce(arr, out, op=self._ops[op])
         return out
@@ -189,14 +192,18 @@ class MpiComm(Communicator):
         if self.size == 1:
             out[0] = arr
         else:
+            count_traffic("other", arr.nbytes)
             self._comm.Allgather(arr, out)
         return out
 
     def allgather_object(self, obj) -> list:
+        count_traffic("other", 0)
         return self._comm.allgather(obj)
 
     def bcast(self, obj, root: int = 0):
+        count_traffic("other", 0)
         return self._comm.bcast(obj, root=root)
 
     def barrier(self) -> None:
+        count_traffic("other", 0)
         self._comm.Barrier()

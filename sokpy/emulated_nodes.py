@@ -50,7 +50,7 @@ def available() -> tuple[bool, str]:
     """(True, "") when namespaces, veth links and tbf can be made here, else (False, why)."""
     if os.geteuid() != 0:
         return False, "emulated nodes need root (network namespaces)"
-    for tool in ("ip", "tc", "unshare"):
+    for tool in ("ip", "tc", "unshare", "taskset"):
         if shutil.which(tool) is None:
             return False, f"emulated nodes need the `{tool}` command"
     probe = f"{PREFIX}probe{os.getpid()}"
@@ -94,8 +94,24 @@ while [ $# -gt 0 ]; do
   case "$1" in -*) shift ;; *) break ;; esac
 done
 host="$1"; shift
-exec ip netns exec "{tag}-$host" unshare -u sh -c "hostname $host; $*"
+case "$host" in
+{cpu_cases}
+esac
+exec taskset -c "$cpus" ip netns exec "{tag}-$host" unshare -u sh -c "hostname $host; $*"
 """
+
+
+def _node_cpus(nodes: int) -> list[list[int]]:
+    """Each node's cores: the cores this process may use, dealt out round-robin, so that nodes
+    do not share cores (a real node's cores are its own) and sokrun's threads-per-rank rule
+    sees one node's cores. With more nodes than cores every node gets all of them."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        allowed = list(range(os.cpu_count() or 1))
+    if nodes > len(allowed):
+        return [allowed] * nodes
+    return [allowed[i::nodes] for i in range(nodes)]
 
 
 class EmulatedNodes:
@@ -109,6 +125,7 @@ class EmulatedNodes:
         self.nodes, self.rate, self.burst, self.latency = int(nodes), rate, burst, latency
         self.tag = f"{PREFIX}{os.getpid()}"
         self.names = [f"node{i}" for i in range(self.nodes)]
+        self.cpus = _node_cpus(self.nodes)
         self.subnet = ""
         self._dir: tempfile.TemporaryDirectory | None = None
         self._old_handlers: dict = {}
@@ -153,7 +170,8 @@ class EmulatedNodes:
                     "latency", self.latency, ns=dev_ns)  # fmt: skip
         self._dir = tempfile.TemporaryDirectory(prefix="sokpy-nodes-")
         agent = Path(self._dir.name) / "agent"
-        agent.write_text(_AGENT.format(tag=self.tag))
+        cases = "\n".join(f"  {n}) cpus={','.join(map(str, c))} ;;" for n, c in zip(self.names, self.cpus))
+        agent.write_text(_AGENT.format(tag=self.tag, cpu_cases=cases))
         agent.chmod(0o700)
         self.agent = str(agent)
 
@@ -180,6 +198,8 @@ class EmulatedNodes:
         args = ["-np", str(self.nodes * ranks_per_node), "--host", hosts, "--map-by", mapping, *mpirun_args]
         args += ["--prtemca", "plm_ssh_agent", self.agent, "--prtemca", "prte_if_include", cidr]
         env = dict(os.environ)
+        # Threads per rank from the node's own cores (sokrun would count the whole machine's).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(self.cpus[0]) // max(1, ranks_per_node))))
         env.update(
             OMPI_MCA_btl="self,sm,tcp",
             OMPI_MCA_btl_tcp_if_include=cidr,
@@ -194,6 +214,9 @@ class EmulatedNodes:
         inner = " ".join(shlex.quote(c) for c in cmd)
         head = f"{self.tag}-{self.names[0]}"
         return [
+            "taskset",
+            "-c",
+            ",".join(map(str, self.cpus[0])),
             "ip",
             "netns",
             "exec",

@@ -124,6 +124,15 @@ def _ranks_per_node(opts: list[str], nranks: int, nodes: int | None) -> int:
     return nranks
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a batch scheduler's cpuset, or
+    ``taskset``), which can be fewer than the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
 def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The mpirun command line and environment for ``sokrun ARGS``."""
     opts, prog = _split(args)
@@ -134,7 +143,7 @@ def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     nranks = _np(opts)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     nodes = _nodes(opts, env)
     if nodes is None or nodes == 1:
         env.setdefault("OMPI_MCA_btl", "self,sm")

@@ -32,7 +32,7 @@ import numpy as np
 
 from .comm import Communicator, MpiComm
 from .kernels import address_of
-from .timing import timed
+from .timing import count_traffic, timed
 
 __all__ = ["NcclComm", "NCCL_TYPES", "NCCL_OPS"]
 
@@ -126,6 +126,7 @@ class NcclComm(Communicator):
         sbase = address_of(send) if send.size else 0
         rbase = address_of(recv) if recv.size else 0
         stream = self._stream()
+        count_traffic("alltoall", (int(sc.sum()) - int(sc[self.rank])) * item)
         with timed("exchange"):
             self.nccl.groupStart()
             try:
@@ -144,6 +145,7 @@ class NcclComm(Communicator):
         arr = self.xp.ascontiguousarray(arr)
         out = self.xp.empty_like(arr)
         if arr.size:
+            count_traffic("other", arr.nbytes)
             with timed("exchange"):
                 self._comm.allReduce(
                     address_of(arr), address_of(out), arr.size, _nccl_type(arr.dtype), NCCL_OPS[op], self._stream()
@@ -156,6 +158,7 @@ class NcclComm(Communicator):
         arr = self.xp.ascontiguousarray(arr)
         out = self.xp.empty((self.size,) + tuple(arr.shape), dtype=arr.dtype)
         if arr.size:
+            count_traffic("other", arr.nbytes)
             with timed("exchange"):
                 self._comm.allGather(address_of(arr), address_of(out), arr.size, _nccl_type(arr.dtype), self._stream())
         return out
@@ -167,6 +170,7 @@ class NcclComm(Communicator):
             return self.mpi.bcast(obj, root=root)
         out = self.xp.ascontiguousarray(obj).copy()
         if out.size:
+            count_traffic("other", out.nbytes)
             with timed("exchange"):
                 self._comm.broadcast(
                     address_of(out), address_of(out), out.size, _nccl_type(out.dtype), root, self._stream()

@@ -4,6 +4,7 @@ the independent references and of a 1-rank run, node-local ranks follow the node
 failure on one node ends the job on both. Skipped, saying why, where namespaces cannot be
 made (not root, no `ip`)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -35,6 +36,20 @@ def test_ranks_run_on_their_nodes_with_node_local_ranks(cluster):
     out = run(cluster, WORKERS / "where_worker.py")
     where = sorted(tuple(line.split()[1:]) for line in out.splitlines() if line.startswith("where "))
     assert where == [("0", "node0", "0"), ("1", "node0", "1"), ("2", "node1", "0"), ("3", "node1", "1")], out
+    # Each node runs on its own share of the machine's cores, as real nodes do, and its ranks'
+    # threads are counted from that share.
+    cores = {}
+    for line in out.splitlines():
+        if line.startswith("cores "):
+            _, _, host, cpus, threads = line.split()
+            cores.setdefault(host, set()).add((cpus, threads))
+    assert sorted(cores) == ["node0", "node1"], out
+    assert all(len(v) == 1 for v in cores.values()), out
+    (c0, t0), (c1, t1) = cores["node0"].pop(), cores["node1"].pop()
+    n0, n1 = set(c0.split(",")), set(c1.split(","))
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not n0 & n1, f"the nodes share cores: {c0} and {c1}"
+    assert int(t0) == max(1, len(n0) // 2) and int(t1) == max(1, len(n1) // 2), out
 
 
 def test_lookup_and_gradients_match_the_reference(cluster):

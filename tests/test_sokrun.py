@@ -19,7 +19,7 @@ def build(monkeypatch):
     cores, run by user id ``euid``; returns (mpirun options, program, environment)."""
 
     def run(args, env=None, cores=8, euid=1000):
-        monkeypatch.setattr(launcher.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(launcher, "usable_cores", lambda: cores)
         monkeypatch.setattr(launcher.os, "geteuid", lambda: euid)
         cmd, out_env = launcher.build_command(list(args), dict(env or {}))
         assert os.path.basename(cmd[0]).startswith("mpirun"), cmd
@@ -38,6 +38,16 @@ def oversubscribes(opts, env):
 
 
 PY = [sys.executable, "-m", "mpi4py"]
+
+
+def test_cores_are_those_the_affinity_mask_allows(monkeypatch):
+    """Under a scheduler's cpuset (or taskset) sokrun counts the cores it may use, not the
+    machine's: 3 allowed cores of 64 and 3 ranks give 1 thread per rank."""
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 64)
+    assert launcher.usable_cores() == 3
+    _, env = launcher.build_command(["-np", "3", "hostname"], {})
+    assert env["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.parametrize(

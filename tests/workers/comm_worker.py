@@ -231,6 +231,36 @@ def check_scalars(c):
     check_allgather(c, shapes=((),))
 
 
+def check_traffic(c):
+    """sokpy.timing.traffic() counts the bytes each collective hands to other ranks, exactly."""
+    from sokpy import timing
+
+    counts = count_matrix("random", SIZE, 77)
+    send = np.concatenate([payload(77, RANK, d, counts[RANK, d], (3,), np.float32) for d in range(SIZE)])
+    timing.reset()
+    c.alltoallv(send, counts[RANK].copy(), recv_counts=counts[:, RANK].copy())
+    remote_rows = int(counts[RANK].sum() - counts[RANK, RANK])
+    want = dict(alltoall_bytes=remote_rows * 3 * 4, alltoall_calls=1) if SIZE > 1 else {}
+    got = timing.traffic()
+    check({k: got[k] for k in want} == want, f"traffic of one alltoallv: {got}, want {want}")
+    timing.reset()
+    # The counts travel first (SIZE - 1 int64 to others), then one int64 allreduce decides
+    # whether the transfer is split (large=None), then the rows.
+    c.alltoallv(send, counts[RANK].copy())
+    c.allreduce(np.zeros(17, np.float64))
+    c.barrier()
+    got = timing.traffic()
+    if SIZE > 1:
+        want = dict(
+            alltoall_bytes=remote_rows * 3 * 4 + (SIZE - 1) * 8, alltoall_calls=2, other_bytes=8 + 17 * 8, other_calls=3
+        )
+    else:
+        want = dict(alltoall_bytes=0, alltoall_calls=0, other_bytes=0)
+    check({k: got[k] for k in want} == want, f"traffic of alltoallv + allreduce + barrier: {got}, want {want}")
+    timing.reset()
+    check(set(timing.traffic().values()) == {0}, "reset() leaves traffic counted")
+
+
 GROUPS = {
     "alltoallv": check_alltoallv,
     "alltoallv_views": check_alltoallv_views,
@@ -242,6 +272,7 @@ GROUPS = {
     "allgather_object": check_allgather_object,
     "bcast": check_bcast,
     "barrier": check_barrier,
+    "traffic": check_traffic,
 }
 
 
