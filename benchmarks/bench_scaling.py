@@ -129,7 +129,7 @@ def run(args) -> dict | None:
 
     def step(i):
         t0 = time.perf_counter()
-        outs = sokpy.lookup_sparse(tables, inputs[i % len(inputs)], combiners="sum")
+        outs = sokpy.lookup_sparse(tables, inputs[i % len(inputs)], combiners="sum", wire_dtype=args.wire_dtype)
         loss = sum((o * u).sum() for o, u in zip(outs, upstream))
         t1 = time.perf_counter()
         loss.backward()
@@ -333,6 +333,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--per-kernel", action="store_true", help="also time each kernel (rank 0's, per step)")
+    p.add_argument("--wire-dtype", default="float32", help="rows between ranks: float32, float16 or bfloat16")
     p.add_argument(
         "--wait-quiet",
         type=float,

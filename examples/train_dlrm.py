@@ -84,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="learning rate of the embedding tables (Adagrad)")
     p.add_argument("--dense-lr", type=float, default=2e-3, help="learning rate of the dense model (Adam)")
     p.add_argument("--log-every", type=int, default=250, help="print progress every this many steps")
+    p.add_argument(
+        "--wire-dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="format of the embedding rows and their gradients between ranks (16 bits: half the bytes)",
+    )
     p.add_argument("--save", metavar="DIR", help="save a checkpoint (tables, optimizers, step) to DIR at the end")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
     p.add_argument(
@@ -125,10 +131,18 @@ class DLRM(nn.Module):
     maps the dense features to one more; the pairwise dot products of these vectors, next to
     the dense one, feed a top MLP that gives one click logit per sample."""
 
-    def __init__(self, num_dense: int, tables: list[EmbeddingBagConfig], dim: int, bottom=(64,), top=(128, 64)):
+    def __init__(
+        self,
+        num_dense: int,
+        tables: list[EmbeddingBagConfig],
+        dim: int,
+        bottom=(64,),
+        top=(128, 64),
+        wire_dtype: str = "float32",
+    ):
         super().__init__()
         num_sparse = len(tables)
-        self.sparse = EmbeddingBagCollection(tables)
+        self.sparse = EmbeddingBagCollection(tables, wire_dtype=wire_dtype)
         self.bottom = mlp([num_dense, *bottom, dim])
         vectors = num_sparse + 1
         self.top = mlp([dim + vectors * (vectors - 1) // 2, *top, 1], last_activation=False)
@@ -188,7 +202,9 @@ class Trainer:
         self.data = SyntheticClicks(self.features, num_dense=args.num_dense, seed=args.seed)
 
         torch.manual_seed(args.seed)
-        self.model = DistributedDataParallel(DLRM(args.num_dense, tables, args.dim))  # no step for the tables
+        self.model = DistributedDataParallel(
+            DLRM(args.num_dense, tables, args.dim, wire_dtype=args.wire_dtype)
+        )  # no step for the tables
         self.model.register_comm_hook(None, allreduce_sum_hook)
         self.tables = self.model.module.sparse.tables()
         self.sparse_opt = sokpy.optim.Adagrad(self.tables, lr=args.lr)

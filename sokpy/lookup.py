@@ -29,6 +29,7 @@ import torch
 from .plan import COMBINERS, LookupPlan
 from .sparse import BatchError, to_batch
 from .variable import _Table
+from .wire import check_wire_dtype
 
 __all__ = ["lookup_sparse", "COMBINERS", "GRAD_REDUCTIONS"]
 
@@ -98,22 +99,33 @@ def lookup(
     insert: bool = True,
     grad_reduction: str = "sum",
     keyed: bool = False,
+    wire_dtype: str = "float32",
 ):
     """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
     ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side)."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
+    check_wire_dtype(wire_dtype)
     params = list(params)
     batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners)
     grad_mode = torch.is_grad_enabled()
-    plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode)
+    plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode, wire_dtype)
     if not grad_mode:
         return plan.forward()
     weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
     return list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in params), *weights))
 
 
-def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None, *, insert: bool = True, grad_reduction: str = "sum"):
+def lookup_sparse(
+    params,
+    sp_ids,
+    sp_weights=None,
+    combiners=None,
+    *,
+    insert: bool = True,
+    grad_reduction: str = "sum",
+    wire_dtype: str = "float32",
+):
     """Looks up and pools bags of keys in sharded tables; collective over all ranks.
 
     ``params`` is a list of :class:`sokpy.Variable` / :class:`sokpy.DynamicVariable` (or one
@@ -132,6 +144,12 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None, *, insert: bo
     convention) or their mean (``"mean"``: each rank's part divided by the world size, as
     TorchRec does to match DDP's averaged dense gradients).
 
+    ``wire_dtype`` is the format of the rows sent between ranks, forward and backward:
+    "float32" (default, exact), "float16" or "bfloat16" (half the bytes of the rows on the
+    wire; each row and each rank's gradient row is rounded once in flight, see
+    :mod:`sokpy.wire`; bfloat16 keeps float32's range). Tables and optimizers stay float32; at
+    one rank nothing travels and nothing is rounded.
+
     Example::
 
         outs = sokpy.lookup_sparse([user, item], [user_ids, item_ids], combiners=["sum", "mean"])
@@ -141,5 +159,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None, *, insert: bo
         params, sp_ids = [params], [sp_ids]
         sp_weights = None if sp_weights is None else [sp_weights]
         combiners = None if combiners is None else [combiners] if isinstance(combiners, str) else combiners
-    outs = lookup(params, sp_ids, sp_weights, combiners, insert=insert, grad_reduction=grad_reduction)
+    outs = lookup(
+        params, sp_ids, sp_weights, combiners, insert=insert, grad_reduction=grad_reduction, wire_dtype=wire_dtype
+    )
     return outs[0] if single else outs

@@ -55,6 +55,7 @@ from .errors import CheckpointError
 from .lookup import lookup
 from .sparse import Ragged, _exclusive, _int_array
 from .variable import DynamicVariable, Variable, _Table
+from .wire import check_wire_dtype
 
 __all__ = [
     "EmbeddingBagConfig",
@@ -224,7 +225,9 @@ class EmbeddingBagCollection(torch.nn.Module):
     collective (every rank creates it alike; table names are unique in a job). ``seed`` seeds
     the tables' initial values; ``grad_reduction`` is the lookup's ("sum": a row's gradient
     summed over ranks, SOK's convention; "mean": averaged, TorchRec's); ``insert=False`` keeps
-    dynamic tables from growing (evaluation).
+    dynamic tables from growing (evaluation); ``wire_dtype`` ("float32", "float16" or
+    "bfloat16") is the format of the rows between ranks, as in ``lookup_sparse`` (TorchRec's
+    quantized comms).
 
     Example::
 
@@ -232,10 +235,19 @@ class EmbeddingBagCollection(torch.nn.Module):
         out = ebc({"a": [[1, 2]], "b": [[3]]})           # {"a": [1, 4], "b": [1, 4]}
     """
 
-    def __init__(self, tables, *, seed: int = 0, grad_reduction: str = "sum", insert: bool = True):
+    def __init__(
+        self,
+        tables,
+        *,
+        seed: int = 0,
+        grad_reduction: str = "sum",
+        insert: bool = True,
+        wire_dtype: str = "float32",
+    ):
         super().__init__()
         configs = [_config(c) for c in tables]
         self.grad_reduction, self.insert = grad_reduction, insert
+        self.wire_dtype = check_wire_dtype(wire_dtype)
         self._tables: dict[str, _Table] = {}
         self._features: list[tuple[str, _Table, str]] = []  # (feature, its table, its pooling)
         for c in configs:
@@ -317,7 +329,14 @@ class EmbeddingBagCollection(torch.nn.Module):
         tables = [var for _, var, _ in self._features]
         combiners = [p for _, _, p in self._features]
         (values,) = lookup(
-            tables, ids, ws, combiners, insert=self.insert, grad_reduction=self.grad_reduction, keyed=True
+            tables,
+            ids,
+            ws,
+            combiners,
+            insert=self.insert,
+            grad_reduction=self.grad_reduction,
+            keyed=True,
+            wire_dtype=self.wire_dtype,
         )
         names = self.feature_names()
         jt = _torchrec()

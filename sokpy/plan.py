@@ -44,6 +44,7 @@ from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk
 from .sparse import Batch
 from .storage import epoch, finish_inserts
+from .wire import from_wire, to_wire
 
 __all__ = ["LookupPlan", "table_set", "owners", "rows_of", "COMBINERS"]
 
@@ -179,13 +180,14 @@ class LookupPlan:
         keyed: bool,
         error: str | None,
         grad_mode: bool,
+        wire_dtype: str = "float32",
     ):
         self.tables, self.batch = tables, batch
         self.ntables = len(tables)
         self.combiners = combiners
         self.insert, self.keyed = bool(insert), bool(keyed)
         self.grad_reduction, self.grad_mode = grad_reduction, bool(grad_mode)
-        self.error = error
+        self.error, self.wire_dtype = error, wire_dtype
         self.call_text = "lookup_sparse tables=[" + ", ".join(t.name for t in tables) + "]"
 
     # ---- forward -----------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class LookupPlan:
         return [_alias(storage, s, int(bags), d) for s, bags, d in zip(start, np.diff(b.bag_start), self.dims.tolist())]
 
     def _detail(self) -> str:
-        return f"insert={self.insert} grad_reduction={self.grad_reduction}"
+        return f"insert={self.insert} grad_reduction={self.grad_reduction} wire_dtype={self.wire_dtype}"
 
     def _prepare(self, world: int):
         """Local work before the header: checks, routing, grouping; returns (counts per peer,
@@ -397,7 +399,8 @@ class LookupPlan:
                 rows_out,
             ),
         )
-        rows_in, _ = comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large)
+        wire, _ = comm.alltoallv(to_wire(rows_out, self.wire_dtype, xp), peer_len, self.recv_elems, large=self.large)
+        rows_in = from_wire(wire, self.wire_dtype)
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = xp.empty(max(n, 1), np.int64)
@@ -452,8 +455,9 @@ class LookupPlan:
                     self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=merged, bad=bad
                 )
             else:
-                grecv, _ = comm.alltoallv(buf, self.recv_elems, self.send_elems, large=agreement.large)
-                chunk = self._owner_chunk(grecv)
+                wire = to_wire(buf, self.wire_dtype, xp)
+                grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
+                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype))
         for t in self.tables:
             t._grad_refs.append(chunk)
         weight_grads = self._weight_grads(gptr, grads)

@@ -12,6 +12,14 @@ def test_values_and_gradients_match_reference(nranks):
     assert out.count("values ok") == nranks
 
 
+@pytest.mark.parametrize("nranks,wire", [(2, "bfloat16"), (3, "float16"), (1, "bfloat16")])
+def test_16_bit_rows_on_the_wire(nranks, wire):
+    """wire_dtype rounds each row and each rank's gradient row once in flight (checked
+    against torch's own conversions) and sends fewer bytes; at one rank nothing travels."""
+    out = run_mpi(nranks, "lookup_worker.py", "wire", wire, 40 + nranks)
+    assert out.count(f"wire ok {wire}") == nranks
+
+
 def test_initial_values_identical_for_every_world_size(tmp_path):
     tables = {}
     for nranks in (1, 2, 3, 4):

@@ -5,6 +5,8 @@ Modes (argv[1]):
   init PATH     rank 0 writes every test table's full initial values to PATH (.npz)
   errors        each validation error raises on every rank, leaves tables unchanged, no hang
   assign        every rank assigns its own keys (one rank none) to tables of both placements
+  wire DTYPE SEED   values and gradients with 16-bit rows on the wire (rounded once in flight),
+                and the bytes that saves
 """
 
 import sys
@@ -116,6 +118,61 @@ def check_values(seed):
     print(f"rank {RANK}: values ok")
 
 
+def rounded(t, wire):
+    """``t`` rounded to the wire format by torch's own conversion (not sokpy's); at one rank
+    nothing travels, so nothing is rounded."""
+    if WORLD == 1:
+        return t
+    return t.to({"float16": torch.float16, "bfloat16": torch.bfloat16}[wire]).to(torch.float32)
+
+
+def lookup_and_backward(seed, tables, wire):
+    mine = inputs_of(seed, RANK)
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o)) for v, o, _ in mine]
+    weights = [None if w is None else torch.from_numpy(w) for _, _, w in mine]
+    combiners = [spec[3] for spec in SPECS]
+    for var in tables:
+        var.zero_grad()
+    sokpy.timing.reset()
+    outs = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=combiners, wire_dtype=wire)
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream_of(seed, RANK))).backward()
+    return [o.detach() for o in outs], sokpy.timing.traffic()["alltoall_bytes"]
+
+
+def check_wire(wire, seed):
+    """Rows travel rounded to ``wire``: the forward pools the owner's rows rounded once, and an
+    owner's gradient is the sum over ranks of each rank's gradient rounded once."""
+    tables = make_tables(seed)
+    full = [full_table(sokpy, v) for v in tables]
+    exact, exact_bytes = lookup_and_backward(seed, tables, "float32")
+    outs, wire_bytes = lookup_and_backward(seed, tables, wire)
+    moved = False
+    for i, (var, spec) in enumerate(zip(tables, SPECS)):
+        mine = inputs_of(seed, RANK)[i]
+        close(outs[i], pool(rounded(full[i], wire), *mine, spec[3]), f"{wire} forward of table {i}", 1e-5, 1e-6)
+        moved |= bool((outs[i] != exact[i]).any())
+        expected = torch.zeros_like(full[i])
+        for r in range(WORLD):
+            table = full[i].clone().requires_grad_()
+            (pool(table, *inputs_of(seed, r)[i], spec[3]) * torch.from_numpy(upstream_of(seed, r)[i])).sum().backward()
+            expected += rounded(table.grad, wire)
+        keys = var.grad.keys.numpy() if var.grad is not None else np.empty(0, np.int64)
+        if keys.size:
+            got, want = var.grad.values, expected[keys]
+            # A rank's float32 sum may differ from torch's in its last bit, and that may move its
+            # rounding by one 16-bit step; almost every entry must still match exactly.
+            step = 2.0**-8 if wire == "bfloat16" else 2.0**-11
+            close(got, want, f"{wire} gradient of table {i}", rtol=WORLD * step, atol=1e-6)
+            near = torch.isclose(got, want, rtol=1e-5, atol=1e-6).float().mean().item()
+            assert near > 0.95, (
+                f"rank {RANK}: {wire} gradient of table {i}: only {near:.1%} match the rounded reference"
+            )
+    assert moved or WORLD == 1, f"rank {RANK}: {wire} rows gave the float32 outputs exactly: nothing was rounded"
+    if WORLD > 1:
+        assert wire_bytes < 0.7 * exact_bytes, f"rank {RANK}: {wire} sent {wire_bytes} bytes, float32 {exact_bytes}"
+    print(f"rank {RANK}: wire ok {wire} {exact_bytes} -> {wire_bytes} bytes")
+
+
 def write_init(path):
     tables = make_tables(seed=11)
     full = [full_table(sokpy, v).numpy() for v in tables]
@@ -166,6 +223,9 @@ def check_errors():
     # Different numbers of tables on different ranks, and params/sp_ids of different lengths.
     if WORLD > 1:
         attempt(tables[:3] if bad else p2, good + [[[0]]] if bad else good, ["different collective calls"])
+        attempt(
+            p2, good, ["different collective calls", "wire_dtype=bfloat16"], wire_dtype="bfloat16" if bad else "float32"
+        )
     attempt(p2, good[:1] if bad else good, ["sp_ids has 1 entries", f"rank {bad_rank}"])
     for v, b in zip(tables, before):
         assert torch.equal(sokpy.export(v)[1], b), f"rank {RANK}: table {v.name} changed by a refused lookup"
@@ -208,6 +268,8 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "values":
         check_values(int(sys.argv[2]))
+    elif mode == "wire":
+        check_wire(sys.argv[2], int(sys.argv[3]))
     elif mode == "init":
         write_init(sys.argv[2])
     elif mode == "errors":
