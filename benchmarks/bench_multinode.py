@@ -10,24 +10,37 @@ inside sokpy's exchanges and the bytes each rank sent to the other per step, cou
 communicator (``sokpy.timing.traffic``), not estimated::
 
     python benchmarks/bench_multinode.py                        # W1 and the main job, ~10 min here
-    python benchmarks/bench_multinode.py --rows 20000 --dlrm-steps 60 --rates 1gbit   # quick
+    python benchmarks/bench_multinode.py --rows 20000 --dlrm-steps 60 --rates 1gbit --wire-rates 1gbit  # quick
 
 Writes bench_out/multinode.json and bench_out/multinode.png, and prints a table.
 
-**The model.** Going from shared memory to a link of rate R adds, per step, the time to push
-what a rank sends over its link plus a cost per collective::
+**The link.** Before each rate's runs a probe job (``--probe``, mpi4py only) measures what the
+emulated link delivers between the two nodes: the time of an 8-byte all-to-all (``lat``, per
+collective) and of an 8 MiB one (giving ``bw``), each after a 10 ms pause like a step's
+compute. On this 2-core machine TCP over veth cannot fill the faster links, so ``bw`` is
+below the nominal rate there; the probe says by how much.
 
-    exchange(R) = exchange(shared memory) + bytes_sent * 8 / (eta * R) + collectives * lam
+**The model** has no fitted parameter: the exchange of a step over a link is the busiest
+rank's bytes at the probed bandwidth plus the probed latency per collective::
 
-``bytes_sent`` (the busiest rank's) and ``collectives`` are counted; ``eta`` (the share of the
-link TCP achieves) and ``lam`` (seconds per collective over TCP) are fitted by least squares
-over all 2-node runs of both workloads, and every run's prediction is printed beside its
-measurement. The projection applies the same form to W1 on W GPUs (see ``project``).
+    exchange(link) = bytes_sent * 8 / bw + collectives * lat
+
+``bytes_sent`` and ``collectives`` are counted per step; every run's prediction is printed
+beside its measurement. It leaves out the time a rank waits for a slower one inside a
+collective, which is what a shared-memory exchange mostly measures (adding the
+shared-memory exchange time to the link time over-predicted the fast links by 60-80%), so
+it is meant for exchanges the link dominates. The projection (``project``) applies the same
+form to W1 on 8, 64 and 512 GPUs with InfiniBand's and NVLink's rates and stated latencies.
+
+**16 bits on the wire.** The same 2-node runs again with ``--wire-dtype bfloat16`` (rows and
+gradient rows in 16 bits) at ``--wire-rates``: bytes, exchange and step before and after,
+and the main job's AUC after the same steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -40,15 +53,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
+from sokpy.emulated_nodes import rate_bits  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GBIT = {"1gbit": 1e9, "10gbit": 10e9, "25gbit": 25e9, "40gbit": 40e9, "100gbit": 100e9}
-
-
-def rate_bits(rate: str) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(g|m)bit", rate)
-    if not m:
-        raise SystemExit(f"--rates: {rate!r} is not a rate such as 1gbit or 500mbit")
-    return float(m.group(1)) * (1e9 if m.group(2) == "g" else 1e6)
+PROBE_BYTES = 8 << 20
 
 
 def run_job(nodes: int, ranks_per_node: int, rate: str, program: list[str], timeout: float) -> str:
@@ -64,7 +72,7 @@ def run_job(nodes: int, ranks_per_node: int, rate: str, program: list[str], time
     return res.stdout
 
 
-def w1(args, nodes: int, rpn: int, rate: str) -> dict:
+def w1(args, nodes: int, rpn: int, rate: str, wire: str = "float32") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "w1.json")
         program = [
@@ -75,7 +83,7 @@ def w1(args, nodes: int, rpn: int, rate: str) -> dict:
             "--steps",
             str(args.steps),
         ]
-        program += ["--rows", str(args.rows), "--batch", str(args.batch)]
+        program += ["--rows", str(args.rows), "--batch", str(args.batch), "--wire-dtype", wire]
         run_job(nodes, rpn, rate, program, args.timeout)
         r = json.loads(open(out).read())
     res, vol = r["result"], r["exchange_volume"]
@@ -91,9 +99,10 @@ def w1(args, nodes: int, rpn: int, rate: str) -> dict:
     )
 
 
-def dlrm(args, nodes: int, rpn: int, rate: str) -> dict:
+def dlrm(args, nodes: int, rpn: int, rate: str, wire: str = "float32") -> dict:
     program = [sys.executable, os.path.join(ROOT, "examples", "train_dlrm.py"), "--steps", str(args.dlrm_steps)]
-    program += ["--batch-size", "4096", "--log-every", str(args.dlrm_steps), "--eval-batches", "1"]
+    program += ["--batch-size", "4096", "--log-every", str(args.dlrm_steps), "--eval-batches", "4"]
+    program += ["--wire-dtype", wire]
     text = run_job(nodes, rpn, rate, program, args.timeout)
     line = next(ln for ln in text.splitlines() if ln.startswith("RESULT "))
     r = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
@@ -106,22 +115,43 @@ def dlrm(args, nodes: int, rpn: int, rate: str) -> dict:
     )
 
 
-def fit(runs: list[dict], base: dict) -> dict:
-    """Least squares for (1/eta, lam) in extra = bytes*8/R / eta + collectives * lam, over
-    the 2-node runs; ``extra`` is the exchange time above the same workload's shared-memory
-    run. Returns the fit and every run's prediction."""
-    rows, y = [], []
+def probe_job() -> None:
+    """Inside a 2-rank job: times 8-byte and PROBE_BYTES all-to-alls; rank 0 prints them."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    med = {}
+    for nbytes in (8, PROBE_BYTES):
+        send = np.ones(comm.size * nbytes // 4, np.float32)
+        recv = np.empty_like(send)
+        times = []
+        for _ in range(12):
+            comm.Barrier()
+            time.sleep(0.01)  # a step's compute: the link's bucket refills as it would in training
+            t = time.perf_counter()
+            comm.Alltoall(send, recv)
+            times.append(time.perf_counter() - t)
+        med[nbytes] = float(np.median(times[2:]))
+    if comm.rank == 0:
+        print(f"PROBE lat_s={med[8]:.9f} big_s={med[PROBE_BYTES]:.9f}", flush=True)
+
+
+def probe(rate: str, timeout: float) -> dict:
+    """What the emulated link between two nodes delivers: latency per collective, bandwidth."""
+    text = run_job(2, 1, rate, [sys.executable, os.path.abspath(__file__), "--probe"], timeout)
+    m = re.search(r"PROBE lat_s=([\d.]+) big_s=([\d.]+)", text)
+    lat, big = float(m.group(1)), float(m.group(2))
+    bw = PROBE_BYTES * 8 / max(big - lat, 1e-9)
+    return dict(rate=rate, lat_us=lat * 1e6, bw_gbit=bw / 1e9, nominal_gbit=rate_bits(rate) / 1e9)
+
+
+def predict(runs: list[dict], links: dict) -> None:
+    """Adds every 2-node run's predicted exchange time and the model's error to it."""
     for r in runs:
-        b = base[r["workload"]]
-        rows.append([r["bytes_per_rank"] * 8 / r["rate_bits"], r["collectives"]])
-        y.append((r["exchange_ms"] - b["exchange_ms"]) / 1e3)
-    a, y = np.array(rows), np.array(y)
-    (inv_eta, lam), *_ = np.linalg.lstsq(a, y, rcond=None)
-    pred = a @ np.array([inv_eta, lam])
-    for r, p, b in zip(runs, pred, (base[r["workload"]] for r in runs)):
-        r["predicted_exchange_ms"] = float(b["exchange_ms"] + p * 1e3)
+        link = links[r["link"]]
+        seconds = r["bytes_per_rank"] * 8 / (link["bw_gbit"] * 1e9) + r["collectives"] * link["lat_us"] * 1e-6
+        r["predicted_exchange_ms"] = 1e3 * seconds
         r["error"] = r["predicted_exchange_ms"] / r["exchange_ms"] - 1
-    return dict(eta=float(1 / inv_eta) if inv_eta > 0 else float("inf"), lam_us=float(lam * 1e6))
 
 
 def unique_keys_per_gpu(wl) -> float:
@@ -129,23 +159,23 @@ def unique_keys_per_gpu(wl) -> float:
     return float(np.mean([len(np.unique(b[t])) for b in wl.batches for t in range(wl.tables)]))
 
 
-def project(wl, eta: float, collectives: float) -> list[dict]:
+def project(wl, collectives: float) -> list[dict]:
     """W1 per GPU (its batch of bags per GPU: weak scaling) on W GPUs, 8 per node.
 
     Assumptions: keys are spread by key % W, so a GPU's unique keys of a table live on other
     GPUs with probability (W-1)/W, of which (G-1)/(W-1) are in its own node (G = 8 GPUs per
     node, NVLink at 300 GB/s each way) and the rest cross its own InfiniBand NIC (HDR 200 or
-    NDR 400 Gbit/s per GPU, full-bisection fabric, TCP efficiency replaced by 0.9 for RDMA).
+    NDR 400 Gbit/s per GPU, full-bisection fabric, 90% of the rate delivered, as RDMA does).
     Bytes per remote unique key: the key (8) out, the row back and its gradient out (dim * 4
-    each), as counted above; plus W * 8 bytes of counts per collective. Latency: 15 us per
+    each, or dim * 2 with 16-bit rows), as counted above; plus W * 8 bytes of counts per collective. Latency: 15 us per
     collective plus 1 us per peer (NCCL's grouped send/recv), times the collectives counted
     per step. The exchange of a step is the larger of the NVLink and NIC times plus that
     latency; compute is not projected (it does not change with W under weak scaling)."""
     g, nvlink = 8, 300e9 * 8
     u = unique_keys_per_gpu(wl) * wl.tables
-    per_key = 8 + 2 * wl.dim * 4
     out = []
-    for w in (8, 64, 512):
+    for (wire, item), w in itertools.product((("float32", 4), ("bfloat16", 2)), (8, 64, 512)):
+        per_key = 8 + 2 * wl.dim * item
         remote = u * (w - 1) / w
         in_node = remote * (min(g, w) - 1) / (w - 1)
         off_node = remote - in_node
@@ -157,6 +187,7 @@ def project(wl, eta: float, collectives: float) -> list[dict]:
                 dict(
                     gpus=w,
                     nic=nic,
+                    wire=wire,
                     MB_per_gpu=remote * per_key / 1e6,
                     off_node_MB=off_node * per_key / 1e6,
                     exchange_ms=1e3 * (link + lat),
@@ -169,45 +200,62 @@ def project(wl, eta: float, collectives: float) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="1gbit,10gbit,25gbit", help="link rates of the 2-node runs")
+    p.add_argument("--wire-rates", default="1gbit,10gbit", help="rates of the runs again with bfloat16 rows")
     p.add_argument("--rows", type=int, default=1_000_000, help="W1 rows per table")
     p.add_argument("--batch", type=int, default=4096, help="W1 global batch")
     p.add_argument("--steps", type=int, default=30, help="W1 timed steps")
     p.add_argument("--dlrm-steps", type=int, default=200, help="main-job steps (0: W1 only)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="bench_out/multinode.json")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # inside the probe job
     args = p.parse_args(argv)
+    if args.probe:
+        probe_job()
+        return 0
     rates = args.rates.split(",")
+    wire_rates = [r for r in args.wire_rates.split(",") if r]
     workloads = {"W1": w1}
     if args.dlrm_steps:
         workloads["main job"] = dlrm
-    base, runs = {}, []
     t0 = time.time()
+    links = {}
+    for rate in dict.fromkeys(rates + wire_rates):
+        print(f"== probe: 2 nodes, {rate} links", flush=True)
+        links[rate] = probe(rate, args.timeout)
+    base, runs = {}, []
     for name, fn in workloads.items():
         print(f"== {name}: 1 node x 2 ranks (shared memory)", flush=True)
-        base[name] = dict(fn(args, 1, 2, rates[0]), workload=name, config="1 node x 2 ranks", link="shared memory")
-        for rate in rates:
-            print(f"== {name}: 2 nodes x 1 rank, {rate} links", flush=True)
-            r = fn(args, 2, 1, rate)
-            runs.append(dict(r, workload=name, config="2 nodes x 1 rank", link=rate, rate_bits=rate_bits(rate)))
-    model = fit(runs, base)
+        r = fn(args, 1, 2, rates[0])
+        base[name] = dict(r, workload=name, config="1 node x 2 ranks", link="shared memory", wire="float32")
+        for wire, rs in (("float32", rates), ("bfloat16", wire_rates)):
+            for rate in rs:
+                print(f"== {name}: 2 nodes x 1 rank, {rate} links, {wire} rows", flush=True)
+                r = fn(args, 2, 1, rate, wire)
+                runs.append(dict(r, workload=name, config="2 nodes x 1 rank", link=rate, wire=wire))
+                runs[-1]["rate_bits"] = rate_bits(rate)
+    predict(runs, links)
     wl = _common.Workload(rows=args.rows, batch=args.batch)
-    projection = project(wl, model["eta"], base["W1"]["collectives"])
+    projection = project(wl, base["W1"]["collectives"])
 
+    print("\nlinks as probed (2 nodes, 1 rank each):")
+    for x in links.values():
+        print(f"  {x['rate']:<8} {x['bw_gbit']:6.2f} Gbit/s delivered, {x['lat_us']:7.0f} us per all-to-all")
     print(
-        f"\n{'workload':<9} {'config':<17} {'link':<14} {'step ms':>8} {'exch ms':>8} {'share':>6} "
-        f"{'MB/rank':>8} {'model ms':>9} {'error':>6}"
+        f"\n{'workload':<9} {'config':<17} {'link':<14} {'rows':<9} {'step ms':>8} {'exch ms':>8} {'share':>6} "
+        f"{'MB/rank':>8} {'model ms':>9} {'error':>6} {'auc':>6}"
     )
     for r in [base[n] for n in workloads] + runs:
         pred = f"{r['predicted_exchange_ms']:>9.2f} {r['error']:>+6.0%}" if "error" in r else f"{'':>9} {'':>6}"
+        auc = f"{r['auc']:6.4f}" if "auc" in r else ""
         print(
-            f"{r['workload']:<9} {r['config']:<17} {r['link']:<14} {r['step_ms']:>8.2f} {r['exchange_ms']:>8.2f} "
-            f"{r['exchange_ms'] / r['step_ms']:>6.0%} {r['bytes_per_rank'] / 1e6:>8.2f} {pred}"
+            f"{r['workload']:<9} {r['config']:<17} {r['link']:<14} {r['wire']:<9} {r['step_ms']:>8.2f} "
+            f"{r['exchange_ms']:>8.2f} {r['exchange_ms'] / r['step_ms']:>6.0%} {r['bytes_per_rank'] / 1e6:>8.2f} "
+            f"{pred} {auc:>6}"
         )
-    print(f"fit: eta = {model['eta']:.2f} of the link rate, {model['lam_us']:.0f} us per collective over TCP")
     print("\nW1 projected (exchange per step, per GPU batch of", args.batch, "bags):")
     for x in projection:
         print(
-            f"  {x['gpus']:>3} GPUs, {x['nic']}: {x['MB_per_gpu']:.1f} MB/GPU ({x['off_node_MB']:.1f} MB off the "
+            f"  {x['gpus']:>3} GPUs, {x['nic']}, {x['wire']} rows: {x['MB_per_gpu']:.1f} MB/GPU ({x['off_node_MB']:.1f} MB off the "
             f"node), exchange {x['exchange_ms']:.2f} ms (latency {x['latency_ms']:.2f} ms)"
         )
     w1_base = base["W1"]
@@ -216,30 +264,34 @@ def main(argv=None) -> int:
         dict(
             machine=w1_base["machine"],
             w1_data=w1_base["data"],
+            links=links,
             shared_memory=base,
             runs=runs,
-            model=model,
             projection=projection,
             seconds=time.time() - t0,
             command=" ".join(sys.argv),
         ),
     )
     print(f"wrote {args.out}")
-    plot(base, runs, model, os.path.splitext(args.out)[0] + ".png")
+    plot(base, runs, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 
-def plot(base: dict, runs: list[dict], model: dict, path: str) -> None:
+def plot(base: dict, runs: list[dict], path: str) -> None:
     plt = _common.pyplot_or_none(path)
     if plt is None:
         return
     fig, axes = plt.subplots(1, len(base), figsize=(5.2 * len(base), 3.8), squeeze=False)
     for ax, name in zip(axes[0], base):
-        rs = sorted((r for r in runs if r["workload"] == name), key=lambda r: r["rate_bits"])
-        x = [r["rate_bits"] / 1e9 for r in rs]
-        ax.plot(x, [r["step_ms"] for r in rs], "o-", label="step, 2 nodes x 1 rank")
-        ax.plot(x, [r["exchange_ms"] for r in rs], "s-", label="exchange (measured)")
-        ax.plot(x, [r["predicted_exchange_ms"] for r in rs], "k--", label="exchange (model)")
+        for wire, style in (("float32", "-"), ("bfloat16", ":")):
+            rs = sorted((r for r in runs if r["workload"] == name and r["wire"] == wire), key=lambda r: r["rate_bits"])
+            if not rs:
+                continue
+            x = [r["rate_bits"] / 1e9 for r in rs]
+            ax.plot(x, [r["step_ms"] for r in rs], "o" + style, label=f"step, 2 nodes x 1 rank, {wire} rows")
+            ax.plot(x, [r["exchange_ms"] for r in rs], "s" + style, label=f"exchange, {wire} rows")
+            ax.plot(x, [r["predicted_exchange_ms"] for r in rs], "k" + style, lw=0.8, label=f"model, {wire} rows")
+        x = sorted({r["rate_bits"] / 1e9 for r in runs})
         ax.axhline(base[name]["step_ms"], color="grey", ls=":", label="step, 1 node x 2 ranks")
         ax.set_xscale("log")
         ax.set_xticks(x, [f"{v:g}" for v in x])

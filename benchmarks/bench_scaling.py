@@ -35,10 +35,11 @@ import torch  # noqa: E402
 LR, EPS = 0.01, 1e-10
 
 
-def exchange_volume(wl, world: int) -> dict:
+def exchange_volume(wl, world: int, wire_dtype: str = "float32") -> dict:
     """Bytes that cross between ranks per step (all ranks together), from the data: every
     unique key a rank looks up that another rank owns costs one key (8 B) out, one row back in
-    the forward and one gradient row out in the backward."""
+    the forward and one gradient row out in the backward (4 bytes a value, 2 with 16-bit rows
+    on the wire)."""
     if world == 1:
         return dict(remote_unique_keys=0.0, bytes=0.0)
     per_bag = wl.batch // world
@@ -52,7 +53,8 @@ def exchange_volume(wl, world: int) -> dict:
                 k += int(np.count_nonzero(u % world != r))
         keys.append(k)
     k = float(np.mean(keys))
-    return dict(remote_unique_keys=k, bytes=k * (8 + 2 * wl.dim * 4))
+    item = 4 if wire_dtype == "float32" else 2
+    return dict(remote_unique_keys=k, bytes=k * (8 + 2 * wl.dim * item))
 
 
 def time_each_kernel(sokpy) -> dict:
@@ -186,7 +188,7 @@ def run(args) -> dict | None:
     res["per_rank_median_ms"] = [float(np.median(r[:, 0]) * 1e3) for r in all_rec]
     if per_kernel is not None:
         res["per_kernel_ms_rank0"] = {k: 1e3 * v / args.steps for k, v in sorted(per_kernel.items())}
-    vol = exchange_volume(wl, world)
+    vol = exchange_volume(wl, world, args.wire_dtype)
     # Counted by the communicator (sokpy.timing.traffic): every byte a rank handed to the
     # others in a step, all ranks together, and the collectives each rank entered.
     vol["counted_bytes"] = float(all_rec[:, :, 6].sum(axis=0).mean())
@@ -194,6 +196,7 @@ def run(args) -> dict | None:
     vol["collectives_per_rank"] = float(all_rec[:, :, 7].mean())
     report = dict(
         ranks=world,
+        wire_dtype=args.wire_dtype,
         threads_per_rank=args.threads,
         cores=cores,
         oversubscribed=world * args.threads > cores,

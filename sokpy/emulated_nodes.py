@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -114,14 +115,34 @@ def _node_cpus(nodes: int) -> list[list[int]]:
     return [allowed[i::nodes] for i in range(nodes)]
 
 
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate such as "1gbit", "500mbit" or "25gbit"."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"emulated nodes: {rate!r} is not a rate such as 1gbit, 500mbit or 25gbit")
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def default_burst(rate: str) -> str:
+    """The token bucket of a link direction: a quarter millisecond of its rate, at least 32 KB.
+    The bucket fills while a job computes and then leaves at the speed of memory, so every
+    exchange of a step starts with up to a bucket of free bytes (a 1 MB bucket at 1 Gbit/s
+    hides 8 ms per exchange, and a step's small exchanges would never see the link); a bucket
+    much smaller than what the rate moves per timer tick caps the link below its rate, which
+    the benchmarks measure rather than assume."""
+    return str(max(32 * 1024, int(rate_bits(rate) / 8 * 0.25e-3)))
+
+
 class EmulatedNodes:
     """``nodes`` emulated nodes named node0, node1, ..., each linked to a switch at ``rate``
     (a tc rate such as "1gbit", "10gbit", "25gbit"); a context manager that tears everything
-    down on exit."""
+    down on exit. ``burst`` (bytes, or a tc size such as "1mb") is the token bucket of each
+    link direction; by default a quarter millisecond of ``rate`` (``default_burst``)."""
 
-    def __init__(self, nodes: int = 2, rate: str = "10gbit", burst: str = "1mb", latency: str = "50ms"):
+    def __init__(self, nodes: int = 2, rate: str = "10gbit", burst: str | None = None, latency: str = "50ms"):
         if nodes < 1:
             raise ValueError("emulated nodes: at least one node")
+        burst = default_burst(rate) if burst is None else burst
         self.nodes, self.rate, self.burst, self.latency = int(nodes), rate, burst, latency
         self.tag = f"{PREFIX}{os.getpid()}"
         self.names = [f"node{i}" for i in range(self.nodes)]
@@ -245,6 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--rate", default="10gbit", help="link rate per node, as tc takes it (1gbit, 10gbit, 25gbit)")
+    p.add_argument(
+        "--burst",
+        default=None,
+        help="token bucket of each link direction, bytes or a tc size such as 256kb "
+        "(default: a quarter millisecond of --rate, at least 32 KB)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is ended")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces an interrupted run left, and exit")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- python script.py [args]")
@@ -255,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         p.error("no program: sokpy-nodes [options] -- python script.py")
-    with EmulatedNodes(args.nodes, args.rate) as cluster:
+    with EmulatedNodes(args.nodes, args.rate, burst=args.burst) as cluster:
         try:
             res = cluster.run(program, args.ranks_per_node, timeout=args.timeout, capture_output=False)
             code = res.returncode

@@ -4,6 +4,7 @@ the independent references and of a 1-rank run, node-local ranks follow the node
 failure on one node ends the job on both. Skipped, saying why, where namespaces cannot be
 made (not root, no `ip`)."""
 
+import json
 import os
 import re
 import subprocess
@@ -52,6 +53,24 @@ def test_ranks_run_on_their_nodes_with_node_local_ranks(cluster):
     assert int(t0) == max(1, len(n0) // 2) and int(t1) == max(1, len(n1) // 2), out
 
 
+def test_links_are_shaped_at_their_rate_with_a_small_bucket(cluster):
+    """Both directions of every node's link pass a tbf at the cluster's rate, with the default
+    bucket of a quarter millisecond of it (a large one would let small exchanges skip the link)."""
+    assert emulated_nodes.rate_bits("10gbit") == 10e9 and emulated_nodes.rate_bits("500mbit") == 500e6
+    assert emulated_nodes.default_burst("1gbit") == str(32 * 1024)  # the floor: 31,250 bytes is less
+    assert emulated_nodes.default_burst("10gbit") == "312500"
+    with pytest.raises(ValueError, match="not a rate"):
+        emulated_nodes.rate_bits("fast")
+    for i, name in enumerate(cluster.names):
+        for ns, dev in ((f"{cluster.tag}-{name}", "eth0"), (f"{cluster.tag}-switch", f"p{i}")):
+            shown = subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev], capture_output=True, text=True
+            ).stdout
+            assert "tbf" in shown and "rate 10Gbit" in shown, shown
+            burst = re.search(r"burst (\d+)b", shown)  # 312,500 bytes, as the kernel's ticks round it
+            assert burst and 0.99 * 312_500 <= int(burst.group(1)) <= 312_500, shown
+
+
 def test_lookup_and_gradients_match_the_reference(cluster):
     out = run(cluster, WORKERS / "lookup_worker.py", "values", 104)
     assert out.count("values ok") == 4, out
@@ -86,6 +105,27 @@ def test_a_failure_on_one_node_ends_the_job_on_both(cluster):
     assert res.returncode != 0 and "finished" not in out, out[-3000:]
     assert "uncaught exception on rank 1 of 4 (host node0" in out, out[-3000:]
     assert took < 30, f"the job took {took:.0f} s"
+
+
+def test_multinode_benchmark_counts_its_bytes(tmp_path):
+    """benchmarks/bench_multinode.py (small): the probe measures the link, the bytes counted
+    by the communicator equal the ones estimated from the keys, 16-bit rows halve the rows'
+    bytes, and every 2-node run has the model's prediction beside it."""
+    out = tmp_path / "mn.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_multinode.py"), "--rows", "5000", "--steps", "3"]
+    cmd += ["--dlrm-steps", "0", "--rates", "1gbit", "--wire-rates", "1gbit", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert 0 < r["links"]["1gbit"]["bw_gbit"] and 0 < r["links"]["1gbit"]["lat_us"]
+    runs = {run["wire"]: run for run in r["runs"]}
+    for run in [r["shared_memory"]["W1"], *runs.values()]:
+        assert run["bytes_counted_all_ranks"] > 0
+        assert abs(run["bytes_counted_all_ranks"] / run["bytes_estimated_all_ranks"] - 1) < 0.02, run
+        assert run["collectives"] > 0
+    assert runs["bfloat16"]["bytes_per_rank"] < 0.6 * runs["float32"]["bytes_per_rank"]
+    assert all(run["predicted_exchange_ms"] > 0 for run in runs.values())
+    assert {(p["gpus"], p["wire"]) for p in r["projection"]} >= {(512, "float32"), (512, "bfloat16")}
 
 
 def test_command_line_tool_runs_and_cleans_up(tmp_path):
