@@ -100,14 +100,21 @@ def lookup(
     grad_reduction: str = "sum",
     keyed: bool = False,
     wire_dtype: str = "float32",
+    input_error: str | None = None,
 ):
     """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
-    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side)."""
+    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side).
+    ``input_error``: a fault the caller found in this rank's input before the call (a module's
+    missing feature); the call then raises it as an InputError on every rank, as its own
+    checks would, instead of leaving the other ranks waiting in the exchange."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
     check_wire_dtype(wire_dtype)
     params = list(params)
-    batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners)
+    if input_error is None:
+        batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners)
+    else:
+        batch, codes, error = None, None, input_error
     grad_mode = torch.is_grad_enabled()
     plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode, wire_dtype)
     if not grad_mode:

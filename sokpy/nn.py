@@ -325,7 +325,12 @@ class EmbeddingBagCollection(torch.nn.Module):
         (any input ``lookup_sparse`` takes for one table), ``weights`` an optional dict
         feature -> per-key weights for a dict input. All features need the same batch size.
         Returns a KeyedTensor (torchrec installed) or a dict feature -> ``[B, dim]`` tensor."""
-        ids, ws = self._inputs(features, weights)
+        try:
+            ids, ws = self._inputs(features, weights)
+            fault = None
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
+            text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+            ids, ws, fault = None, None, f"EmbeddingBagCollection input: {text}"
         tables = [var for _, var, _ in self._features]
         combiners = [p for _, _, p in self._features]
         (values,) = lookup(
@@ -337,6 +342,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             grad_reduction=self.grad_reduction,
             keyed=True,
             wire_dtype=self.wire_dtype,
+            input_error=fault,
         )
         names = self.feature_names()
         jt = _torchrec()

@@ -20,6 +20,7 @@ CASES = [
     "mean_reduction",
     "assign_order",
     "strict_inputs",
+    "every_error",
 ]
 
 

@@ -76,7 +76,7 @@ def test_single_process_state_dict_and_errors(sokpy_host):
     with pytest.raises(sokpy.CheckpointError, match="table 'nn1_user'.*values of shape"):
         ebc.load_state_dict(bad)
     assert torch.equal(sokpy.export(ebc.tables()[0])[1], before)
-    with pytest.raises(KeyError, match="no feature 'seen'"):
+    with pytest.raises(sokpy.InputError, match="rank 0: .*no feature 'seen'"):
         ebc({"user": [[1]], "item": [[2]]})
     with pytest.raises(ValueError, match="unknown pooling"):
         EmbeddingBagCollection([EmbeddingBagConfig("nn1_bad", 2, 5, pooling="max")])

@@ -18,6 +18,9 @@ Each mode prints "<mode> ok" on every rank that saw what the contract promises. 
                      only, everywhere; bfloat16 weights are used as their float values
   resume STEPS       Adam on two tables (one first used at step 2): per-rank state_dict + export at
                      half-time, restored into new tables and optimizer: equals uninterrupted training
+  every_error        every input error of every collective call, made on one rank only: the same
+                     error on every rank, tables and optimizer state bitwise unchanged, and training
+                     then goes on exactly as a twin that never saw the errors
 """
 
 import sys
@@ -271,6 +274,157 @@ def check_strict_inputs():
     out32 = sokpy.lookup_sparse(a, ids, sp_weights=w16.float(), combiners="mean")
     assert torch.equal(out16, out32)
     print(f"rank {RANK}: strict_inputs ok")
+
+
+def twin_tables(tag):
+    """A static, a localized and a dynamic table and a module over two more: one twin of the
+    every_error run (same seeds, other names)."""
+    init = sokpy.initializers.uniform(-1, 1)
+    tables = [
+        sokpy.Variable(30, 4, initializer=init, seed=1, name=f"{tag}_s"),
+        sokpy.Variable(30, 3, target_gpu=LAST, initializer=init, seed=2, name=f"{tag}_l"),
+        sokpy.DynamicVariable(4, initializer=0.05, name=f"{tag}_d"),  # new rows alike in both twins
+    ]
+    ebc = sokpy.nn.EmbeddingBagCollection(
+        [sokpy.nn.EmbeddingBagConfig(f"{tag}_m", 2, 12, ["u", "v"], pooling="sum")], seed=4
+    )
+    opt = sokpy.optim.Adagrad(tables + ebc.tables(), lr=0.1)
+    return tables, ebc, opt
+
+
+def good_step(tables, ebc, opt, i):
+    rng = np.random.default_rng([i, RANK])
+    ids = [[rng.integers(0, 30, 3).tolist(), [int(rng.integers(0, 30))]] for _ in range(2)]
+    ids.append([[int(k) for k in rng.integers(-(2**40), 2**40, 2)], []])
+    w = [[1.5, 0.5, 2.0], [1.0]]
+    outs = sokpy.lookup_sparse(tables, ids, sp_weights=[w, None, None], combiners=["sum", "mean", "sqrtn"])
+    feats = {"u": [[int(rng.integers(0, 12))]], "v": [[1, 2], []][:1]}
+    pooled = sokpy.nn.concat(ebc(feats))
+    up = torch.from_numpy(rng.normal(size=8).astype(np.float32))
+    loss = sum((o * up[: o.shape[1]]).sum() for o in outs) + (pooled * up[:4]).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def snapshot(tables, opt):
+    """This rank's rows (keys, values) of every table and the optimizer's state, as host copies."""
+    rows = [tuple(t.clone() for t in sokpy.export(v)) for v in tables]
+    state = opt.state_dict()["state"]
+    return rows, {k: {n: (x.clone() if torch.is_tensor(x) else x) for n, x in e.items()} for k, e in state.items()}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def check_every_error():
+    bad_rank = 1 if WORLD > 2 else LAST  # neither the first nor the last rank when there are three
+    bad = RANK == bad_rank
+    tables, ebc, opt = twin_tables("ea")
+    twin = twin_tables("eb")
+    for a, b in zip(tables[:2] + ebc.tables(), twin[0][:2] + twin[1].tables()):
+        sokpy.assign(b, *sokpy.export(a))  # initial values follow the names: make the twins equal
+    all_a = tables + ebc.tables()
+    st, lo, dy = tables
+    good_ids = [[[1, 2], [3]], [[4], [5, 6]], [[7], []]]
+
+    def lookup(ids=good_ids, **kw):
+        return lambda: sokpy.lookup_sparse(tables, ids, **kw)
+
+    def swap(i, value):
+        ids = [list(map(list, t)) for t in good_ids]
+        ids[i] = value
+        return ids if bad else good_ids
+
+    def backward_nan():
+        outs = sokpy.lookup_sparse(tables[:2], good_ids[:2])  # (a dynamic table would grow: a change)
+        g = float("nan") if bad else 1.0
+        sum(o.sum() for o in outs).mul(g).backward()
+        try:
+            opt.step()
+        finally:
+            opt.zero_grad()
+
+    rag = sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3] if bad else [0, 1, 2, 3]))
+    cases = [
+        ("key out of range", lookup(swap(0, [[1, 30], [3]])), sokpy.InputError, ["'ea_s'", "key 30"]),
+        ("negative key", lookup(swap(1, [[-3], [5]])), sokpy.InputError, ["'ea_l'", "key -3"]),
+        ("offsets", lookup(swap(0, rag)), sokpy.InputError, ["'ea_s'", "offsets"]),
+        (
+            "weights",
+            lookup(sp_weights=[[[1.0], [1.0]] if bad else [[1.0, 1.0], [1.0]], None, None]),
+            sokpy.InputError,
+            ["'ea_s'", "weights"],
+        ),
+        (
+            "nan weight",
+            lookup(sp_weights=[[[1.0, float("nan") if bad else 2.0], [1.0]], None, None]),
+            sokpy.InputError,
+            ["not finite"],
+        ),
+        ("float key", lookup(swap(2, [[7.5], []])), sokpy.InputError, ["'ea_d'", "must hold ints"]),
+        ("combiner", lookup(combiners=["sum", "max" if bad else "sum", "sum"]), sokpy.InputError, ["'max'"]),
+        ("sp_ids count", lookup(good_ids[:2] if bad else good_ids), sokpy.InputError, ["sp_ids has 2 entries"]),
+        ("wire_dtype", lookup(wire_dtype="bfloat16" if bad else "float32"), sokpy.CollectiveMismatchError, []),
+        ("insert", lookup(insert=not bad), sokpy.CollectiveMismatchError, []),
+        ("grad_reduction", lookup(grad_reduction="mean" if bad else "sum"), sokpy.CollectiveMismatchError, []),
+        (
+            "table order",
+            lambda: sokpy.lookup_sparse([lo, st, dy] if bad else tables, good_ids),
+            sokpy.CollectiveMismatchError,
+            [],
+        ),
+        ("nan gradient", backward_nan, sokpy.InputError, ["not finite"]),
+        (
+            "assign key",
+            lambda: sokpy.assign(st, torch.tensor([30 if bad else 3]), torch.ones(1, 4)),
+            sokpy.InputError,
+            ["key 30"],
+        ),
+        (
+            "assign shape",
+            lambda: sokpy.assign(lo, torch.tensor([3]), torch.ones(1, 4 if bad else 3)),
+            sokpy.InputError,
+            ["'ea_l'"],
+        ),
+        (
+            "module feature",
+            lambda: ebc({"u": [[1]]} if bad else {"u": [[1]], "v": [[2]]}),
+            sokpy.InputError,
+            ["no feature 'v'"],
+        ),
+    ]
+    good_step(tables, ebc, opt, 0)
+    good_step(*twin, 0)
+    for i, (what, call, cls, pieces) in enumerate(cases):
+        before = snapshot(all_a, opt)
+        rank_piece = [] if cls is sokpy.CollectiveMismatchError else [f"rank {bad_rank}"]
+        text = expect_error(call, cls, *pieces, *rank_piece)
+        same_text_everywhere(text)
+        assert same(snapshot(all_a, opt), before), (
+            f"rank {RANK}: {what}: a refused call changed a table or the optimizer"
+        )
+        assert all(v.grad is None for v in all_a), f"rank {RANK}: {what}: a refused call left gradients"
+        good_step(tables, ebc, opt, i + 1)
+        good_step(*twin, i + 1)
+    # The twin never saw an error: both trained alike, bit for bit.
+    a_rows, a_state = snapshot(all_a, opt)
+    b_rows, b_state = snapshot(twin[0] + twin[1].tables(), twin[2])
+    assert same(a_rows, b_rows), f"rank {RANK}: the tables differ from the twin's"
+    for k in a_state:
+        ea, eb = dict(a_state[k]), dict(b_state[k])
+        ea.pop("table"), eb.pop("table")
+        assert same(ea, eb), f"rank {RANK}: optimizer state {k} differs from the twin's"
+    print(f"rank {RANK}: every_error ok ({len(cases)} cases)")
 
 
 def check_resume(steps):
