@@ -1,11 +1,13 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make demo   a short 2-rank training run on CPU
-#   make test   lint and format check (ruff), then the whole test suite
+#   make test   lint and format check (ruff), then the whole test suite (its MPICH and
+#               horovodrun tests use the environment launch/install-horovod builds, once
+#               per machine, under ~/.cache/sokpy)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint horovod-env clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +22,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+horovod-env:
+	PYTHON=$(PYTHON) launch/install-horovod >/dev/null
+
+test: lint horovod-env
 	$(VENV)/bin/python -m pytest -q -ra
 
 clean:

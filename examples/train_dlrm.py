@@ -117,6 +117,31 @@ def sparse_features(world: int):
     ]
 
 
+def table_configs(world: int, dim: int, seed: int) -> tuple[list[SparseFeature], list[EmbeddingBagConfig]]:
+    """The sparse features and their tables (``dim`` columns, seeds ``seed``, ``seed + 1``, ...)."""
+    placed = sparse_features(world)
+    tables = [
+        EmbeddingBagConfig(
+            name=f.name,
+            embedding_dim=dim,
+            num_embeddings=f.rows,
+            pooling=f.combiner,
+            target_gpu=target,
+            initializer=sokpy.initializers.uniform(-0.05, 0.05),
+            seed=seed + i,
+        )
+        for i, (f, target) in enumerate(placed)
+    ]
+    return [f for f, _ in placed], tables
+
+
+def keyed(features: list[SparseFeature], sparse: list) -> KeyedJaggedTensor:
+    """One KeyedJaggedTensor of a batch's bags (``sparse``: a ``sokpy.Ragged`` per feature)."""
+    lengths = torch.cat([bags.offsets.diff() for bags in sparse])
+    values = torch.cat([bags.values for bags in sparse])
+    return KeyedJaggedTensor([f.name for f in features], values, lengths=lengths)
+
+
 def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
     layers = []
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -139,10 +164,11 @@ class DLRM(nn.Module):
         bottom=(64,),
         top=(128, 64),
         wire_dtype: str = "float32",
+        grad_reduction: str = "sum",
     ):
         super().__init__()
         num_sparse = len(tables)
-        self.sparse = EmbeddingBagCollection(tables, wire_dtype=wire_dtype)
+        self.sparse = EmbeddingBagCollection(tables, wire_dtype=wire_dtype, grad_reduction=grad_reduction)
         self.bottom = mlp([num_dense, *bottom, dim])
         vectors = num_sparse + 1
         self.top = mlp([dim + vectors * (vectors - 1) // 2, *top, 1], last_activation=False)
@@ -185,20 +211,7 @@ class Trainer:
         # This rank's contiguous slice of every global batch.
         self.lo, self.hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
 
-        placed = sparse_features(world)
-        self.features = [f for f, _ in placed]
-        tables = [
-            EmbeddingBagConfig(
-                name=f.name,
-                embedding_dim=args.dim,
-                num_embeddings=f.rows,
-                pooling=f.combiner,
-                target_gpu=target,
-                initializer=sokpy.initializers.uniform(-0.05, 0.05),
-                seed=args.seed + i,
-            )
-            for i, (f, target) in enumerate(placed)
-        ]
+        self.features, tables = table_configs(world, args.dim, args.seed)
         self.data = SyntheticClicks(self.features, num_dense=args.num_dense, seed=args.seed)
 
         torch.manual_seed(args.seed)
@@ -222,13 +235,7 @@ class Trainer:
         return "\n".join(lines)
 
     def logits(self, batch, model: nn.Module) -> torch.Tensor:
-        return model(batch.dense, self.keyed(batch.sparse))
-
-    def keyed(self, sparse: list) -> KeyedJaggedTensor:
-        """One KeyedJaggedTensor of the batch's bags (a ``sokpy.Ragged`` per feature)."""
-        lengths = torch.cat([bags.offsets.diff() for bags in sparse])
-        values = torch.cat([bags.values for bags in sparse])
-        return KeyedJaggedTensor([f.name for f in self.features], values, lengths=lengths)
+        return model(batch.dense, keyed(self.features, batch.sparse))
 
     def train_step(self, step: int) -> float:
         """One step on the global batch; returns this rank's summed BCE."""

@@ -3,7 +3,10 @@
 ``run_mpi(nranks, "worker.py", *args)`` runs ``tests/workers/worker.py`` under
 ``sokrun -np N --timeout T python ...`` (so workers run under ``python -m mpi4py`` and an
 uncaught error on any rank aborts the whole job) and fails the test with the job's output
-when the job fails.
+when the job fails. ``launcher="mpich"`` runs it with MPICH's plain ``mpiexec -n N python
+...`` instead, and ``launcher="horovodrun"`` with ``horovodrun --mpi -np N python ...``, both
+from the environment ``launch/install-horovod`` builds (``make test`` builds it once per
+machine; tests that need it are marked ``needs_horovod_env``).
 """
 
 import os
@@ -29,31 +32,55 @@ def run_python(code, env=None, timeout=120):
     )
 
 
-def mpi_job(nranks, script, *args, timeout=240, env=None):
-    """Runs a worker under sokrun; returns the CompletedProcess (does not check the exit code)."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "launch" / "sokrun"),
-        "-np",
-        str(nranks),
-        "--timeout",
-        str(timeout),
-        "python",
-        str(WORKERS / script),
-        *map(str, args),
-    ]
+def horovod_env():
+    """The environment ``launch/install-horovod`` builds (Horovod with MPI, on MPICH), or None
+    where it has not been built."""
+    where = subprocess.run([str(ROOT / "launch" / "install-horovod"), "--where"], capture_output=True, text=True)
+    env = Path(where.stdout.strip())
+    return env if where.returncode == 0 and any(env.glob(".sokpy-horovod-*")) else None
+
+
+needs_horovod_env = pytest.mark.skipif(
+    horovod_env() is None,
+    reason="the Horovod/MPICH environment is not built: run launch/install-horovod (make test does)",
+)
+
+
+def launch_command(launcher, nranks, program, timeout):
+    """``(command, environment additions)`` that start ``program`` (a list beginning with
+    "python") at ``nranks`` ranks under ``launcher``: "sokrun", "mpich" (MPICH's mpiexec) or
+    "horovodrun" (``--mpi``, on MPICH). The last two take the Horovod environment's Python."""
+    if launcher == "sokrun":
+        sokrun = [sys.executable, str(ROOT / "launch" / "sokrun"), "-np", str(nranks), "--timeout", str(timeout)]
+        return [*sokrun, *program], {}
+    env = horovod_env()
+    if env is None:
+        pytest.skip("the Horovod/MPICH environment is not built: run launch/install-horovod")
+    bin_dir = env / "bin"
+    head = {"mpich": [str(bin_dir / "mpiexec"), "-n"], "horovodrun": [str(bin_dir / "horovodrun"), "--mpi", "-np"]}
+    python = str(bin_dir / "python") if program[0] == "python" else program[0]
+    extra = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "MPIEXEC_TIMEOUT": str(int(timeout))}
+    return [*head[launcher], str(nranks), python, *program[1:]], extra
+
+
+def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
+    """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
+    CompletedProcess (does not check the exit code)."""
+    cmd, extra = launch_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout)
     full_env = dict(os.environ)
     full_env.update(env or {})
+    full_env.update(extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=ROOT)
 
 
-def run_mpi(nranks, script, *args, timeout=240, env=None):
-    """Runs a worker under sokrun and fails the test if the job fails; returns its stdout."""
-    res = mpi_job(nranks, script, *args, timeout=timeout, env=env)
+def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
+    """Runs a worker under ``launcher`` (sokrun by default) and fails the test if the job
+    fails; returns its stdout."""
+    res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher)
     if res.returncode != 0:
         pytest.fail(
-            f"{script} {' '.join(map(str, args))} at {nranks} ranks failed (exit {res.returncode})\n"
+            f"{script} {' '.join(map(str, args))} at {nranks} ranks ({launcher}) failed (exit {res.returncode})\n"
             f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"
         )
     return res.stdout

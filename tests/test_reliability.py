@@ -1,4 +1,5 @@
-"""A failed rank ends the job promptly, under plain mpirun and under sokrun: an uncaught
+"""A failed rank ends the job promptly, under plain mpirun and sokrun (Open MPI) and under
+MPICH's mpiexec and ``horovodrun --mpi`` (the environment launch/install-horovod builds): an uncaught
 exception before, between and inside collective calls, a rank killed mid-step, and a rank
 that leaves the loop early (collective timeout). Each job is bounded by an outer timeout
 three times the bound it must meet, so a regression fails instead of hanging."""
@@ -9,11 +10,17 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, WORKERS, run_python
+from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_python
 
 from sokpy import launcher
 
 BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 30, "early": 30}
+LAUNCHERS = [
+    "mpirun",
+    "sokrun",
+    pytest.param("mpich", marks=needs_horovod_env),
+    pytest.param("horovodrun", marks=needs_horovod_env),
+]
 
 
 def run_job(launch: str, mode: str, env=None):
@@ -24,13 +31,16 @@ def run_job(launch: str, mode: str, env=None):
         cmd = [launcher._mpirun(), "-np", "2", "-x", "OMP_NUM_THREADS", "-x", "PATH"]
         cmd += ["-x", "SOKPY_COLLECTIVE_TIMEOUT"] if "SOKPY_COLLECTIVE_TIMEOUT" in full_env else []
         cmd += [sys.executable, *prog[1:]]
+    elif launch in ("mpich", "horovodrun"):  # plain `mpiexec -n 2 python ...`, `horovodrun --mpi -np 2 python ...`
+        cmd, extra = launch_command(launch, 2, prog, 3 * BOUND_S[mode] + 20)
+        full_env = dict(os.environ, **(env or {}), **extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     start = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=3 * BOUND_S[mode] + 30, cwd=ROOT)
     return res.returncode, time.monotonic() - start, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("launch", ["mpirun", "sokrun"])
+@pytest.mark.parametrize("launch", LAUNCHERS)
 @pytest.mark.parametrize("mode", ["before", "between", "inside"])
 def test_uncaught_exception_ends_the_job(launch, mode):
     code, took, out = run_job(launch, mode)
@@ -44,14 +54,14 @@ def test_uncaught_exception_ends_the_job(launch, mode):
         assert "rank 1 of 2" in out and "rank 1 fails" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("launch", ["mpirun", "sokrun"])
+@pytest.mark.parametrize("launch", LAUNCHERS)
 def test_killed_rank_ends_the_job(launch):
     code, took, out = run_job(launch, "killed")
     assert code != 0 and "finished" not in out, out[-3000:]
     assert took < BOUND_S["killed"], f"the job took {took:.0f} s\n{out[-3000:]}"
 
 
-@pytest.mark.parametrize("launch", ["mpirun", "sokrun"])
+@pytest.mark.parametrize("launch", LAUNCHERS)
 def test_rank_leaving_early_ends_the_job_after_the_timeout(launch):
     code, took, out = run_job(launch, "early", env={"SOKPY_COLLECTIVE_TIMEOUT": "4"})
     assert code != 0, out[-3000:]
