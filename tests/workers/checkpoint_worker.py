@@ -12,9 +12,14 @@ Modes (argv[1]):
                               write DIR/resumed-<world>.npz
   corrupt DIR CASE            load a damaged checkpoint (CASE): every rank must raise the same
                               CheckpointError naming the file or table; nothing may change
+  faults DIR                  save and load with a fault on one rank only (a full disk, a bad
+                              `extra`, another table list, a failing read): the same error on every
+                              rank, tables, optimizer and the checkpoint on disk unchanged, and the
+                              next save and load work
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -192,6 +197,81 @@ def main_corrupt(folder, case):
     print(f"rank {RANK}: corrupt {case} ok")
 
 
+def folder_snapshot(ckpt: Path) -> dict:
+    """Every file under the checkpoint folder and its bytes (rank 0's view)."""
+    return {str(f.relative_to(ckpt)): f.read_bytes() for f in sorted(ckpt.rglob("*")) if f.is_file()}
+
+
+def main_faults(folder):
+    folder = Path(folder)
+    bad_rank = 1 if WORLD > 2 else WORLD - 1  # a middle rank when there are three
+    bad = RANK == bad_rank
+    tables, opt = make()
+    train(tables, opt, 0, 2)
+    ckpt = folder / "ckpt-faults"
+    sokpy.save(ckpt, tables, optimizer=opt, extra={"step": 2})
+    saved = state(tables, opt)
+    train(tables, opt, 2, 3)  # the live state now differs from the checkpoint's
+    live = state(tables, opt)
+    on_disk = folder_snapshot(ckpt) if RANK == 0 else None
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def failing_read(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    cases = [
+        ("full disk", "save", "_write_npy", full_disk, {}, ["No space left on device", f"rank {bad_rank}"]),
+        ("bad extra", "save", None, None, {"extra": {"loss": float("nan")}}, [f"rank {bad_rank}", "ValueError"]),
+        ("table list", "save", None, None, {"tables": tables[:2]}, []),
+        ("failing read", "load", "_read_npy", failing_read, {}, ["Input/output error", f"rank {bad_rank}"]),
+        ("table list", "load", None, None, {"tables": tables[1:]}, []),
+    ]
+    for what, op, patch, fault, kw, pieces in cases:
+        original = getattr(sokpy.checkpoint, patch) if patch else None
+        if bad and patch:
+            setattr(sokpy.checkpoint, patch, fault)
+        mine = kw.get("tables", tables) if bad else tables
+        cls = sokpy.CollectiveMismatchError if what == "table list" else sokpy.CheckpointError
+        try:
+            if op == "save":
+                sokpy.save(ckpt, mine, optimizer=opt, extra=kw.get("extra", {"step": 3}) if bad else {"step": 3})
+            else:
+                sokpy.load(ckpt, mine, optimizer=opt)
+        except cls as e:
+            text = str(e)
+        else:
+            raise AssertionError(f"rank {RANK}: {op} with a {what} on rank {bad_rank} did not raise")
+        finally:
+            if bad and patch:
+                setattr(sokpy.checkpoint, patch, original)
+        for piece in pieces:
+            assert piece in text, f"rank {RANK}: {what}: {piece!r} not in {text}"
+        texts = sokpy.comm().allgather_object(text)
+        assert len(set(texts)) == 1, f"{what}: the ranks raised different errors: {texts}"
+        now = state(tables, opt)
+        for k, v in live.items():
+            assert np.array_equal(now[k], v), f"rank {RANK}: {op} with a {what}: {k} changed"
+        if RANK == 0:
+            assert folder_snapshot(ckpt) == on_disk, f"{op} with a {what} changed the checkpoint on disk"
+            assert not [n for n in os.listdir(ckpt) if n.startswith(".staging")], "a staging folder was left"
+        sokpy.comm().barrier()
+    # Nothing was lost: the checkpoint still holds step 2, and the ranks go on in step.
+    extra = sokpy.load(ckpt, tables, optimizer=opt)
+    assert extra == {"step": 2}, extra
+    for k, v in saved.items():
+        assert np.array_equal(state(tables, opt)[k], v), f"rank {RANK}: the checkpoint's {k} changed"
+    train(tables, opt, 2, 4)
+    sokpy.save(ckpt, tables, optimizer=opt, extra={"step": 4})
+    after = state(tables, opt)
+    train(tables, opt, 4, 5)
+    assert sokpy.load(ckpt, tables, optimizer=opt) == {"step": 4}
+    for k, v in after.items():
+        assert np.array_equal(state(tables, opt)[k], v), f"rank {RANK}: {k} differs after save and load"
+    print(f"rank {RANK}: faults ok ({len(cases)} cases)")
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "train":
@@ -200,5 +280,7 @@ if __name__ == "__main__":
         main_resume(args[0], int(args[1]), int(args[2]))
     elif mode == "corrupt":
         main_corrupt(args[0], args[1])
+    elif mode == "faults":
+        main_faults(args[0])
     else:
         raise SystemExit(f"unknown mode {mode}")
