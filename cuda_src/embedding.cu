@@ -149,6 +149,34 @@ extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, cons
     }
 }
 
+// ---- rows on the wire in 16 bits (sokpy/wire.py) -----------------------------------------
+// bfloat16 is the upper half of a float32's bits: round to nearest even on the 16 bits
+// dropped; any NaN becomes the quiet NaN 0x7FC0. One element per work item (launch dim 1).
+extern "C" __global__ void round_to_bfloat16(const float* src, i64 n, unsigned short* dst) {
+    SOKPY_FOR_KEYS(i, n) {
+        union {
+            float f;
+            unsigned int u;
+        } v;
+        v.f = src[i];
+        const unsigned int bits = v.u;
+        const unsigned int rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        dst[i] = (unsigned short)((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+    }
+}
+
+// The float32 of each bfloat16 (exact: its bits followed by 16 zero bits).
+extern "C" __global__ void widen_bfloat16(const unsigned short* src, i64 n, float* dst) {
+    SOKPY_FOR_KEYS(i, n) {
+        union {
+            float f;
+            unsigned int u;
+        } v;
+        v.u = (unsigned int)src[i] << 16;
+        dst[i] = v.f;
+    }
+}
+
 // ---- the requester: pooling ----------------------------------------------------------------
 // Pools each bag of every table: bag b of table t (bag_start[t] <= b < bag_start[t+1]) holds
 // keys [offsets[b], offsets[b+1]); key j's row starts at element val_off[j] * SRC_STRIDE of

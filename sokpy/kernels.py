@@ -96,6 +96,7 @@ _SCALARS = {
     "double": (ctypes.c_double, np.float64),
     "int": (ctypes.c_int, np.int32),
     "unsigned int": (ctypes.c_uint, np.uint32),
+    "unsigned short": (ctypes.c_ushort, np.uint16),
     "long long": (ctypes.c_longlong, np.int64),
     "i64": (ctypes.c_longlong, np.int64),
     "unsigned long long": (ctypes.c_ulonglong, np.uint64),
@@ -481,6 +482,14 @@ def get(name: str, backend: str | None = None):
 # blocks keep every OpenMP thread busy and spread uneven rows, while the set-up of a block is
 # paid a few hundred times, not once per row.
 _HOST_BLOCKS = 256
+
+
+def launch(name: str, n: int, dim: int, args) -> None:
+    """Runs kernel ``name`` over ``n`` rows of ``dim`` columns with the backend's launch shape
+    (:func:`launch_shape`); nothing when ``n`` is 0."""
+    if n > 0:
+        grid, block = launch_shape(n, dim)
+        get(name)(grid, block, args)
 
 
 def launch_shape(n: int, dim: int, backend: str | None = None):

@@ -158,7 +158,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         ts = table_set(tables)
         steps = np.array([dict.__getitem__(self.state[v.handle], "step") for v in tables], np.int64)
         hyper = self.hyper([g for g, _ in pairs], steps)
-        _launch(
+        kernels.launch(
             self.kernel,
             n,
             int(ts.dims.max(initial=1)),
@@ -234,7 +234,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
         goff = xp.empty(nuniq, np.int64)
         bad = xp.zeros(max(nuniq, 1), np.int32)
-        _launch(
+        kernels.launch(
             "merge_grads",
             nuniq,
             int(ts.dims.max(initial=1)),
@@ -324,12 +324,6 @@ class SparseOptimizer(torch.optim.Optimizer):
 def _export_keys(var: _Table):
     keys = handoff.to_torch(runtime.xp().array(var.storage.keys()))
     return keys, None
-
-
-def _launch(name: str, n: int, dim: int, args) -> None:
-    if n > 0:
-        grid, block = kernels.launch_shape(n, dim)
-        kernels.get(name)(grid, block, args)
 
 
 def _check(name: str, value: float, ok: bool, rule: str) -> None:

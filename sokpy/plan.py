@@ -66,12 +66,6 @@ def _bits(n: int) -> int:
     return max(0, int(n) - 1).bit_length()
 
 
-def _launch(name: str, n: int, dim: int, args) -> None:
-    if n > 0:
-        grid, block = kernels.launch_shape(n, dim)
-        kernels.get(name)(grid, block, args)
-
-
 class TableSet:
     """The descriptor (int64 ``[T, SOKPY_TAB_FIELDS]``) and addresses (uint64
     ``[T, SOKPY_PTR_FIELDS]``) of a list of tables, cached by their identities and refreshed
@@ -125,7 +119,7 @@ def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bi
     n = int(keys.shape[0])
     packed = xp.empty(n, np.int64)
     bad = xp.full(1, n, np.int64)
-    _launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
+    kernels.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
     return packed, int(bad[0])
 
 
@@ -219,7 +213,7 @@ class LookupPlan:
         self.out = xp.empty(self.out_size, np.float32)
         self.den = xp.empty(max(nbags, 1), np.float32)
         self.bag_of = xp.empty(max(int(b.keys.shape[0]), 1), np.int64) if self.grad_mode else None
-        _launch(
+        kernels.launch(
             "combine_forward",
             nbags,
             int(self.dims.max(initial=1)),
@@ -322,7 +316,7 @@ class LookupPlan:
         self._sync_tables()
         n = int(keys.shape[0])
         rows = xp.empty(n, np.int64)
-        _launch(
+        kernels.launch(
             "find_rows",
             n,
             1,
@@ -385,7 +379,7 @@ class LookupPlan:
         rows_out = xp.empty(int(peer_len.sum()), np.float32)
         rows_out[xp.asarray((pstart[:, None] + np.arange(ntab)).reshape(-1))] = 0.0
         nkeys = int(self.okeys.shape[0])
-        _launch(
+        kernels.launch(
             "gather_rows",
             nkeys,
             int(self.dims.max(initial=1)),
@@ -402,11 +396,11 @@ class LookupPlan:
             ),
         )
         wire, _ = comm.alltoallv(to_wire(rows_out, self.wire_dtype, xp), peer_len, self.recv_elems, large=self.large)
-        rows_in = from_wire(wire, self.wire_dtype)
+        rows_in = from_wire(wire, self.wire_dtype, xp)
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = xp.empty(max(n, 1), np.int64)
-        _launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, self.urow, d.nuniq, self.val_off))
+        kernels.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, self.urow, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
         self.d_tabs = xp.asarray(self.tabs)
         self.src = xp.full(ntab, kernels.address_of(rows_in), np.uint64)
@@ -445,7 +439,7 @@ class LookupPlan:
             bad = xp.zeros(max(d.nuniq, 1), np.int32) if self.world == 1 else None
             args = (gptr, self.bag_of, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group, ntab)
             args += (self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
-            _launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
+            kernels.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
             if self.world == 1:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None
                 used_flags = None if used.all() else used[None, :]
@@ -459,7 +453,7 @@ class LookupPlan:
             else:
                 wire = to_wire(buf, self.wire_dtype, xp)
                 grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
-                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype))
+                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, xp))
         for t in self.tables:
             t._grad_refs.append(chunk)
         weight_grads = self._weight_grads(gptr, grads)
@@ -519,7 +513,7 @@ class LookupPlan:
         if self.world == 1:  # the tables' own rows: take their addresses now (a table may have grown)
             self._sync_tables()
             src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
-        _launch(
+        kernels.launch(
             "weight_grad",
             n,
             1,

@@ -250,8 +250,7 @@ class HashStorage(Storage):
         old_keys, old_rows = self.index_keys, self.index_rows
         self._new_index(slots)
         n = int(old_rows.shape[0])
-        grid, block = kernels.launch_shape(n, 1)
-        kernels.get("rehash_index")(grid, block, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
+        kernels.launch("rehash_index", n, 1, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
         self.growths += 1
         _bump()
 
@@ -279,11 +278,9 @@ class HashStorage(Storage):
             self.reserve(n)
         tab, ptr = self._single_descriptor()
         rows = xp.empty(n, np.int64)
-        if n:
-            grid, block = kernels.launch_shape(n, 1)
-            kernels.get("find_rows")(
-                grid, block, (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows)
-            )
+        kernels.launch(
+            "find_rows", n, 1, (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows)
+        )
         if insert:
             finish_inserts([self])
         return rows
@@ -328,9 +325,11 @@ def init_rows(segments) -> None:
         start[i + 1] = start[i] + stop - first
     xp = runtime.xp()
     n = int(start[-1])
-    grid, block = kernels.launch_shape(n, max(s.dim for s, _, _ in segments))
-    kernels.get("init_rows")(
-        grid, block, (xp.asarray(start), nseg, xp.asarray(info), xp.asarray(param), xp.asarray(addr), n)
+    kernels.launch(
+        "init_rows",
+        n,
+        max(s.dim for s, _, _ in segments),
+        (xp.asarray(start), nseg, xp.asarray(info), xp.asarray(param), xp.asarray(addr), n),
     )
 
 

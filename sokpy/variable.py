@@ -286,8 +286,4 @@ def assign(var: _Table, keys, values) -> None:
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
     rows = plan.rows_of(var, recv_keys, insert=True)
     n = rows.size
-    if n:
-        grid, block = kernels.launch_shape(n, var.dim)
-        kernels.get("copy_rows")(
-            grid, block, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim)
-        )
+    kernels.launch("copy_rows", n, var.dim, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim))

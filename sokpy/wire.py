@@ -10,9 +10,13 @@ format, which halves those bytes (keys and counts are unchanged):
   float32's range, so no gradient underflows or overflows that float32 would keep.
 
 Tables, optimizer state and the pooling stay float32: only the copies in flight are
-rounded, once per direction. Works on numpy and CuPy arrays alike (array operations only)::
+rounded, once per direction. bfloat16 is converted by two flat kernels
+(``round_to_bfloat16``, ``widen_bfloat16`` in ``cuda_src/embedding.cu``: one pass each, on
+host and device alike); float16 by the array module's own conversion. Needs ``sokpy.init()``
+(the kernels run on its backend)::
 
-    >>> import numpy as np
+    >>> import numpy as np, sokpy
+    >>> _ = sokpy.init()
     >>> x = np.array([1.0, 1 + 2**-9, 3e-9], np.float32)
     >>> from_wire(to_wire(x, "bfloat16"), "bfloat16").tolist()
     [1.0, 1.0, 2.9976...e-09]
@@ -21,6 +25,8 @@ rounded, once per direction. Works on numpy and CuPy arrays alike (array operati
 from __future__ import annotations
 
 import numpy as np
+
+from . import kernels
 
 __all__ = ["WIRE_DTYPES", "check_wire_dtype", "from_wire", "to_wire"]
 
@@ -34,24 +40,27 @@ def check_wire_dtype(wire_dtype: str) -> str:
 
 
 def to_wire(rows, wire_dtype: str, xp=np):
-    """``rows`` (float32, 1-D) in the wire format: itself for float32, else a 16-bit array
-    (bfloat16 travels as its bits in a float16-typed array: the transports only move bytes)."""
+    """``rows`` (float32, 1-D, contiguous) in the wire format: itself for float32, else a
+    16-bit array (bfloat16 travels as its bits in a float16-typed array: the transports only
+    move bytes)."""
     if wire_dtype == "float32":
         return rows
     if wire_dtype == "float16":
         with np.errstate(over="ignore"):  # beyond float16's range: infinite, as documented
             return rows.astype(np.float16)
-    bits = rows.view(np.uint32)
-    # Round to nearest even on the 16 bits dropped; a NaN stays a (quiet) NaN.
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-    half = xp.where(rows != rows, np.uint32(0x7FC0), rounded).astype(np.uint16)
+    n = int(rows.shape[0])
+    half = xp.empty(n, np.uint16)
+    kernels.launch("round_to_bfloat16", n, 1, (rows, n, half))
     return half.view(np.float16)
 
 
-def from_wire(wire, wire_dtype: str):
+def from_wire(wire, wire_dtype: str, xp=np):
     """The float32 rows of a wire array made by ``to_wire``."""
     if wire_dtype == "float32":
         return wire
     if wire_dtype == "float16":
         return wire.astype(np.float32)
-    return (wire.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    n = int(wire.shape[0])
+    rows = xp.empty(n, np.float32)
+    kernels.launch("widen_bfloat16", n, 1, (wire.view(np.uint16), n, rows))
+    return rows

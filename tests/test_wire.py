@@ -27,7 +27,7 @@ def awkward_values() -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_round_trip_matches_torch_bit_for_bit(dtype):
+def test_round_trip_matches_torch_bit_for_bit(sokpy_host, dtype):
     x = awkward_values()
     sent = wire.to_wire(x, dtype)
     assert sent.dtype == np.float16 and sent.nbytes == x.nbytes // 2
@@ -46,6 +46,6 @@ def test_float32_travels_as_is_and_names_are_checked():
         wire.check_wire_dtype("int8")
 
 
-def test_docstring_example():
+def test_docstring_example(sokpy_host):
     failed, _ = doctest.testmod(wire, optionflags=doctest.ELLIPSIS)
     assert failed == 0
