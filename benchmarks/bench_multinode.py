@@ -9,7 +9,7 @@ job: ``bench_scaling.py`` for W1 (same global batch split over 2 ranks) and
 inside sokpy's exchanges and the bytes each rank sent to the other per step, counted by the
 communicator (``sokpy.timing.traffic``), not estimated::
 
-    python benchmarks/bench_multinode.py                        # W1 and the main job, ~10 min here
+    python benchmarks/bench_multinode.py                        # W1 and the main job, ~1.5 min here
     python benchmarks/bench_multinode.py --rows 20000 --dlrm-steps 60 --rates 1gbit --wire-rates 1gbit  # quick
 
 Writes bench_out/multinode.json and bench_out/multinode.png, and prints a table.
