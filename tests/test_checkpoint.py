@@ -43,11 +43,14 @@ def test_damaged_checkpoint_is_refused_on_every_rank_and_changes_nothing(tmp_pat
     assert out.count(f"corrupt {case} ok") == 2
 
 
-def test_faults_on_one_rank_of_three_are_refused_everywhere_and_lose_nothing(tmp_path):
+@pytest.mark.parametrize("emulated_device", [False, True])
+def test_faults_on_one_rank_of_three_are_refused_everywhere_and_lose_nothing(tmp_path, emulated_device):
     """save with a full disk, a bad ``extra`` or another table list on one rank only, and load
     with a failing read or another table list there: the same error on every rank, tables,
-    optimizer and the checkpoint's files unchanged, then save and load work again."""
-    out = run_mpi(3, "checkpoint_worker.py", "faults", tmp_path, timeout=180)
+    optimizer and the checkpoint's files unchanged, then save and load work again; also on
+    the device backend's code path (SOKPY_EMULATE_DEVICE=1)."""
+    env = {"SOKPY_EMULATE_DEVICE": "1"} if emulated_device else None
+    out = run_mpi(3, "checkpoint_worker.py", "faults", tmp_path, timeout=180, env=env)
     assert out.count("faults ok (5 cases)") == 3
 
 

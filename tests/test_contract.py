@@ -31,6 +31,14 @@ def test_contract(mode, nranks):
     assert out.count(f"{mode} ok") == nranks, out
 
 
+def test_every_input_error_on_one_rank_on_the_emulated_device():
+    """The device backend's code path (SOKPY_EMULATE_DEVICE=1: NcclComm over the MPI-backed
+    NCCL double, arrays under CuPy's rules) keeps the contract: the sixteen one-rank faults at
+    3 ranks."""
+    out = run_mpi(3, "contract_worker.py", "every_error", timeout=120, env={"SOKPY_EMULATE_DEVICE": "1"})
+    assert out.count("every_error ok") == 3
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_weight_gradients_match_torch(nranks):
     out = run_mpi(nranks, "contract_worker.py", "weight_grad", 4 + nranks, timeout=120)
