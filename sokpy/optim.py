@@ -219,7 +219,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         rb = max(1, int(rows.max(initial=0)).bit_length()) if n else 1
         ab = max(1, (n - 1).bit_length())
         if tb + rb + ab <= 63:
-            packed = xp.sort((otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64), kind="stable")
+            packed = xp.sort((otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64))  # unique values
             perm = packed & ((1 << ab) - 1)
             key = packed >> ab
         else:  # too many bits for one sort value: sort by (table, row) keeping arrival order

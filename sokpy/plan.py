@@ -142,9 +142,9 @@ class _Dedup:
 
     def __init__(self, packed, keys, pos_bits: int, sv_bits: int, exact: bool):
         xp = runtime.xp()
-        # The values are unique, so any sort gives the same; numpy's stable one (timsort) uses the
-        # runs of the table-major input: 30-40% faster than its default at 100-500 tables.
-        s = xp.sort(packed, kind="stable")
+        # The values are unique, so any sort gives the same: numpy's default (a SIMD sort on
+        # x86) is 4-8x faster here than its stable one (timsort), even on table-major runs.
+        s = xp.sort(packed)
         n = int(s.shape[0])
         self.pos = s & ((1 << pos_bits) - 1)
         pre = s >> pos_bits
