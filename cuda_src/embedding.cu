@@ -258,9 +258,12 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         if (!g) continue;
         const i64 first_bag = bag_start[t];
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
-            if (k + SOKPY_PREFETCH_DISTANCE < seg[u + 1]) {
-                sokpy_prefetch_row(g + (bag_of[perm[k + SOKPY_PREFETCH_DISTANCE]] - first_bag) * stride, dim);
-            }
+            // Look ahead over the next keys' positions too (most keys have one or two): the bag
+            // of a position twice the distance ahead, the gradient row of one the distance
+            // ahead (across a table boundary this hints a wrong address, which is harmless).
+            const i64 ka = k + SOKPY_PREFETCH_POSITIONS;
+            if (ka + SOKPY_PREFETCH_POSITIONS < seg[nuniq]) sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
+            if (ka < seg[nuniq]) sokpy_prefetch_row(g + (bag_of[perm[ka]] - first_bag) * stride, dim);
             const i64 j = perm[k];
             const i64 b = bag_of[j];
             const float dn = den[b];

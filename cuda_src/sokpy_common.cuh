@@ -40,11 +40,27 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 #endif
 }
 
+// A hint that the word at p will be read soon (host only, as sokpy_prefetch_row).
+__device__ __forceinline__ void sokpy_prefetch_word(const void* p) {
+#ifdef SOKPY_HOST
+    __builtin_prefetch(p);
+#endif
+}
+
 // 1 when x is finite (not NaN or +-Inf), with no library call.
 __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
 
 // How many rows ahead a kernel prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
+// How many key positions ahead segment_sum prefetches a gradient row. Each look-ahead is a
+// chain of two random reads (the position's bag, then the row; the bag is prefetched twice as
+// far ahead), and most keys have one or two positions, so it looks further than a row
+// prefetch: 4 -> 16 took t500's segment_sum from 52 to 38 ms (32: no better).
+#define SOKPY_PREFETCH_POSITIONS 16
+// How many rows ahead an optimizer update prefetches the row it will read and write (values
+// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms (combine_forward keeps 4:
+// 8 made it slower).
+#define SOKPY_PREFETCH_UPDATES 8
 
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).
 __device__ __forceinline__ u64 sokpy_mix64(u64 x) {
