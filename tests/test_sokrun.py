@@ -2,6 +2,7 @@
 builds, and real jobs that fail or hang on one rank."""
 
 import os
+import subprocess
 import sys
 import time
 
@@ -211,3 +212,39 @@ def test_sokpy_variables_reach_every_rank(build):
     passed = {opts[i + 1] for i, w in enumerate(opts) if w == "-x"}
     assert {"SOKPY_COLLECTIVE_TIMEOUT", "SOKPY_BACKEND", "PYTHONPATH", "OMP_NUM_THREADS", "PATH"} <= passed
     assert "OTHER" not in passed
+
+
+def test_malloc_keeps_large_blocks_unless_the_user_tuned_it(build):
+    opts, _, env = build(["-np", "2", "python", "train.py"])
+    assert env["GLIBC_TUNABLES"] == launcher.MALLOC_TUNABLES and "mmap_threshold" in env["GLIBC_TUNABLES"]
+    assert "GLIBC_TUNABLES" in {opts[i + 1] for i, w in enumerate(opts) if w == "-x"}
+    _, _, env = build(["-np", "2", "python", "train.py"], env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+FAULTS = """
+import os, resource, numpy as np
+a = np.ones(16 << 20, np.float32)
+del a
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+b = np.ones(16 << 20, np.float32)
+print("tunables", os.environ.get("GLIBC_TUNABLES"), "faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_ranks_run_with_the_malloc_settings(tmp_path):
+    """glibc reads the settings when a rank starts: a rank's second 64 MB array reuses the
+    first one's memory (no page faults), where a plain process maps and faults it in again."""
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS)
+    res = mpi_job(1, script, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"tunables {launcher.MALLOC_TUNABLES} faults 0" in res.stdout, res.stdout
+    plain = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, GLIBC_TUNABLES=""),
+    )
+    assert int(plain.stdout.split()[-1]) > 0, plain.stdout + plain.stderr
