@@ -45,8 +45,8 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     float* w = (float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA) + rows[u] * width;                     \
     const float* g = grad + goff[u];                                                             \
     const float* h = hyper + t * SOKPY_HYPER_FIELDS;                                             \
-    if (u + SOKPY_PREFETCH_UPDATES < n) {                                                       \
-        const i64 ta = otab[u + SOKPY_PREFETCH_UPDATES];                                        \
+    if (u + SOKPY_PREFETCH_UPDATES < n) {                                                        \
+        const i64 ta = otab[u + SOKPY_PREFETCH_UPDATES];                                         \
         const i64 wa = SOKPY_TAB(tabs, ta, SOKPY_TAB_WIDTH);                                     \
         sokpy_prefetch_row((const float*)SOKPY_PTR(ptrs, ta, SOKPY_PTR_DATA) + rows[u + SOKPY_PREFETCH_UPDATES] * wa, \
                            (int)wa);                                                             \
