@@ -36,6 +36,8 @@ from train_dlrm import DLRM, EVAL, TRAIN, keyed, roc_auc, table_configs
 
 import sokpy
 
+NUM_DENSE = 13  # dense features of the synthetic data
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,9 +64,9 @@ def main(argv=None) -> None:
     lo, hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
 
     features, tables = table_configs(world, args.dim, args.seed)
-    data = SyntheticClicks(features, num_dense=13, seed=args.seed)
+    data = SyntheticClicks(features, num_dense=NUM_DENSE, seed=args.seed)
     torch.manual_seed(args.seed)
-    model = DLRM(13, tables, args.dim, grad_reduction="mean")  # tables: gradients averaged over ranks
+    model = DLRM(NUM_DENSE, tables, args.dim, grad_reduction="mean")  # tables: gradients averaged over ranks
     # Dense layers only (the tables are not parameters); they start equal anyway, from the seed.
     hvd.broadcast_parameters(dict(model.named_parameters()), root_rank=0)
     dense_opt = hvd.DistributedOptimizer(
