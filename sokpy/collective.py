@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from contextlib import ExitStack
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -72,6 +73,13 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
+_UID = attrgetter("uid")
+# The fingerprints of recent calls by (op, detail, table uids): a training loop makes the same
+# few calls again and again, and hashing the text of hundreds of tables each time would cost
+# more than the rest of the header.
+_fingerprints: dict = {}
+
+
 class Agreement(NamedTuple):
     """What every rank learnt from the header exchange."""
 
@@ -86,12 +94,19 @@ class Call:
     ``op`` names the operation ("lookup_sparse", "lookup_sparse.backward", "Adagrad.step",
     "Variable", ...); ``tables`` are sokpy tables (anything with ``uid`` and ``name``);
     ``detail`` is text every rank must pass alike; ``label`` ties a backward exchange to
-    its forward call; ``grad_mode`` must agree too. Use as a context manager around the
+    its forward call, and ``label_text`` (text, or a function returning it, built only for a
+    message) names that call; ``grad_mode`` must agree too. Use as a context manager around the
     whole call, so that a watchdog (when one is active) knows which call a rank waits in.
     """
 
     def __init__(
-        self, op: str, tables=(), detail: str = "", label: int = 0, grad_mode: bool = False, label_text: str = ""
+        self,
+        op: str,
+        tables=(),
+        detail: str = "",
+        label: int = 0,
+        grad_mode: bool = False,
+        label_text="",
     ):
         self.op, self.tables, self.detail, self.label = op, tables, detail, int(label)
         self.grad_mode = bool(grad_mode)
@@ -103,21 +118,28 @@ class Call:
         """e.g. ``lookup_sparse tables=[user, item]``, or ``backward of lookup_sparse ...
         (call #12)`` (user names, for messages)."""
         if self.label_text:
-            return f"backward of {self.label_text}"
+            label = self.label_text() if callable(self.label_text) else self.label_text
+            return f"backward of {label}"
         text = self.op
         if self.tables:
             text += " tables=[" + ", ".join(t.name for t in self.tables) + "]"
         return text
 
     def _fingerprint(self) -> int:
-        uids = ",".join(str(t.uid) for t in self.tables)
-        return fingerprint(f"{self.op}|{uids}|{self.detail}")
+        key = (self.op, self.detail, tuple(map(_UID, self.tables)))
+        fp = _fingerprints.get(key)
+        if fp is None:
+            if len(_fingerprints) >= 1024:
+                _fingerprints.clear()
+            uids = ",".join(map(str, key[2]))
+            fp = _fingerprints[key] = fingerprint(f"{self.op}|{uids}|{self.detail}")
+        return fp
 
     def __enter__(self) -> Call:
         self._stack = ExitStack()
         watch = _watchdog_call()
         if watch is not None:
-            self._stack.enter_context(watch(self.describe()))
+            self._stack.enter_context(watch(self.describe))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +39,9 @@ class SparseGrad(NamedTuple):
     values: torch.Tensor
 
 
+_UID = attrgetter("uid")
+
+
 class GradChunk:
     """Gradient rows of several tables in one flat float32 ``buffer``.
 
@@ -54,6 +58,7 @@ class GradChunk:
     def __init__(self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None):
         self.tables = list(tables)
         self.ntables = len(self.tables)
+        self.uids = np.fromiter(map(_UID, self.tables), np.int64, self.ntables)
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
         self.merged, self.bad = merged, bad

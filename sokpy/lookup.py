@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -37,8 +39,10 @@ GRAD_REDUCTIONS = ("sum", "mean")
 
 
 class _LookupFunction(torch.autograd.Function):
-    """The autograd node of one call: inputs are the tables' handles and the weights that
-    require a gradient; outputs the pooled tensors."""
+    """The autograd node of one call: inputs are one table handle (it ties the node into the
+    graph; the rows' gradients go to their owners, not to a handle, so one serves all tables
+    and the node costs the same for 4 tables as for 500) and the weights that require a
+    gradient; outputs the pooled tensors."""
 
     @staticmethod
     def forward(ctx, plan, nweights, *inputs):
@@ -56,7 +60,7 @@ class _LookupFunction(torch.autograd.Function):
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
     needed = [g for g in weight_grads if g is not None][:nweights]
-    return (None, None) + (None,) * len(plan.tables) + tuple(needed)
+    return (None, None) + (None,) * min(len(plan.tables), 1) + tuple(needed)
 
 
 def _as_list(x, n: int, what: str):
@@ -71,15 +75,16 @@ def _as_list(x, n: int, what: str):
 def _prepare(params, sp_ids, sp_weights, combiners):
     """Converts and checks this rank's input; returns (batch, combiner codes, error)."""
     try:
-        bad = next((p for p in params if not isinstance(p, _Table)), None)
-        if bad is not None:
+        if not all(map(isinstance, params, repeat(_Table))):
+            bad = next(p for p in params if not isinstance(p, _Table))
             raise TypeError(f"params must be sokpy Variables or DynamicVariables, got a {type(bad).__name__}")
         combs = _as_list(combiners if combiners is not None else "mean", len(params), "combiners")
-        for i, comb in enumerate(combs):
-            if comb not in COMBINERS:
-                raise BatchError(i, f"unknown combiner {comb!r} (use 'sum', 'mean' or 'sqrtn')")
+        codes = list(map(COMBINERS.get, combs))
+        if None in codes:
+            i = codes.index(None)
+            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean' or 'sqrtn')")
         batch = to_batch(sp_ids, sp_weights, len(params))
-        return batch, np.array([COMBINERS[c] for c in combs], np.int64), None
+        return batch, np.array(codes, np.int64), None
     except BatchError as e:
         return None, None, f"table {params[e.table].name!r} (index {e.table}): {e}"
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
@@ -120,7 +125,7 @@ def lookup(
     if not grad_mode:
         return plan.forward()
     weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
-    return list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in params), *weights))
+    return list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in params[:1]), *weights))
 
 
 def lookup_sparse(

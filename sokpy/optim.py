@@ -26,6 +26,8 @@ Dense parameters keep their own torch optimizer (two-optimizer pattern)::
 from __future__ import annotations
 
 import math
+from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -66,17 +68,33 @@ class _TableState(dict):
         return [(k, self[k]) for k in self.keys()]
 
 
+class _Layout(NamedTuple):
+    """The tables of an optimizer in param-group order, with what a step needs of each: its
+    group's index, its state and its uid (sorted, with the order that sorts them)."""
+
+    key: tuple  # the handles' identities per group, to tell when the groups changed
+    tables: list
+    group_index: np.ndarray  # int64 [T]
+    states: list
+    uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
+    sorted_uids: np.ndarray  # int64 [T]
+
+
 class SparseOptimizer(torch.optim.Optimizer):
     """Base of sokpy's optimizers. A subclass names its update ``kernel``, its state ``slots``
     (name -> initial value, a function of the param group) and its per-table hyper-parameters
     (:meth:`hyper`). ``check_finite`` refuses a NaN/Inf merged gradient on every rank before
-    any change."""
+    any change.
+
+    A step's host work is vectorised over tables (the per-table bookkeeping is a few list and
+    array operations), so its cost hardly grows with the number of tables."""
 
     kernel: str = ""
     slots: dict = {}  # noqa: RUF012 - a class-level constant of each subclass
 
     def __init__(self, params, defaults: dict, check_finite: bool = True):
         self._var_of: dict[int, _Table] = {}
+        self._layout_cache: _Layout | None = None
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
@@ -120,11 +138,36 @@ class SparseOptimizer(torch.optim.Optimizer):
             for h in group["params"]:
                 yield group, self._var_of[id(h)]
 
+    def _layout(self) -> _Layout:
+        key = tuple(tuple(map(id, g["params"])) for g in self.param_groups)
+        cached = self._layout_cache
+        if cached is not None and cached.key == key:
+            return cached
+        tables, group_index = [], []
+        for gi, group in enumerate(self.param_groups):
+            for h in group["params"]:
+                tables.append(self._var_of[id(h)])
+                group_index.append(gi)
+        uids = np.array([v.uid for v in tables], np.int64)
+        order = np.argsort(uids, kind="stable")
+        self._layout_cache = _Layout(
+            key, tables, np.array(group_index, np.int64), [self.state[v.handle] for v in tables], order, uids[order]
+        )
+        return self._layout_cache
+
     # ---- the step --------------------------------------------------------------------------
-    def hyper(self, groups: list[dict], steps: np.ndarray) -> np.ndarray:
-        """float32 ``[ntables, SOKPY_HYPER_FIELDS]``: each table's hyper-parameters for its
-        kernel, from its group (``groups[i]``) and its step count ``steps[i]``."""
+    def hyper(self, group: dict, step: int) -> list[float]:
+        """The hyper-parameters of a table of ``group`` at step count ``step`` for the update
+        kernel (at most SOKPY_HYPER_FIELDS values)."""
         raise NotImplementedError
+
+    def _hyper(self, group_index: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """float32 ``[T, SOKPY_HYPER_FIELDS]``: :meth:`hyper` of each table, computed once per
+        distinct (group, step count)."""
+        combo = group_index * (int(steps.max(initial=0)) + 1) + steps
+        _, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
+        rows = [self.hyper(self.param_groups[int(group_index[i])], int(steps[i])) for i in first.tolist()]
+        return _fields(rows)[inverse.reshape(-1)]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,11 +178,10 @@ class SparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         xp = runtime.xp()
-        pairs = list(self.variables())
-        tables = [v for _, v in pairs]
-        index = {id(v): i for i, v in enumerate(tables)}
+        layout = self._layout()
+        tables = layout.tables
         used = np.zeros(len(tables), bool)
-        entries = self._entries(tables, index, used)
+        entries = self._entries(layout, used)
         error = None
         merged = None
         if entries is not None:
@@ -148,16 +190,17 @@ class SparseOptimizer(torch.optim.Optimizer):
                 error = merged[-1]
         with collective.Call(f"{type(self).__name__}.step", tables) as call:
             call.agree(error)
-        for i in np.flatnonzero(used):
-            st = self.state[tables[i].handle]
-            dict.__setitem__(st, "step", dict.__getitem__(st, "step") + 1)
+        get, put = dict.__getitem__, dict.__setitem__
+        for i in np.flatnonzero(used).tolist():
+            st = layout.states[i]
+            put(st, "step", get(st, "step") + 1)
         if merged is None:
             return loss
         otab, rows, goff, keys, buffer, _ = merged
         n = int(otab.shape[0])
         ts = table_set(tables)
-        steps = np.array([dict.__getitem__(self.state[v.handle], "step") for v in tables], np.int64)
-        hyper = self.hyper([g for g, _ in pairs], steps)
+        steps = np.fromiter((get(st, "step") for st in layout.states), np.int64, len(tables))
+        hyper = self._hyper(layout.group_index, steps)
         kernels.launch(
             self.kernel,
             n,
@@ -172,24 +215,33 @@ class SparseOptimizer(torch.optim.Optimizer):
                 v._grad_refs = [chunk]
         return loss
 
-    def _entries(self, tables, index, used: np.ndarray):
+    def _entries(self, layout: _Layout, used: np.ndarray):
         """Every gradient entry of this optimizer's tables, from all chunks they reference:
         ``(table index, stored row, element offset, key, buffer)`` or None when there is none.
         Sets ``used[i]`` for the tables whose outputs received a gradient on some rank."""
         xp = runtime.xp()
-        chunks = {}
-        for v in tables:
-            for chunk in v._grad_refs:
-                chunks[id(chunk)] = chunk
-        if not chunks:
+        ntab = len(layout.tables)
+        refs = [v._grad_refs for v in layout.tables]
+        flat = list(chain.from_iterable(refs))
+        if not flat:
             return None
+        chunks, holders = {}, {}  # chunk id -> chunk, and the indices of the tables holding it
+        if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
+            chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
+        else:
+            for i, held in enumerate(refs):
+                for chunk in held:
+                    chunks[id(chunk)] = chunk
+                    holders.setdefault(id(chunk), []).append(i)
         parts, buffers, base = [], [], 0
-        for chunk in chunks.values():
-            imap = np.full(chunk.ntables, -1, np.int64)
-            for i, t in enumerate(chunk.tables):
-                j = index.get(id(t))
-                if j is not None and any(c is chunk for c in t._grad_refs):
-                    imap[i] = j
+        for cid, chunk in chunks.items():
+            # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
+            # train and for those whose reference to this chunk was dropped (zero_grad).
+            at = np.minimum(np.searchsorted(layout.sorted_uids, chunk.uids), max(ntab - 1, 0))
+            imap = layout.uid_order[at]
+            held = np.zeros(ntab, bool)
+            held[holders[cid]] = True
+            imap[(layout.sorted_uids[at] != chunk.uids) | ~held[imap]] = -1
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
             otab, rows, offsets, keys, bad = chunk.entries(imap)
@@ -257,7 +309,7 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
-        for _, var in self.variables():
+        for var in self._layout().tables:
             var.zero_grad()
 
     # ---- state ----------------------------------------------------------------------------------
@@ -352,8 +404,8 @@ class SGD(SparseOptimizer):
         _check("lr", lr, lr >= 0, ">= 0")
         super().__init__(params, {"lr": lr}, check_finite)
 
-    def hyper(self, groups, steps):
-        return _fields([[g["lr"]] for g in groups])
+    def hyper(self, group, step):
+        return [group["lr"]]
 
 
 class Adagrad(SparseOptimizer):
@@ -382,8 +434,8 @@ class Adagrad(SparseOptimizer):
             params, {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}, check_finite
         )
 
-    def hyper(self, groups, steps):
-        return _fields([[g["lr"], g["eps"]] for g in groups])
+    def hyper(self, group, step):
+        return [group["lr"], group["eps"]]
 
 
 class Ftrl(SparseOptimizer):
@@ -429,14 +481,11 @@ class Ftrl(SparseOptimizer):
             check_finite,
         )
 
-    def hyper(self, groups, steps):
-        rows = []
-        for g in groups:
-            lr = np.float32(g["lr"])
-            # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
-            l2 = np.float32(g["l2"]) + np.float32(g["beta"]) / (np.float32(2.0) * lr)
-            rows.append([lr, g["lr_power"], g["l1"], l2, g["l2_shrinkage"]])
-        return _fields(rows)
+    def hyper(self, group, step):
+        lr = np.float32(group["lr"])
+        # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
+        l2 = np.float32(group["l2"]) + np.float32(group["beta"]) / (np.float32(2.0) * lr)
+        return [lr, group["lr_power"], group["l1"], l2, group["l2_shrinkage"]]
 
 
 class Adam(SparseOptimizer):
@@ -462,10 +511,7 @@ class Adam(SparseOptimizer):
             _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite)
 
-    def hyper(self, groups, steps):
-        rows = []
-        for g, t in zip(groups, steps):
-            b1, b2 = g["betas"]
-            t = max(int(t), 1)
-            rows.append([g["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t), b1, b2, g["eps"]])
-        return _fields(rows)
+    def hyper(self, group, step):
+        b1, b2 = group["betas"]
+        t = max(step, 1)
+        return [group["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t), b1, b2, group["eps"]]

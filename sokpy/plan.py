@@ -36,6 +36,8 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
+from operator import attrgetter, is_
 
 import numpy as np
 import torch
@@ -78,6 +80,7 @@ class TableSet:
         self.ptrs = np.zeros((ntab, c["SOKPY_PTR_FIELDS"]), np.uint64)
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
+        self.distinct = len({id(t) for t in tables}) == ntab  # no table passed twice
         world = runtime.world_size()
         local = np.zeros(ntab, np.int64)
         for i, t in enumerate(tables):
@@ -98,10 +101,12 @@ class TableSet:
 
 
 _table_sets: OrderedDict = OrderedDict()
+_UID = attrgetter("uid")
+_is_none = partial(is_, None)
 
 
 def table_set(tables) -> TableSet:
-    key = tuple(t.uid for t in tables)
+    key = tuple(map(_UID, tables))
     ts = _table_sets.get(key)
     if ts is None:
         ts = _table_sets[key] = TableSet(tables)
@@ -184,7 +189,10 @@ class LookupPlan:
         self.insert, self.keyed = bool(insert), bool(keyed)
         self.grad_reduction, self.grad_mode = grad_reduction, bool(grad_mode)
         self.error, self.wire_dtype = error, wire_dtype
-        self.call_text = "lookup_sparse tables=[" + ", ".join(t.name for t in tables) + "]"
+
+    def call_text(self) -> str:
+        """The call in messages, e.g. ``lookup_sparse tables=[user, item]`` (built only for one)."""
+        return "lookup_sparse tables=[" + ", ".join(t.name for t in self.tables) + "]"
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self) -> list[torch.Tensor]:
@@ -419,7 +427,7 @@ class LookupPlan:
             self.tables,
             detail=self._detail(),
             label=self.seq,
-            label_text=f"{self.call_text} (call #{self.seq})",
+            label_text=lambda: f"{self.call_text()} (call #{self.seq})",
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
             if self.dedup is None:
@@ -446,7 +454,7 @@ class LookupPlan:
                 rows = self.rows[d.first]
                 # A table passed twice (two features sharing it) has rows under both of its
                 # table slots: they are summed at the step, like gradients from other ranks.
-                merged = len({id(t) for t in self.tables}) == ntab
+                merged = self.ts.distinct
                 chunk = GradChunk(
                     self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=merged, bad=bad
                 )
@@ -504,7 +512,7 @@ class LookupPlan:
 
     def _weight_grads(self, gptr, grads):
         b = self.batch
-        if not any(w is not None for w in b.weight_grads):
+        if all(map(_is_none, b.weight_grads)):
             return [None] * len(b.weight_grads)
         xp, c = runtime.xp(), _c()
         n = int(b.keys.shape[0])

@@ -39,7 +39,9 @@ DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_EXIT_CODE = 3
 
 _lock = threading.Lock()
-_current: list[tuple[str, float]] = []  # (call, start) of the calls this rank is in, outermost first
+# (call, start) of the calls this rank is in, outermost first; a call is its description or a
+# function that returns it (built only when a timeout is reported: names of hundreds of tables).
+_current: list[tuple] = []
 _timeout_s = 0.0
 _thread: threading.Thread | None = None
 _installed_hook = None
@@ -109,6 +111,7 @@ def _watch() -> None:
         if first is None:
             continue
         what, start = first
+        what = what() if callable(what) else what
         waited = time.monotonic() - start
         if waited > _timeout_s:
             sys.stderr.write(
@@ -120,9 +123,9 @@ def _watch() -> None:
 
 
 @contextmanager
-def call(what: str):
-    """Marks this rank as inside the collective call ``what`` (nested calls count from the
-    outermost)."""
+def call(what):
+    """Marks this rank as inside the collective call ``what`` (its description, or a function
+    that returns it; nested calls count from the outermost)."""
     entry = (what, time.monotonic())
     with _lock:
         _current.append(entry)
