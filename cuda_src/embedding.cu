@@ -208,19 +208,31 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
-        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows of a bag a few bags ahead (same table)
+        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows and output of a bag a few bags ahead (same table)
+        float* __restrict__ o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
         if (ahead < bag_start[t + 1]) {
             for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) {
                 if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
             }
+            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE), dim);
         }
-        float* __restrict__ o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
-        SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
+        // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
+        // first row initialises the output instead of a pass of zeros before it: on the host a
+        // zeroing pass is a memset call and a read-modify-write of a line not yet in cache.
+        bool empty = true;
         for (i64 j = begin; j < end; ++j) {
             if (val_off[j] < 0) continue;
             const float wj = w ? w[j] : 1.0f;
             const float* __restrict__ r = rows + val_off[j] * stride;
-            SOKPY_FOR_COLS(d, dim) o[d] += wj * r[d];
+            if (empty) {
+                SOKPY_FOR_COLS(d, dim) o[d] = 0.0f + wj * r[d];
+            } else {
+                SOKPY_FOR_COLS(d, dim) o[d] += wj * r[d];
+            }
+            empty = false;
+        }
+        if (empty) {
+            SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         }
         if (combiner != SOKPY_SUM) {
             SOKPY_FOR_COLS(d, dim) o[d] = denom != 0.0f ? o[d] / denom : 0.0f;

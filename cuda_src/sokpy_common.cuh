@@ -40,6 +40,15 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 #endif
 }
 
+// A hint that a row will be written soon (host only): the output rows of a keyed lookup lie
+// a whole batch row apart, too far for the hardware prefetcher, so without it every bag's
+// write waits for its cache line.
+__device__ __forceinline__ void sokpy_prefetch_row_for_write(float* row, int dim) {
+#ifdef SOKPY_HOST
+    for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 1);
+#endif
+}
+
 // A hint that the word at p will be read soon (host only, as sokpy_prefetch_row).
 __device__ __forceinline__ void sokpy_prefetch_word(const void* p) {
 #ifdef SOKPY_HOST
