@@ -13,6 +13,10 @@ sokpy's Python/numpy overhead against the table count:
     python benchmarks/bench_tables.py                     # all of them, a few minutes here
     python benchmarks/bench_tables.py --only t100 --steps 16
 
+``--per-table`` also runs the same tiny step at 4 and at 500 tables (16 bags of one key per
+table, dim 16) and reports how much sokpy's Python/numpy overhead grows per added table:
+(overhead at 500 - overhead at 4) / 496, in microseconds.
+
 Writes bench_out/tables.json and bench_out/tables.png (``--out``).
 """
 
@@ -34,11 +38,16 @@ WORKLOADS = {
     "t100": ["--tables", "100", "--rows", "20000", "--dim", "16", "--batch", "2048", "--hotness", "2"],
     "t500": ["--tables", "500", "--rows", "4000", "--dim", "16", "--batch", "2048", "--hotness", "2"],
 }
+# The per-table cost: a step whose batch is so small that its cost is what it does per table.
+TINY = {
+    "tiny4": ["--tables", "4", "--rows", "1000", "--dim", "16", "--batch", "16", "--hotness", "1"],
+    "tiny500": ["--tables", "500", "--rows", "1000", "--dim", "16", "--batch", "16", "--hotness", "1"],
+}
 
 
 def run_one(name: str, args, outdir: str) -> dict:
     out = os.path.join(outdir, f"tables_{name}.json")
-    cmd = [sys.executable, os.path.join(HERE, "bench_w1.py"), *WORKLOADS[name], "--steps", str(args.steps)]
+    cmd = [sys.executable, os.path.join(HERE, "bench_w1.py"), *{**WORKLOADS, **TINY}[name], "--steps", str(args.steps)]
     cmd += ["--threads", str(args.threads), "--out", out, "--stream-mb", "128"]
     if args.skip_fbgemm:
         cmd.append("--skip-fbgemm")
@@ -102,13 +111,23 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-fbgemm", action="store_true")
+    p.add_argument("--per-table", action="store_true", help="also measure the overhead per added table")
     p.add_argument("--out", default="bench_out/tables.json")
     args = p.parse_args(argv)
     outdir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(outdir, exist_ok=True)
     rows = [summarize(n, run_one(n, args, outdir)) for n in args.only]
+    report = {"command": " ".join(sys.argv), "rows": rows}
+    if args.per_table:
+        tiny = {n: summarize(n, run_one(n, args, outdir)) for n in TINY}
+        grow = tiny["tiny500"]["sokpy_overhead_ms"] - tiny["tiny4"]["sokpy_overhead_ms"]
+        report["per_table"] = dict(
+            rows=list(tiny.values()),
+            overhead_us_per_table=1e3 * grow / 496,
+            step_us_per_table=1e3 * (tiny["tiny500"]["sokpy_ms"] - tiny["tiny4"]["sokpy_ms"]) / 496,
+        )
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        json.dump(report, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
     plot(rows, png)
     print(f"\n{'workload':<10} {'tables':>6} {'sokpy':>8} {'fbgemm':>8} {'torch':>8} {'fb/sok':>7} {'overhead':>9}")
@@ -116,6 +135,16 @@ def main(argv=None) -> int:
         print(
             f"{r['workload']:<10} {r['tables']:>6} {r['sokpy_ms']:>8.2f} {r.get('fbgemm_ms', float('nan')):>8.2f} "
             f"{r['torch_ms']:>8.2f} {r.get('fbgemm_over_sokpy', float('nan')):>7.2f} {r['sokpy_overhead_ms']:>9.2f}"
+        )
+    if args.per_table:
+        pt = report["per_table"]
+        for r in pt["rows"]:
+            print(
+                f"{r['workload']:<10} {r['tables']:>6} {r['sokpy_ms']:>8.2f} ms, overhead {r['sokpy_overhead_ms']:.2f} ms"
+            )
+        print(
+            f"per added table: sokpy's overhead +{pt['overhead_us_per_table']:.2f} us, "
+            f"its whole step +{pt['step_us_per_table']:.2f} us"
         )
     print(f"wrote {args.out} and {png}")
     return 0

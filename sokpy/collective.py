@@ -95,7 +95,8 @@ class Call:
     "Variable", ...); ``tables`` are sokpy tables (anything with ``uid`` and ``name``);
     ``detail`` is text every rank must pass alike; ``label`` ties a backward exchange to
     its forward call, and ``label_text`` (text, or a function returning it, built only for a
-    message) names that call; ``grad_mode`` must agree too. Use as a context manager around the
+    message) names that call; ``grad_mode`` must agree too; ``uids``, the tables' uids when
+    the caller has them at hand, saves a pass over hundreds of tables. Use as a context manager around the
     whole call, so that a watchdog (when one is active) knows which call a rank waits in.
     """
 
@@ -107,8 +108,10 @@ class Call:
         label: int = 0,
         grad_mode: bool = False,
         label_text="",
+        uids: tuple | None = None,
     ):
         self.op, self.tables, self.detail, self.label = op, tables, detail, int(label)
+        self.uids = uids
         self.grad_mode = bool(grad_mode)
         self.label_text = label_text
         self.seq = 0
@@ -126,7 +129,7 @@ class Call:
         return text
 
     def _fingerprint(self) -> int:
-        key = (self.op, self.detail, tuple(map(_UID, self.tables)))
+        key = (self.op, self.detail, self.uids if self.uids is not None else tuple(map(_UID, self.tables)))
         fp = _fingerprints.get(key)
         if fp is None:
             if len(_fingerprints) >= 1024:

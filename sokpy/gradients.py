@@ -53,12 +53,13 @@ class GradChunk:
 
     ``merged``: no (table, row) appears twice and every row is the whole gradient of its row
     (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
-    entries whose row is not finite (int32 [n], or None when all are finite)."""
+    entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
+    tables' uids (int64, as ``table.uid``) when the caller has them."""
 
-    def __init__(self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None):
-        self.tables = list(tables)
+    def __init__(self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None, uids=None):
+        self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
-        self.uids = np.fromiter(map(_UID, self.tables), np.int64, self.ntables)
+        self.uids = np.fromiter(map(_UID, tables), np.int64, self.ntables) if uids is None else uids
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
         self.merged, self.bad = merged, bad

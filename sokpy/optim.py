@@ -188,7 +188,8 @@ class SparseOptimizer(torch.optim.Optimizer):
             merged = self._merge(tables, *entries)
             if self.check_finite and merged[-1] is not None:
                 error = merged[-1]
-        with collective.Call(f"{type(self).__name__}.step", tables) as call:
+        ts = table_set(tables)
+        with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error)
         get, put = dict.__getitem__, dict.__setitem__
         for i in np.flatnonzero(used).tolist():
@@ -198,7 +199,6 @@ class SparseOptimizer(torch.optim.Optimizer):
             return loss
         otab, rows, goff, keys, buffer, _ = merged
         n = int(otab.shape[0])
-        ts = table_set(tables)
         steps = np.fromiter((get(st, "step") for st in layout.states), np.int64, len(tables))
         hyper = self._hyper(layout.group_index, steps)
         kernels.launch(
@@ -209,7 +209,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
-        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, None if used.all() else used[None, :], merged=True)
+        used_flags = None if used.all() else used[None, :]
+        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, used_flags, merged=True, uids=ts.uids)
         for v in tables:
             if v._grad_refs:
                 v._grad_refs = [chunk]

@@ -81,6 +81,8 @@ class TableSet:
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
         self.distinct = len({id(t) for t in tables}) == ntab  # no table passed twice
+        self.key = tuple(map(_UID, tables))
+        self.uids = np.array(self.key, np.int64)
         world = runtime.world_size()
         local = np.zeros(ntab, np.int64)
         for i, t in enumerate(tables):
@@ -209,7 +211,10 @@ class LookupPlan:
                 counts, volume = self._prepare(world)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = f"{type(e).__name__}: {e}"
-        with collective.Call("lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode) as call:
+        uids = self.ts.key if error is None else None
+        with collective.Call(
+            "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
+        ) as call:
             agreement = call.agree(error, counts, volume)
             self.seq, self.large = agreement.seq, agreement.large
             if world == 1:
@@ -428,6 +433,7 @@ class LookupPlan:
             detail=self._detail(),
             label=self.seq,
             label_text=lambda: f"{self.call_text()} (call #{self.seq})",
+            uids=self.ts.key,
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
             if self.dedup is None:
@@ -456,7 +462,16 @@ class LookupPlan:
                 # table slots: they are summed at the step, like gradients from other ranks.
                 merged = self.ts.distinct
                 chunk = GradChunk(
-                    self.tables, buf, d.ukeys, rows, d.group, self.urow, used_flags, merged=merged, bad=bad
+                    self.tables,
+                    buf,
+                    d.ukeys,
+                    rows,
+                    d.group,
+                    self.urow,
+                    used_flags,
+                    merged=merged,
+                    bad=bad,
+                    uids=self.ts.uids,
                 )
             else:
                 wire = to_wire(buf, self.wire_dtype, xp)
@@ -508,6 +523,7 @@ class LookupPlan:
             xp.asarray(seg),
             xp.asarray(offsets),
             None if used.all() else used,
+            uids=self.ts.uids,
         )
 
     def _weight_grads(self, gptr, grads):
