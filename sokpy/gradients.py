@@ -76,7 +76,12 @@ class GradChunk:
         skip): ``(caller index, rows, offsets, keys, bad)``, skipping unused ones and rows < 0
         (``bad`` as the chunk's, or None)."""
         xp = runtime.xp()
-        t = self.group % self.ntables
+        # One rank's chunk and an optimizer's merged chunk number their groups by table alone;
+        # a check for that (a SIMD max) is much cheaper than an int64 remainder per entry.
+        if int(self.group.max(initial=0)) < self.ntables:
+            t = self.group
+        else:
+            t = self.group % self.ntables
         mine = xp.asarray(index)[t]
         keep = (mine >= 0) & (self.rows >= 0)
         if self.used is not None and not self.used.all():

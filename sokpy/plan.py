@@ -439,7 +439,7 @@ class LookupPlan:
             if self.dedup is None:
                 self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
                 self.peer_of = xp.zeros(self.dedup.nuniq, np.int64)
-                udim = xp.asarray(self.dims)[self.dedup.group % ntab]
+                udim = xp.asarray(self.dims)[self.dedup.group]  # one rank: a key's group is its table
                 self.urow = _exclusive(udim, xp)[:-1] + ntab
                 self.recv_elems = np.array([ntab + int(udim.sum())], np.int64)
             d = self.dedup
