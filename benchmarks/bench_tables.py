@@ -107,7 +107,7 @@ def plot(rows, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--only", nargs="*", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-fbgemm", action="store_true")
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
-    plot(rows, png)
+    if rows:
+        plot(rows, png)
     print(f"\n{'workload':<10} {'tables':>6} {'sokpy':>8} {'fbgemm':>8} {'torch':>8} {'fb/sok':>7} {'overhead':>9}")
     for r in rows:
         print(
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
             f"per added table: sokpy's overhead +{pt['overhead_us_per_table']:.2f} us, "
             f"its whole step +{pt['step_us_per_table']:.2f} us"
         )
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out}" + (f" and {png}" if rows else ""))
     return 0
 
 

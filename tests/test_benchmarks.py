@@ -54,6 +54,23 @@ def test_storage_benchmark_runs(tmp_path):
     assert report["checkpoint"]["bytes"] == 2 * 2000 * 8 * 2 * 4  # values + Adagrad sums
 
 
+def test_per_table_cost_is_measured(tmp_path):
+    """bench_tables.py --per-table runs the tiny step at 4 and 500 tables and reports the
+    growth per table (and every run's correctness check passes)."""
+    out = tmp_path / "tables.json"
+    bench = str(ROOT / "benchmarks" / "bench_tables.py")
+    run([bench, "--only", "--per-table", "--steps", "2", "--skip-fbgemm", "--out", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    pt = report["per_table"]
+    assert [r["tables"] for r in pt["rows"]] == [4, 500]
+    assert (
+        pt["overhead_us_per_table"]
+        == 1e3 * (pt["rows"][1]["sokpy_overhead_ms"] - pt["rows"][0]["sokpy_overhead_ms"]) / 496
+    )
+    for name in ("tiny4", "tiny500"):
+        assert json.loads((tmp_path / f"tables_{name}.json").read_text())["correctness"]["passed"]
+
+
 def test_gpu_benchmark_script_runs_on_the_host_backend(tmp_path):
     """bench_gpu.py is for GPU nodes; run on the host backend at 2 ranks it exercises the
     same script (data, steps, the slowest-rank reduction, the report)."""
