@@ -214,7 +214,8 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) {
                 if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
             }
-            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE), dim);
+            const i64 out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+            if (out_stride >= SOKPY_FAR_STRIDE) sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * out_stride, dim);
         }
         // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
         // first row initialises the output instead of a pass of zeros before it: on the host a
