@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 from contextlib import ExitStack
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -73,7 +72,17 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-_UID = attrgetter("uid")
+def _uid_or_none(t) -> int:
+    """A table's uid; -1 for something that is not a table (a caller's mistake that the call
+    must still report on every rank, not crash on)."""
+    return getattr(t, "uid", -1)
+
+
+def _name(t) -> str:
+    name = getattr(t, "name", None)
+    return name if isinstance(name, str) else f"<a {type(t).__name__}>"
+
+
 # The fingerprints of recent calls by (op, detail, table uids): a training loop makes the same
 # few calls again and again, and hashing the text of hundreds of tables each time would cost
 # more than the rest of the header.
@@ -96,8 +105,9 @@ class Call:
     ``detail`` is text every rank must pass alike; ``label`` ties a backward exchange to
     its forward call, and ``label_text`` (text, or a function returning it, built only for a
     message) names that call; ``grad_mode`` must agree too; ``uids``, the tables' uids when
-    the caller has them at hand, saves a pass over hundreds of tables. Use as a context manager around the
-    whole call, so that a watchdog (when one is active) knows which call a rank waits in.
+    the caller has them at hand, saves a pass over hundreds of tables. Use as a context
+    manager around the whole call, so that a watchdog (when one is active) knows which call a
+    rank waits in.
     """
 
     def __init__(
@@ -125,11 +135,11 @@ class Call:
             return f"backward of {label}"
         text = self.op
         if self.tables:
-            text += " tables=[" + ", ".join(t.name for t in self.tables) + "]"
+            text += " tables=[" + ", ".join(map(_name, self.tables)) + "]"
         return text
 
     def _fingerprint(self) -> int:
-        key = (self.op, self.detail, self.uids if self.uids is not None else tuple(map(_UID, self.tables)))
+        key = (self.op, self.detail, self.uids if self.uids is not None else tuple(map(_uid_or_none, self.tables)))
         fp = _fingerprints.get(key)
         if fp is None:
             if len(_fingerprints) >= 1024:

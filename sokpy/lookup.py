@@ -122,8 +122,8 @@ def lookup(
         batch, codes, error = None, None, input_error
     grad_mode = torch.is_grad_enabled()
     plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode, wire_dtype)
-    if not grad_mode:
-        return plan.forward()
+    if not grad_mode or error is not None:
+        return plan.forward()  # with an error: raises it on every rank (the others in the node below)
     weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
     return list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in params[:1]), *weights))
 

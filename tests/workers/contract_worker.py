@@ -374,6 +374,18 @@ def check_every_error():
         ("float key", lookup(swap(2, [[7.5], []])), sokpy.InputError, ["'ea_d'", "must hold ints"]),
         ("combiner", lookup(combiners=["sum", "max" if bad else "sum", "sum"]), sokpy.InputError, ["'max'"]),
         ("sp_ids count", lookup(good_ids[:2] if bad else good_ids), sokpy.InputError, ["sp_ids has 2 entries"]),
+        (
+            "not a table, first",
+            lambda: sokpy.lookup_sparse([torch.zeros(20, 4), lo, dy] if bad else tables, good_ids),
+            sokpy.CollectiveMismatchError,
+            ["params must be sokpy Variables", "<a Tensor>"],
+        ),
+        (
+            "not a table, later",
+            lambda: sokpy.lookup_sparse([st, lo, torch.zeros(20, 4)] if bad else tables, good_ids),
+            sokpy.CollectiveMismatchError,
+            ["params must be sokpy Variables"],
+        ),
         ("wire_dtype", lookup(wire_dtype="bfloat16" if bad else "float32"), sokpy.CollectiveMismatchError, []),
         ("insert", lookup(insert=not bad), sokpy.CollectiveMismatchError, []),
         ("grad_reduction", lookup(grad_reduction="mean" if bad else "sum"), sokpy.CollectiveMismatchError, []),
