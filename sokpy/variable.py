@@ -263,6 +263,8 @@ def assign(var: _Table, keys, values) -> None:
     comm = runtime.comm()
     error = None
     try:
+        if not isinstance(var, _Table):
+            raise TypeError(f"assign needs a sokpy Variable or DynamicVariable, got a {type(var).__name__}")
         keys = handoff.from_torch(keys, np.int64).reshape(-1)
         values = handoff.from_torch(values, np.float32)
         if values.ndim != 2 or values.shape != (keys.size, var.dim):
@@ -271,7 +273,7 @@ def assign(var: _Table, keys, values) -> None:
         if not bool(np.isfinite(values).all()):
             raise ValueError("values must be finite")
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
-        error = f"table {var.name!r}: {e}"
+        error = f"table {var.name!r}: {e}" if isinstance(var, _Table) else f"{type(e).__name__}: {e}"
     if error is None:
         order = np.argsort(owner, kind="stable")
         counts = np.bincount(owner, minlength=comm.size).astype(np.int64)

@@ -403,6 +403,12 @@ def check_every_error():
             ["key 30"],
         ),
         (
+            "assign not a table",
+            lambda: sokpy.assign(torch.zeros(20, 4) if bad else st, torch.tensor([3]), torch.ones(1, 4)),
+            sokpy.CollectiveMismatchError,
+            ["assign needs a sokpy Variable", "<a Tensor>"],
+        ),
+        (
             "assign shape",
             lambda: sokpy.assign(lo, torch.tensor([3]), torch.ones(1, 4 if bad else 3)),
             sokpy.InputError,
