@@ -54,15 +54,18 @@ class GradChunk:
     ``merged``: no (table, row) appears twice and every row is the whole gradient of its row
     (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
     entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
-    tables' uids (int64, as ``table.uid``) when the caller has them."""
+    tables' uids (int64, as ``table.uid``) when the caller has them. ``by_table``: every
+    group is a table index (one rank's chunk, an optimizer's merged chunk)."""
 
-    def __init__(self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None, uids=None):
+    def __init__(
+        self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None, uids=None, by_table=False
+    ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
         self.uids = np.fromiter(map(_UID, tables), np.int64, self.ntables) if uids is None else uids
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
-        self.merged, self.bad = merged, bad
+        self.merged, self.bad, self.by_table = merged, bad, by_table
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every
@@ -76,12 +79,7 @@ class GradChunk:
         skip): ``(caller index, rows, offsets, keys, bad)``, skipping unused ones and rows < 0
         (``bad`` as the chunk's, or None)."""
         xp = runtime.xp()
-        # One rank's chunk and an optimizer's merged chunk number their groups by table alone;
-        # a check for that (a SIMD max) is much cheaper than an int64 remainder per entry.
-        if int(self.group.max(initial=0)) < self.ntables:
-            t = self.group
-        else:
-            t = self.group % self.ntables
+        t = self.group if self.by_table else self.group % self.ntables  # (an int64 remainder is slow)
         mine = xp.asarray(index)[t]
         keep = (mine >= 0) & (self.rows >= 0)
         if self.used is not None and not self.used.all():

@@ -210,7 +210,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         used_flags = None if used.all() else used[None, :]
-        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, used_flags, merged=True, uids=ts.uids)
+        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, used_flags, merged=True, uids=ts.uids, by_table=True)
         for v in tables:
             if v._grad_refs:
                 v._grad_refs = [chunk]

@@ -470,6 +470,7 @@ class LookupPlan:
                     self.urow,
                     used_flags,
                     merged=merged,
+                    by_table=True,  # one rank: a key's group is its table
                     bad=bad,
                     uids=self.ts.uids,
                 )
