@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -39,9 +38,6 @@ class SparseGrad(NamedTuple):
     values: torch.Tensor
 
 
-_UID = attrgetter("uid")
-
-
 class GradChunk:
     """Gradient rows of several tables in one flat float32 ``buffer``.
 
@@ -54,15 +50,15 @@ class GradChunk:
     ``merged``: no (table, row) appears twice and every row is the whole gradient of its row
     (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
     entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
-    tables' uids (int64, as ``table.uid``) when the caller has them. ``by_table``: every
+    tables' uids (int64, as ``table.uid``; the caller's TableSet has them). ``by_table``: every
     group is a table index (one rank's chunk, an optimizer's merged chunk)."""
 
     def __init__(
-        self, tables, buffer, keys, rows, group, offsets, used=None, merged=False, bad=None, uids=None, by_table=False
+        self, tables, buffer, keys, rows, group, offsets, used=None, *, uids, merged=False, bad=None, by_table=False
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
-        self.uids = np.fromiter(map(_UID, tables), np.int64, self.ntables) if uids is None else uids
+        self.uids = uids
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
         self.merged, self.bad, self.by_table = merged, bad, by_table

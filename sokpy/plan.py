@@ -73,7 +73,7 @@ class TableSet:
     ``[T, SOKPY_PTR_FIELDS]``) of a list of tables, cached by their identities and refreshed
     when a storage buffer was replaced."""
 
-    def __init__(self, tables):
+    def __init__(self, tables, key: tuple):
         c = _c()
         ntab = len(tables)
         self.tabs = np.zeros((ntab, c["SOKPY_TAB_FIELDS"]), np.int64)
@@ -81,7 +81,7 @@ class TableSet:
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
         self.distinct = len({id(t) for t in tables}) == ntab  # no table passed twice
-        self.key = tuple(map(_UID, tables))
+        self.key = key  # the tables' uids
         self.uids = np.array(self.key, np.int64)
         world = runtime.world_size()
         local = np.zeros(ntab, np.int64)
@@ -111,7 +111,7 @@ def table_set(tables) -> TableSet:
     key = tuple(map(_UID, tables))
     ts = _table_sets.get(key)
     if ts is None:
-        ts = _table_sets[key] = TableSet(tables)
+        ts = _table_sets[key] = TableSet(tables, key)
         if len(_table_sets) > 256:
             _table_sets.popitem(last=False)
     else:
