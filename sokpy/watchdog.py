@@ -5,7 +5,8 @@
 * **Uncaught exceptions.** A ``sys.excepthook`` prints the traceback under a line naming
   the rank and host, then calls ``MPI_Abort`` on the world, so every launcher (plain
   ``mpirun``, ``sokrun``, ``horovodrun --mpi``) ends the whole job at once with a non-zero
-  code, instead of leaving the other ranks waiting in a collective forever. Set
+  code, instead of leaving the other ranks waiting in a collective forever. The abort comes
+  ``ABORT_GRACE_S`` (1 s) after the report, so that the launcher forwards the report first. Set
   ``SOKPY_ABORT_ON_ERROR=0`` to keep Python's own behaviour. One-rank jobs are not aborted
   (Python's exit is enough there).
 * **Collective timeout.** Every collective call of sokpy (``sokpy.collective.Call``) is
@@ -37,6 +38,7 @@ __all__ = ["install", "call", "timeout", "DEFAULT_TIMEOUT_S", "TIMEOUT_EXIT_CODE
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_EXIT_CODE = 3
+ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
 
 _lock = threading.Lock()
 # (call, start) of the calls this rank is in, outermost first; a call is its description or a
@@ -50,6 +52,11 @@ _installed_hook = None
 def _abort(code: int) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
+    # MPI_Abort makes the launcher kill every rank at once, and MPICH's Hydra (under mpiexec
+    # and horovodrun) may act on it before it has forwarded what this rank just wrote, so the
+    # report and traceback are lost (seen about once in 25 jobs). A short pause lets the
+    # launcher's output forwarding run first.
+    time.sleep(ABORT_GRACE_S)
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
