@@ -31,34 +31,12 @@ Example::
 from __future__ import annotations
 
 import itertools
-import mmap
 
 import numpy as np
 
 from . import kernels, runtime
 
 __all__ = ["Storage", "StaticStorage", "HashStorage", "InitSpec", "epoch", "init_rows", "finish_inserts"]
-
-HUGE_PAGE = 2 << 20  # the transparent huge page size on x86-64
-
-
-def _empty(shape, dtype):
-    """``xp.empty`` for the large arrays of a table. On the host, an array of a huge page or
-    more gets its own anonymous private mapping, starting on a huge-page boundary and advised
-    into transparent huge pages (``MADV_HUGEPAGE``; Linux gives them where
-    ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``always`` or ``madvise``). Lookups
-    and optimizer updates touch rows at random; in 4 KB pages nearly every row access of a
-    large table also misses the TLB, which costs as much as the row itself. W1 on one thread
-    (4 tables of 1M rows, dim 64): 22 -> 17 ms a step."""
-    xp = runtime.xp()
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if xp is not np or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return xp.empty(shape, dtype)
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    skip = -np.frombuffer(buf, np.uint8, count=1).ctypes.data % HUGE_PAGE  # untouched, so never backed
-    return np.frombuffer(buf, dtype, count=int(np.prod(shape)), offset=skip).reshape(shape)
-
 
 _epoch = itertools.count(1)
 _current_epoch = 0
@@ -131,12 +109,13 @@ class Storage:
     def add_slots(self, names, initial) -> None:
         """Widens every row by one ``dim`` block per slot name, filled with its initial value
         (rows created later start there too). One copy of the shard."""
+        xp = runtime.xp()
         names, initial = list(names), [float(v) for v in initial]
         if not names:
             return
         old = self.data
         cols = self.dim * (1 + len(self.slot_names) + len(names))
-        data = _empty((old.shape[0], cols), np.float32)
+        data = xp.empty((old.shape[0], cols), np.float32)
         data[:, : old.shape[1]] = old
         for k, value in enumerate(initial, start=1 + len(self.slot_names)):
             data[:, k * self.dim : (k + 1) * self.dim] = value
@@ -190,7 +169,7 @@ class StaticStorage(Storage):
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_STATIC_AT"] if localized else c["SOKPY_KIND_STATIC"]
         self.key_stride, self.key_base = int(key_stride), int(key_base)
-        self.data = _empty((int(local_rows), self.dim), np.float32)
+        self.data = runtime.xp().empty((int(local_rows), self.dim), np.float32)
         init_rows([(self, 0, self.size)])
 
     @property
@@ -225,17 +204,17 @@ class HashStorage(Storage):
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
         rows = max(16, int(capacity))
-        self.data = _empty((rows, self.dim), np.float32)
-        self.row_keys = _empty(rows, np.int64)
+        self.data = xp.empty((rows, self.dim), np.float32)
+        self.row_keys = xp.empty(rows, np.int64)
         self.counter = xp.zeros(1, np.int64)  # rows in use, advanced by the insert kernel
         self._size = 0
         self._new_index(_pow2(int(rows / self.MAX_LOAD)))
         self.growths = 0  # index and row-store growths (for benchmarks)
 
     def _new_index(self, slots: int) -> None:
-        self.index_keys = _empty(slots, np.int64)
-        self.index_rows = _empty(slots, np.int64)
-        self.index_rows[...] = kernels.constants()["SOKPY_SLOT_EMPTY"]
+        xp = runtime.xp()
+        self.index_keys = xp.empty(slots, np.int64)
+        self.index_rows = xp.full(slots, kernels.constants()["SOKPY_SLOT_EMPTY"], np.int64)
 
     @property
     def size(self) -> int:
@@ -276,9 +255,10 @@ class HashStorage(Storage):
         _bump()
 
     def _grow_rows(self, rows: int) -> None:
-        data = _empty((rows, self.width), np.float32)
+        xp = runtime.xp()
+        data = xp.empty((rows, self.width), np.float32)
         data[: self._size] = self.data[: self._size]
-        row_keys = _empty(rows, np.int64)
+        row_keys = xp.empty(rows, np.int64)
         row_keys[: self._size] = self.row_keys[: self._size]
         self.data, self.row_keys = data, row_keys
         self.growths += 1
