@@ -190,14 +190,26 @@ extern "C" __global__ void widen_bfloat16(const unsigned short* src, i64 n, floa
 extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, const i64* offsets,
                                            const float* weights, const i64* bag_start, int ntables, const i64* tabs,
                                            i64 nbags, float* out, float* den, i64* bag_of) {
-    int t = -1;
+    // The table's fields are read when a thread's run of bags enters a table (bags of one
+    // table are contiguous and a thread's bags increase), not once per bag.
+    int t = -1, dim = 0, combiner = SOKPY_SUM;
+    i64 tab_first = 0, tab_end = -1, stride = 1, out_stride = 0;
+    const float* w = 0;
+    const float* rows = 0;
+    float* out_t = out;
     SOKPY_FOR_ROWS(b, nbags) {
-        t = sokpy_segment_near(bag_start, ntables, b, t);
-        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-        const int combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
-        const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-        const float* rows = (const float*)src[t];
-        const i64 stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+        if (b >= tab_end) {
+            t = sokpy_segment_near(bag_start, ntables, b, t);
+            tab_first = bag_start[t];
+            tab_end = bag_start[t + 1];
+            dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
+            w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+            rows = (const float*)src[t];
+            stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+            out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+            out_t = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START);
+        }
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
         if (combiner != SOKPY_SUM) {
@@ -209,12 +221,11 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
         const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows and output of a bag a few bags ahead (same table)
-        float* __restrict__ o = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
-        if (ahead < bag_start[t + 1]) {
+        float* __restrict__ o = out_t + (b - tab_first) * out_stride;
+        if (ahead < tab_end) {
             for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) {
                 if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
             }
-            const i64 out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
             if (out_stride >= SOKPY_FAR_STRIDE) sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * out_stride, dim);
         }
         // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
@@ -225,11 +236,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             if (val_off[j] < 0) continue;
             const float wj = w ? w[j] : 1.0f;
             const float* __restrict__ r = rows + val_off[j] * stride;
-            if (empty) {
-                SOKPY_FOR_COLS(d, dim) o[d] = 0.0f + wj * r[d];
-            } else {
-                SOKPY_FOR_COLS(d, dim) o[d] += wj * r[d];
-            }
+            sokpy_row_axpy(o, r, wj, dim, empty);
             empty = false;
         }
         if (empty) {
@@ -260,16 +267,26 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
                                        const float* weights, const i64* perm, const i64* seg, const i64* group,
                                        int ntables, const i64* tabs, i64 nuniq, float* dst, const i64* dst_off,
                                        float scale, int* bad) {
+    // The table's fields are read when the group changes (unique keys come group by group),
+    // not once per key.
+    i64 cur = -1, stride = 0, first_bag = 0;
+    int dim = 0, sum = 0;
+    const float* w = 0;
+    const float* g = 0;
     SOKPY_FOR_ROWS(u, nuniq) {
-        const int t = (int)(group[u] % ntables);
-        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-        const i64 stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
-        const float* w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-        const float* g = (const float*)grad[t];
+        if (group[u] != cur) {
+            cur = group[u];
+            const int t = (int)(cur % ntables);
+            dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+            w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+            g = (const float*)grad[t];
+            first_bag = bag_start[t];
+            sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;  // den is 1: not read
+        }
         float* __restrict__ o = dst + dst_off[u];
         SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         if (!g) continue;
-        const i64 first_bag = bag_start[t];
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
             // Look ahead over the next keys' positions too (most keys have one or two): the bag
             // of a position twice the distance ahead, the gradient row of one the distance
@@ -279,12 +296,12 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
             if (ka < seg[nuniq]) sokpy_prefetch_row(g + (bag_of[perm[ka]] - first_bag) * stride, dim);
             const i64 j = perm[k];
             const i64 b = bag_of[j];
-            const float dn = den[b];
+            const float dn = sum ? 1.0f : den[b];
             if (dn == 0.0f) continue;
             const float wj = w ? w[j] : 1.0f;
             const float* __restrict__ s = g + (b - first_bag) * stride;
             if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
-                SOKPY_FOR_COLS(d, dim) o[d] += s[d] * wj;
+                sokpy_row_axpy(o, s, wj, dim, false);
             } else {
                 SOKPY_FOR_COLS(d, dim) o[d] += (s[d] / dn) * wj;
             }

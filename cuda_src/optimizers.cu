@@ -38,42 +38,57 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
 }
 
 // The row of unique u: its values and first slot, and a prefetch of the row a few ahead.
+// The table's fields are read when the table changes (rows come table by table), not once
+// per row: SOKPY_UPDATE_TABLE declares them before the row loop.
+#define SOKPY_UPDATE_TABLE \
+    i64 t = -1, width = 0; \
+    int dim = 0;           \
+    float* data = 0;       \
+    const float* h = 0;
 #define SOKPY_UPDATE_ROW(u)                                                                      \
-    const i64 t = otab[u];                                                                       \
-    const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);                                      \
-    const i64 width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);                                       \
-    float* w = (float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA) + rows[u] * width;                     \
+    if (otab[u] != t) {                                                                          \
+        t = otab[u];                                                                             \
+        dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);                                            \
+        width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);                                             \
+        data = (float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);                                       \
+        h = hyper + t * SOKPY_HYPER_FIELDS;                                                      \
+    }                                                                                            \
+    float* w = data + rows[u] * width;                                                           \
     const float* g = grad + goff[u];                                                             \
-    const float* h = hyper + t * SOKPY_HYPER_FIELDS;                                             \
-    if (u + SOKPY_PREFETCH_UPDATES < n) {                                                        \
-        const i64 ta = otab[u + SOKPY_PREFETCH_UPDATES];                                         \
-        const i64 wa = SOKPY_TAB(tabs, ta, SOKPY_TAB_WIDTH);                                     \
-        sokpy_prefetch_row((const float*)SOKPY_PTR(ptrs, ta, SOKPY_PTR_DATA) + rows[u + SOKPY_PREFETCH_UPDATES] * wa, \
-                           (int)wa);                                                             \
+    if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == t) {               \
+        sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
     }
 
 // hyper: lr.   w -= lr * g
+template <int DIM>
+__device__ __forceinline__ void sgd_row(float* __restrict__ w, const float* __restrict__ g, float lr, int dim) {
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) w[d] -= lr * g[d];
+}
 extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
                                       const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        const float lr = h[0];
-        SOKPY_FOR_COLS(d, dim) w[d] -= lr * g[d];
+        SOKPY_WITH_DIM(sgd_row, dim, w, g, h[0], dim)
     }
 }
 
 // hyper: lr, eps.   acc += g*g; w -= lr * g / (sqrt(acc) + eps)
+template <int DIM>
+__device__ __forceinline__ void adagrad_row(float* __restrict__ w, float* __restrict__ a, const float* __restrict__ g,
+                                            float lr, float eps, int dim) {
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
+        const float acc = a[d] + g[d] * g[d];
+        a[d] = acc;
+        w[d] -= lr * g[d] / (sqrtf(acc) + eps);
+    }
+}
 extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
                                           const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        const float lr = h[0], eps = h[1];
-        float* a = w + dim;
-        SOKPY_FOR_COLS(d, dim) {
-            const float acc = a[d] + g[d] * g[d];
-            a[d] = acc;
-            w[d] -= lr * g[d] / (sqrtf(acc) + eps);
-        }
+        SOKPY_WITH_DIM(adagrad_row, dim, w, w + dim, g, h[0], h[1], dim)
     }
 }
 
@@ -81,46 +96,54 @@ extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, cons
 // already includes Keras's beta / (2 lr)).  hyper: lr, lr_power, l1, l2, l2_shrinkage.
 //   g2 = g + 2 l2_shrinkage w;  n_new = n + g^2;  z += g2 - (n_new^p - n^p) / lr * w;  n = n_new
 //   w = |z| <= l1 ? 0 : (sign(z) l1 - z) / (n_new^p / lr + 2 l2)
+template <int DIM>
+__device__ __forceinline__ void ftrl_row(float* __restrict__ w, float* __restrict__ acc, float* __restrict__ z,
+                                         const float* __restrict__ g, const float* h, int dim) {
+    const float lr = h[0], p = -h[1], l1 = h[2], l2 = h[3], l2_shrinkage = h[4];
+    const int use_sqrt = (p == 0.5f);
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
+        const float gd = g[d];
+        const float g2 = gd + 2.0f * l2_shrinkage * w[d];
+        const float n_old = acc[d];
+        const float n_new = n_old + gd * gd;
+        const float pow_new = use_sqrt ? sqrtf(n_new) : powf(n_new, p);
+        const float pow_old = use_sqrt ? sqrtf(n_old) : powf(n_old, p);
+        const float zd = z[d] + (g2 - (pow_new - pow_old) / lr * w[d]);
+        z[d] = zd;
+        acc[d] = n_new;
+        const float clipped = zd < -l1 ? -l1 : (zd > l1 ? l1 : zd);
+        w[d] = (clipped - zd) / (pow_new / lr + 2.0f * l2);
+    }
+}
 extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
                                        const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        const float lr = h[0], p = -h[1], l1 = h[2], l2 = h[3], l2_shrinkage = h[4];
-        const int use_sqrt = (p == 0.5f);
-        float* acc = w + dim;
-        float* z = w + 2 * (i64)dim;
-        SOKPY_FOR_COLS(d, dim) {
-            const float gd = g[d];
-            const float g2 = gd + 2.0f * l2_shrinkage * w[d];
-            const float n_old = acc[d];
-            const float n_new = n_old + gd * gd;
-            const float pow_new = use_sqrt ? sqrtf(n_new) : powf(n_new, p);
-            const float pow_old = use_sqrt ? sqrtf(n_old) : powf(n_old, p);
-            const float zd = z[d] + (g2 - (pow_new - pow_old) / lr * w[d]);
-            z[d] = zd;
-            acc[d] = n_new;
-            const float clipped = zd < -l1 ? -l1 : (zd > l1 ? l1 : zd);
-            w[d] = (clipped - zd) / (pow_new / lr + 2.0f * l2);
-        }
+        SOKPY_WITH_DIM(ftrl_row, dim, w, w + dim, w + 2 * (i64)dim, g, h, dim)
     }
 }
 
 // Lazy Adam (torch.optim.SparseAdam semantics), slots exp_avg m then exp_avg_sq v.
 // hyper: step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) with t the table's own step count, b1, b2, eps.
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  w -= step_size * m / (sqrt(v) + eps)
+template <int DIM>
+__device__ __forceinline__ void adam_row(float* __restrict__ w, float* __restrict__ m, float* __restrict__ v,
+                                         const float* __restrict__ g, const float* h, int dim) {
+    const float step_size = h[0], beta1 = h[1], beta2 = h[2], eps = h[3];
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
+        const float md = beta1 * m[d] + (1.0f - beta1) * g[d];
+        const float vd = beta2 * v[d] + (1.0f - beta2) * g[d] * g[d];
+        m[d] = md;
+        v[d] = vd;
+        w[d] -= step_size * md / (sqrtf(vd) + eps);
+    }
+}
 extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
                                        const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        const float step_size = h[0], beta1 = h[1], beta2 = h[2], eps = h[3];
-        float* m = w + dim;
-        float* v = w + 2 * (i64)dim;
-        SOKPY_FOR_COLS(d, dim) {
-            const float md = beta1 * m[d] + (1.0f - beta1) * g[d];
-            const float vd = beta2 * v[d] + (1.0f - beta2) * g[d] * g[d];
-            m[d] = md;
-            v[d] = vd;
-            w[d] -= step_size * md / (sqrtf(vd) + eps);
-        }
+        SOKPY_WITH_DIM(adam_row, dim, w, w + dim, w + 2 * (i64)dim, g, h, dim)
     }
 }

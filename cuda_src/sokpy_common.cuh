@@ -26,6 +26,37 @@ __device__ __forceinline__ i64 sokpy_first_row(i64 n, int next) {
 #endif
 #define SOKPY_FOR_COLS(d, dim) for (int d = threadIdx.x; d < (dim); d += blockDim.x)
 
+// Row loops with a compile-time trip count. SOKPY_WITH_DIM(fn, dim, args...) calls
+// fn<dim>(args...) for the common embedding sizes (16, 32, 64, 128) and fn<0>(args...)
+// otherwise; fn is a template over DIM whose loops run over SOKPY_DIM(DIM, dim) columns. A
+// known count lets the host compiler emit straight vector code, without the runtime alias
+// check and remainder loop it adds for an unknown one (t500's combine_forward: 35 -> 30 ms).
+// A row function takes its rows as restrict-qualified parameters: the same loop in a lambda
+// lost that and ran scalar, twice as slow.
+#define SOKPY_DIM(DIM, dim) ((DIM) > 0 ? (DIM) : (dim))
+#define SOKPY_WITH_DIM(fn, dim, ...)                   \
+    switch (dim) {                                     \
+        case 16: fn<16>(__VA_ARGS__); break;           \
+        case 32: fn<32>(__VA_ARGS__); break;           \
+        case 64: fn<64>(__VA_ARGS__); break;           \
+        case 128: fn<128>(__VA_ARGS__); break;         \
+        default: fn<0>(__VA_ARGS__); break;            \
+    }
+
+// o = 0 + w * r (first) or o += w * r: pooling (combine_forward) and its transpose.
+template <int DIM>
+__device__ __forceinline__ void sokpy_row_axpy_n(float* __restrict__ o, const float* __restrict__ r, float w, int dim,
+                                                 bool first) {
+    if (first) {
+        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * r[d];
+    } else {
+        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * r[d];
+    }
+}
+__device__ __forceinline__ void sokpy_row_axpy(float* o, const float* r, float w, int dim, bool first) {
+    SOKPY_WITH_DIM(sokpy_row_axpy_n, dim, o, r, w, dim, first)
+}
+
 // Combiner codes, as sokpy/lookup.py passes them.
 #define SOKPY_SUM 0
 #define SOKPY_MEAN 1
