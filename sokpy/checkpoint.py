@@ -205,7 +205,7 @@ def _optimizer_spec(optimizer, variables) -> dict:
         g = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
         g["tables"] = [names.get(id(optimizer._var_of[id(h)]), None) for h in group["params"]]
         groups.append(g)
-    steps = {v.name: int(dict.__getitem__(optimizer.state[v.handle], "step")) for _, v in optimizer.variables()}
+    steps = {v.name: optimizer.state[v.handle]["step"] for _, v in optimizer.variables()}
     return {"type": type(optimizer).__name__, "slots": list(optimizer.slots), "param_groups": groups, "steps": steps}
 
 
@@ -425,7 +425,7 @@ def load(path, variables, optimizer=None):
         for saved_group, group in zip(o["param_groups"], optimizer.param_groups):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved_group.items() if k != "tables"})
         for _, var in optimizer.variables():
-            dict.__setitem__(optimizer.state[var.handle], "step", int(o["steps"][var.name]))
+            optimizer.state[var.handle]["step"] = int(o["steps"][var.name])
     return m.get("extra")
 
 
@@ -525,7 +525,7 @@ def gather_state(variables) -> list:
                 values=np.ascontiguousarray(rr[:, :d]),
                 slots={n: np.ascontiguousarray(rr[:, (k + 1) * d : (k + 2) * d]) for k, n in enumerate(s.slot_names)},
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
-                step=None if var.optimizer is None else int(dict.__getitem__(var.optimizer.state[var.handle], "step")),
+                step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
             )
             out.append(entry)
     return out
@@ -636,6 +636,6 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
         var.zero_grad()
         _, step, kind = next(h[t] for h in everyone if h[t] is not None)
         if var.optimizer is not None and step is not None and kind == type(var.optimizer).__name__:
-            dict.__setitem__(var.optimizer.state[var.handle], "step", int(step))
+            var.optimizer.state[var.handle]["step"] = int(step)
     _bump()
     return skipped

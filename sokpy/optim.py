@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -40,29 +41,63 @@ from .variable import _Table
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
 
 
-class _TableState(dict):
-    """``opt.state[var.handle]``: ``"step"`` (the table's step count) and each slot as a live
-    view ``[local rows, dim]`` of the table's storage (a dynamic table's storage moves when it
-    grows, so a view is made at each access)."""
+_GRAD_REFS = attrgetter("_grad_refs")
 
-    def __init__(self, var: _Table):
-        super().__init__(step=0)
+
+class _StepCounts:
+    """The step counts of an optimizer's tables, one int64 each: a step adds one to the tables
+    it updates with one array operation, whatever their number."""
+
+    def __init__(self):
+        self.values = np.zeros(0, np.int64)
+
+    def add(self) -> int:
+        """A new table's place (its count starts at 0)."""
+        self.values = np.append(self.values, np.int64(0))
+        return int(self.values.shape[0]) - 1
+
+
+class _TableState(dict):
+    """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
+    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` of the table's
+    storage (a dynamic table's storage moves when it grows, so a view is made at each access)."""
+
+    def __init__(self, var: _Table, counts: _StepCounts):
+        super().__init__()
         self.var = var
+        self.counts, self.index = counts, counts.add()
 
     def __getitem__(self, name):
+        if name == "step":
+            return int(self.counts.values[self.index])
         if name in self.var.storage.slot_names:
             return handoff.to_torch(self.var.storage.data)[: self.var.storage.size][:, self._cols(name)]
         return super().__getitem__(name)
+
+    def __setitem__(self, name, value):
+        if name == "step":
+            self.counts.values[self.index] = int(value)
+        else:
+            super().__setitem__(name, value)
 
     def _cols(self, name):
         k = 1 + self.var.storage.slot_names.index(name)
         return slice(k * self.var.dim, (k + 1) * self.var.dim)
 
     def __contains__(self, name):
-        return name in self.var.storage.slot_names or super().__contains__(name)
+        return name == "step" or name in self.var.storage.slot_names or super().__contains__(name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
 
     def keys(self):
-        return ["step", *self.var.storage.slot_names]
+        return ["step", *self.var.storage.slot_names, *super().keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self.keys())
 
     def items(self):
         return [(k, self[k]) for k in self.keys()]
@@ -78,6 +113,7 @@ class _Layout(NamedTuple):
     states: list
     uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
     sorted_uids: np.ndarray  # int64 [T]
+    counts: np.ndarray  # int64 [T]: each table's place in the step counts
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -95,6 +131,7 @@ class SparseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, check_finite: bool = True):
         self._var_of: dict[int, _Table] = {}
         self._layout_cache: _Layout | None = None
+        self._steps = _StepCounts()
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
@@ -130,7 +167,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             v.storage.add_slots(list(self.slots), [float(init(group)) for init in self.slots.values()])
             v.optimizer = self
             self._var_of[id(v.handle)] = v
-            self.state[v.handle] = _TableState(v)
+            self.state[v.handle] = _TableState(v, self._steps)
 
     def variables(self):
         """``(param_group, table)`` for every table this optimizer updates."""
@@ -150,9 +187,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                 group_index.append(gi)
         uids = np.array([v.uid for v in tables], np.int64)
         order = np.argsort(uids, kind="stable")
-        self._layout_cache = _Layout(
-            key, tables, np.array(group_index, np.int64), [self.state[v.handle] for v in tables], order, uids[order]
-        )
+        states = [self.state[v.handle] for v in tables]
+        counts = np.array([st.index for st in states], np.int64)
+        self._layout_cache = _Layout(key, tables, np.array(group_index, np.int64), states, order, uids[order], counts)
         return self._layout_cache
 
     # ---- the step --------------------------------------------------------------------------
@@ -191,15 +228,12 @@ class SparseOptimizer(torch.optim.Optimizer):
         ts = table_set(tables)
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error)
-        get, put = dict.__getitem__, dict.__setitem__
-        for i in np.flatnonzero(used).tolist():
-            st = layout.states[i]
-            put(st, "step", get(st, "step") + 1)
+        self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
         if merged is None:
             return loss
         otab, rows, goff, keys, buffer, _ = merged
         n = int(otab.shape[0])
-        steps = np.fromiter((get(st, "step") for st in layout.states), np.int64, len(tables))
+        steps = self._steps.values[layout.counts]
         hyper = self._hyper(layout.group_index, steps)
         kernels.launch(
             self.kernel,
@@ -211,9 +245,10 @@ class SparseOptimizer(torch.optim.Optimizer):
         # without zero_grad applies it again, as torch does).
         used_flags = None if used.all() else used[None, :]
         chunk = GradChunk(tables, buffer, keys, rows, otab, goff, used_flags, merged=True, uids=ts.uids, by_table=True)
+        held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:
             if v._grad_refs:
-                v._grad_refs = [chunk]
+                v._grad_refs = held
         return loss
 
     def _entries(self, layout: _Layout, used: np.ndarray):
@@ -222,7 +257,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         Sets ``used[i]`` for the tables whose outputs received a gradient on some rank."""
         xp = runtime.xp()
         ntab = len(layout.tables)
-        refs = [v._grad_refs for v in layout.tables]
+        refs = list(map(_GRAD_REFS, layout.tables))
         flat = list(chain.from_iterable(refs))
         if not flat:
             return None
@@ -311,7 +346,7 @@ class SparseOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
         for var in self._layout().tables:
-            var.zero_grad()
+            var._grad_refs = ()  # what var.zero_grad() does, without a call per table
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -327,7 +362,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         for _, var in self.variables():
             st = self.state[var.handle]
             keys, _ = _export_keys(var)
-            entry = {"step": dict.__getitem__(st, "step"), "keys": keys, "table": var.name}
+            entry = {"step": st["step"], "keys": keys, "table": var.name}
             for name in var.storage.slot_names:
                 entry[name] = st[name].clone()
             state[index[id(var.handle)]] = entry
@@ -363,7 +398,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             if entry is None:
                 continue
             st = self.state[h]
-            dict.__setitem__(st, "step", int(entry.get("step", 0)))
+            st["step"] = int(entry.get("step", 0))
             keys = handoff.from_torch(entry["keys"], np.int64)
             if keys.size:
                 rows = rows_of(var, keys, insert=True)

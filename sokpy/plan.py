@@ -479,7 +479,7 @@ class LookupPlan:
                 grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
                 chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, xp))
         for t in self.tables:
-            t._grad_refs.append(chunk)
+            t._grad_refs += (chunk,)
         weight_grads = self._weight_grads(gptr, grads)
         del keep  # the contiguous gradient copies gptr points to: only now may they go
         return weight_grads

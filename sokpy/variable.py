@@ -89,9 +89,8 @@ class _Table:
         # A leaf tensor that ties lookups into autograd and stands for this table in an
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
-        self._grad_refs: list = []  # GradChunks holding this table's gradients
+        self._grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
         self.optimizer = None  # the optimizer that trains this table, once it joins one
-        self.nonfinite_grad = None
 
     # ---- placement (host-side rules, for routing in assign/load) -------------------------------
     def describe(self) -> str:
@@ -110,8 +109,7 @@ class _Table:
         return table_grad(self)
 
     def zero_grad(self) -> None:
-        self._grad_refs = []
-        self.nonfinite_grad = None
+        self._grad_refs = ()
 
     def __repr__(self) -> str:
         return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"

@@ -124,6 +124,23 @@ def test_adam_groups_and_step_counts_match_torch(sokpy_host):
 # ---- torch.optim conventions --------------------------------------------------------------------
 
 
+def test_state_reads_and_writes_the_step_count_like_a_dict(sokpy_host):
+    """``opt.state[handle]`` behaves as torch's per-parameter dict: ``"step"`` and the slots are
+    its keys, and a written step count is the one the next step continues from (the counts
+    of all tables live in one array, so a step counts them with one operation)."""
+    sokpy = sokpy_host
+    a, b = (sokpy.Variable(10, 2, name=f"state_dict_like_{i}") for i in range(2))
+    opt = sokpy.optim.Adagrad([a, b], lr=0.1)
+    st = opt.state[a.handle]
+    assert list(st) == ["step", "sum"] and len(st) == 2 and "step" in st and "sum" in st
+    assert st.get("step") == 0 and st.get("missing", 7) == 7
+    st["step"] = 41
+    sokpy.lookup_sparse(a, [[1, 2]], combiners="sum").sum().backward()
+    opt.step()
+    assert opt.state[a.handle]["step"] == 42 and opt.state[b.handle]["step"] == 0  # b got no gradient
+    assert dict(st.items())["step"] == 42 and tuple(dict(st.items())["sum"].shape) == (10, 2)
+
+
 def test_param_group_added_after_a_step_is_trained(sokpy_host):
     """The optimizer's per-step bookkeeping is cached per param-group layout; a group added
     later (or a removed one) must show in the next step."""
