@@ -107,22 +107,30 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // dynamic table does not hold, looked up without insert) gives a zero row.
 extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_start, const i64* seg_elem, int nseg,
                                        int ntables, const i64* tabs, const u64* ptrs, float* dst) {
-    int s = -1;
+    // The segment's fields are read when a thread's walk over keys enters a segment.
+    int s = -1, dim = 0;
+    i64 seg_first = 0, seg_end = -1, width = 0;
+    const float* data = 0;
+    float* seg_dst = dst;
     SOKPY_FOR_ROWS(i, n) {
-        s = sokpy_segment_near(seg_start, nseg, i, s);
-        const int t = s % ntables;
-        const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-        const i64 width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);
-        const float* data = (const float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);
+        if (i >= seg_end) {
+            s = sokpy_segment_near(seg_start, nseg, i, s);
+            const int t = s % ntables;
+            dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);
+            data = (const float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);
+            seg_first = seg_start[s];
+            seg_end = seg_start[s + 1];
+            seg_dst = dst + seg_elem[s];
+        }
         const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
-        if (ahead < seg_start[s + 1] && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
-        float* o = dst + seg_elem[s] + (i - seg_start[s]) * dim;
+        if (ahead < seg_end && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
+        float* o = seg_dst + (i - seg_first) * dim;
         const i64 r = rows[i];
         if (r < 0) {
             SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         } else {
-            const float* src = data + r * width;
-            SOKPY_FOR_COLS(d, dim) o[d] = src[d];
+            sokpy_row_copy(o, data + r * width, dim);
         }
     }
 }

@@ -27,8 +27,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
         const i64 first = off[perm[seg[u]]];
         float* g = grad + first;
         for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
-            const float* o = grad + off[perm[k]];
-            SOKPY_FOR_COLS(d, dim) g[d] += o[d];
+            sokpy_row_axpy(g, grad + off[perm[k]], 1.0f, dim, false);  // g += 1 * o: exactly g + o
         }
         int ok = 1;
         SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(g[d]);

@@ -57,6 +57,15 @@ __device__ __forceinline__ void sokpy_row_axpy(float* o, const float* r, float w
     SOKPY_WITH_DIM(sokpy_row_axpy_n, dim, o, r, w, dim, first)
 }
 
+// o = r: a row gathered for the exchange.
+template <int DIM>
+__device__ __forceinline__ void sokpy_row_copy_n(float* __restrict__ o, const float* __restrict__ r, int dim) {
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = r[d];
+}
+__device__ __forceinline__ void sokpy_row_copy(float* o, const float* r, int dim) {
+    SOKPY_WITH_DIM(sokpy_row_copy_n, dim, o, r, dim)
+}
+
 // Combiner codes, as sokpy/lookup.py passes them.
 #define SOKPY_SUM 0
 #define SOKPY_MEAN 1
