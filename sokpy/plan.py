@@ -353,8 +353,12 @@ class LookupPlan:
         """One rank: pool straight from the tables (rows by key, no exchange)."""
         xp, c = runtime.xp(), _c()
         b = self.batch
-        incoming = np.diff(b.key_start)
-        self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, incoming)
+        if self.ts.dynamic:
+            incoming = np.diff(b.key_start)
+            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, incoming)
+        else:  # static tables on one rank: key k is stored row k (route_keys checked the range)
+            self._sync_tables()
+            self.rows = self.keys
         self.val_off = self.rows
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = self.tabs[:, c["SOKPY_TAB_WIDTH"]]
         self.d_tabs = xp.asarray(self.tabs)
