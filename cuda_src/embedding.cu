@@ -100,6 +100,41 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
     }
 }
 
+// ---- the requester: unique keys ------------------------------------------------------------
+// The call's packed values after one sort (s, route_keys' layout): pos[k] is the position
+// value k came from, and brk[k] = 1 where a unique key starts: its (group, sort value)
+// differs from the previous value's or, where sort values are not exact (the top bits of a
+// hash), its key does. Two keys that share a hashed sort value and interleave by position
+// give more than one unique entry each (never a merge of two keys).
+extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact, i64* pos,
+                                            unsigned char* brk) {
+    const i64 mask = ((i64)1 << pos_bits) - 1;
+    SOKPY_FOR_KEYS(k, n) {
+        const i64 p = s[k] & mask;
+        pos[k] = p;
+        int b = 1;
+        if (k > 0) {
+            b = (s[k] >> pos_bits) != (s[k - 1] >> pos_bits);
+            if (!b && !exact) b = keys[p] != keys[s[k - 1] & mask];
+        }
+        brk[k] = (unsigned char)b;
+    }
+}
+
+// Unique key u starts at sorted index starts[u]: the position of its first use, its key and
+// its group (owner * ntables + table).
+extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64 nuniq, const i64* keys, int pos_bits,
+                                            int sv_bits, i64* first, i64* ukeys, i64* group) {
+    const i64 mask = ((i64)1 << pos_bits) - 1;
+    SOKPY_FOR_KEYS(u, nuniq) {
+        const i64 v = s[starts[u]];
+        const i64 p = v & mask;
+        first[u] = p;
+        ukeys[u] = keys[p];
+        group[u] = v >> (pos_bits + sv_bits);
+    }
+}
+
 // ---- the owner: rows out -------------------------------------------------------------------
 // The requested keys arrive peer by peer, table by table: segment s = peer * ntables + t holds
 // keys [seg_start[s], seg_start[s+1]), and their rows go to dst from element seg_elem[s] on,

@@ -97,6 +97,7 @@ _SCALARS = {
     "int": (ctypes.c_int, np.int32),
     "unsigned int": (ctypes.c_uint, np.uint32),
     "unsigned short": (ctypes.c_ushort, np.uint16),
+    "unsigned char": (ctypes.c_ubyte, np.uint8),
     "long long": (ctypes.c_longlong, np.int64),
     "i64": (ctypes.c_longlong, np.int64),
     "unsigned long long": (ctypes.c_ulonglong, np.uint64),

@@ -257,3 +257,36 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     ref_opt.step()
     touched = [1, 3, 5]  # torch's dense optimizers also move no row without gradient under Adagrad
     torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact):
+    """The deduplication behind every lookup, against a reference that walks the sorted values
+    one by one. Not exact: sort values of one bit, so that different keys share them (as the
+    hashed sort values of a dynamic table can). Exact: the sort value is the key's own row, and
+    runs split by value alone."""
+    from sokpy.plan import _Dedup
+
+    rng = np.random.default_rng(5)
+    n, pos_bits, sv_bits = 200, 8, 3 if exact else 1
+    index = rng.integers(0, 6, n)  # few distinct keys, many repeats
+    keys = index.astype(np.int64) * 1_000_003
+    group = rng.integers(0, 3, n)
+    sv = index if exact else rng.integers(0, 2, 6)[index]
+    packed = (group << (sv_bits + pos_bits)) | (sv << pos_bits) | np.arange(n)
+    d = _Dedup(packed.astype(np.int64), keys, pos_bits, sv_bits, exact)
+
+    order = np.sort(packed)
+    runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
+    for v in order.tolist():
+        p, head = v & (2**pos_bits - 1), v >> pos_bits
+        if runs and runs[-1][0] == head and (exact or keys[runs[-1][1]] == keys[p]):
+            runs[-1][3].append(p)
+        else:
+            runs.append((head, p, keys[p], [p]))
+    assert d.nuniq == len(runs)
+    assert d.group.tolist() == [r[0] >> sv_bits for r in runs]
+    assert d.first.tolist() == [r[1] for r in runs] and d.ukeys.tolist() == [r[2] for r in runs]
+    assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(d.nuniq)] == [r[3] for r in runs]
+    for u in range(d.nuniq):  # no unique entry mixes two keys
+        assert (keys[d.pos[d.seg[u] : d.seg[u + 1]]] == d.ukeys[u]).all()
