@@ -16,8 +16,8 @@ Forward (``LookupPlan.forward``):
    and ``gather_rows`` into one buffer;
 4. one all-to-all of rows back; ``combine_forward`` pools every bag of every table.
 
-On one rank there is nothing to exchange: ``find_rows`` runs on the keys and the pooling
-reads the tables' own rows. Backward is the transpose: ``segment_sum`` (one gradient row per
+On one rank there is nothing to exchange: ``find_rows`` runs on the keys of dynamic tables
+(a static table's key is its stored row there) and the pooling reads the tables' own rows. Backward is the transpose: ``segment_sum`` (one gradient row per
 unique key, in a fixed order, no float atomics), the same exchange in reverse, and the
 owners keep the buffer as a :class:`~sokpy.gradients.GradChunk`.
 
