@@ -437,12 +437,17 @@ class LookupPlan:
             uids=self.ts.key,
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
-            if self.dedup is None:
-                self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
-                self.peer_of = xp.zeros(self.dedup.nuniq, np.int64)
-                udim = xp.asarray(self.dims)[self.dedup.group]  # one rank: a key's group is its table
-                self.urow = _exclusive(udim, xp)[:-1] + ntab
-                self.recv_elems = np.array([ntab + int(udim.sum())], np.int64)
+            if self.dedup is None:  # one rank: a key's group is its table
+                d = self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
+                if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at ntab + u * dim
+                    dim = int(self.dims[0])
+                    self.urow = xp.arange(ntab, ntab + d.nuniq * dim, dim, dtype=np.int64)
+                    total = d.nuniq * dim
+                else:
+                    udim = xp.asarray(self.dims)[d.group]
+                    self.urow = _exclusive(udim, xp)[:-1] + ntab
+                    total = int(udim.sum())
+                self.recv_elems = np.array([ntab + total], np.int64)
             d = self.dedup
             buf = xp.empty(int(self.recv_elems.sum()), np.float32)
             starts = _exclusive(self.recv_elems)[:-1]
@@ -458,7 +463,7 @@ class LookupPlan:
             if self.world == 1:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None
                 used_flags = None if used.all() else used[None, :]
-                rows = self.rows[d.first]
+                rows = d.ukeys if self.rows is self.keys else self.rows[d.first]  # static: row = key
                 # A table passed twice (two features sharing it) has rows under both of its
                 # table slots: they are summed at the step, like gradients from other ranks.
                 merged = self.ts.distinct
