@@ -51,17 +51,31 @@ class GradChunk:
     (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
     entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
     tables' uids (int64, as ``table.uid``; the caller's TableSet has them). ``by_table``: every
-    group is a table index (one rank's chunk, an optimizer's merged chunk)."""
+    group is a table index (one rank's chunk, an optimizer's merged chunk). ``rows_found``:
+    no row is -1 (static tables, or rows kept by a step), so :meth:`entries` need not look."""
 
     def __init__(
-        self, tables, buffer, keys, rows, group, offsets, used=None, *, uids, merged=False, bad=None, by_table=False
+        self,
+        tables,
+        buffer,
+        keys,
+        rows,
+        group,
+        offsets,
+        used=None,
+        *,
+        uids,
+        merged=False,
+        bad=None,
+        by_table=False,
+        rows_found=False,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
         self.uids = uids
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
-        self.merged, self.bad, self.by_table = merged, bad, by_table
+        self.merged, self.bad, self.by_table, self.rows_found = merged, bad, by_table, rows_found
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every
@@ -75,6 +89,10 @@ class GradChunk:
         skip): ``(caller index, rows, offsets, keys, bad)``, skipping unused ones and rows < 0
         (``bad`` as the chunk's, or None)."""
         xp = runtime.xp()
+        index = np.asarray(index)
+        every_entry = self.rows_found and (self.used is None or bool(self.used.all()))
+        if every_entry and self.by_table and (index == np.arange(self.ntables)).all():
+            return self.group, self.rows, self.offsets, self.keys, self.bad  # all of them, as they are
         t = self.group if self.by_table else self.group % self.ntables  # (an int64 remainder is slow)
         mine = xp.asarray(index)[t]
         keep = (mine >= 0) & (self.rows >= 0)

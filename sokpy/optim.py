@@ -244,7 +244,19 @@ class SparseOptimizer(torch.optim.Optimizer):
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         used_flags = None if used.all() else used[None, :]
-        chunk = GradChunk(tables, buffer, keys, rows, otab, goff, used_flags, merged=True, uids=ts.uids, by_table=True)
+        chunk = GradChunk(
+            tables,
+            buffer,
+            keys,
+            rows,
+            otab,
+            goff,
+            used_flags,
+            merged=True,
+            uids=ts.uids,
+            by_table=True,
+            rows_found=True,
+        )
         held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:
             if v._grad_refs:
@@ -281,7 +293,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
             otab, rows, offsets, keys, bad = chunk.entries(imap)
-            parts.append((otab, rows, offsets + base, keys, bad))
+            parts.append((otab, rows, offsets + base if base else offsets, keys, bad))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
         if len(parts) == 1:

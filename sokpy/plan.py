@@ -479,6 +479,7 @@ class LookupPlan:
                     by_table=True,  # one rank: a key's group is its table
                     bad=bad,
                     uids=self.ts.uids,
+                    rows_found=self.rows is self.keys,  # static tables: every key has its row
                 )
             else:
                 wire = to_wire(buf, self.wire_dtype, xp)
