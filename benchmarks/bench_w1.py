@@ -47,11 +47,14 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 
 class Jagged:
     """One batch of every table in one buffer, with the accessors of TorchRec's
-    KeyedJaggedTensor that sokpy reads: the input layout FBGEMM's TBE also takes."""
+    KeyedJaggedTensor that sokpy reads: the input layout FBGEMM's TBE also takes. Its offsets
+    are computed once, as a KeyedJaggedTensor caches them and as FBGEMM's contestant is given
+    them, so neither step pays for turning lengths into offsets."""
 
     def __init__(self, per_table_keys, wl):
         self._values = torch.from_numpy(np.concatenate(per_table_keys))
         self._lengths = torch.full((wl.tables * wl.batch,), wl.hotness, dtype=torch.int64)
+        self._offsets = torch.arange(0, wl.tables * wl.batch * wl.hotness + 1, wl.hotness, dtype=torch.int64)
         self._keys = [f"t{t}" for t in range(wl.tables)]
         self._stride = wl.batch
 
@@ -65,7 +68,7 @@ class Jagged:
         return self._lengths
 
     def offsets(self):
-        return None
+        return self._offsets
 
     def stride(self):
         return self._stride
@@ -76,6 +79,7 @@ class Jagged:
     def to(self, device):
         """This batch with its tensors on ``device``."""
         self._values, self._lengths = self._values.to(device), self._lengths.to(device)
+        self._offsets = self._offsets.to(device)
         return self
 
 
