@@ -177,9 +177,7 @@ extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float
     SOKPY_FOR_ROWS(i, n) {
         const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
         if (ahead < n) sokpy_prefetch_row(src + (src_off ? src_off[ahead] : ahead * dim), dim);
-        const float* s = src + (src_off ? src_off[i] : i * dim);
-        float* t = dst + (dst_off ? dst_off[i] : i * dim);
-        SOKPY_FOR_COLS(d, dim) t[d] = s[d];
+        sokpy_row_copy(dst + (dst_off ? dst_off[i] : i * dim), src + (src_off ? src_off[i] : i * dim), dim);
     }
 }
 

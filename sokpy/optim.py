@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -39,9 +38,6 @@ from .plan import rows_of, table_set
 from .variable import _Table
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
-
-
-_GRAD_REFS = attrgetter("_grad_refs")
 
 
 class _StepCounts:
@@ -269,7 +265,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         Sets ``used[i]`` for the tables whose outputs received a gradient on some rank."""
         xp = runtime.xp()
         ntab = len(layout.tables)
-        refs = list(map(_GRAD_REFS, layout.tables))
+        refs = [v._grad_refs for v in layout.tables]
         flat = list(chain.from_iterable(refs))
         if not flat:
             return None
@@ -358,7 +354,7 @@ class SparseOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
         for var in self._layout().tables:
-            var._grad_refs = ()  # what var.zero_grad() does, without a call per table
+            var.zero_grad()
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

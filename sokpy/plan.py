@@ -17,9 +17,10 @@ Forward (``LookupPlan.forward``):
 4. one all-to-all of rows back; ``combine_forward`` pools every bag of every table.
 
 On one rank there is nothing to exchange: ``find_rows`` runs on the keys of dynamic tables
-(a static table's key is its stored row there) and the pooling reads the tables' own rows. Backward is the transpose: ``segment_sum`` (one gradient row per
-unique key, in a fixed order, no float atomics), the same exchange in reverse, and the
-owners keep the buffer as a :class:`~sokpy.gradients.GradChunk`.
+(a static table's key is its stored row there) and the pooling reads the tables' own rows.
+Backward is the transpose: ``segment_sum`` (one gradient row per unique key, in a fixed
+order, no float atomics), the same exchange in reverse, and the owners keep the buffer as a
+:class:`~sokpy.gradients.GradChunk`.
 
 Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
 (the per-table key counts in the key message; in the backward, whether each table's output
@@ -463,7 +464,8 @@ class LookupPlan:
             if self.world == 1:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None
                 used_flags = None if used.all() else used[None, :]
-                rows = d.ukeys if self.rows is self.keys else self.rows[d.first]  # static: row = key
+                rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
+                rows = d.ukeys if rows_are_keys else self.rows[d.first]
                 # A table passed twice (two features sharing it) has rows under both of its
                 # table slots: they are summed at the step, like gradients from other ranks.
                 merged = self.ts.distinct
@@ -479,7 +481,7 @@ class LookupPlan:
                     by_table=True,  # one rank: a key's group is its table
                     bad=bad,
                     uids=self.ts.uids,
-                    rows_found=self.rows is self.keys,  # static tables: every key has its row
+                    rows_found=rows_are_keys,  # every key has its row
                 )
             else:
                 wire = to_wire(buf, self.wire_dtype, xp)
