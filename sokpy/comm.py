@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from . import hostpool
 from .timing import count_traffic, timed
 
 __all__ = ["Communicator", "MpiComm", "max_count"]
@@ -129,7 +130,7 @@ class MpiComm(Communicator):
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
         row = int(np.prod(send.shape[1:], dtype=np.int64))
-        recv = np.empty((int(recv_counts.sum()),) + send.shape[1:], dtype=send.dtype)
+        recv = hostpool.empty((int(recv_counts.sum()),) + send.shape[1:], send.dtype)  # reused, not faulted in
         if self.size == 1:
             recv[...] = send
             return recv, recv_counts

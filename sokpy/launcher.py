@@ -82,11 +82,14 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 # glibc serves a block above its mmap threshold (128 KiB, rising to at most 32 MiB) with a
-# fresh mapping and unmaps it when freed, so a rank that allocates a step's buffers of tens of
-# megabytes (sorted keys, pooled outputs, gradient rows) pays a page fault per 4 KiB page every
-# step. Below 1 GiB these now come from the heap and stay there. Measured on t500 (500 tables,
-# 1M bags a step, one rank): lookup forward 125 -> 81 ms, backward 121 -> 88 ms. The cost is
-# that a rank's resident memory stays at its peak instead of shrinking between steps.
+# fresh mapping and unmaps it when freed, so a rank that allocates buffers of tens of
+# megabytes every step pays a page fault per 4 KiB page every step. sokpy's own per-call
+# arrays (sorted keys, pooled outputs, gradient rows) come from its host pool
+# (sokpy/hostpool.py) and are reused with or without this setting; the setting does the same
+# for the rest of the rank: the model's torch temporaries and numpy's intermediate results.
+# Below 1 GiB these come from the heap and stay there. Measured on t500 (500 tables, 1M bags a
+# step, one rank) before the pool: lookup forward 125 -> 81 ms, backward 121 -> 88 ms. The
+# cost is that a rank's resident memory stays at its peak instead of shrinking between steps.
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 
 # Variables through which a scheduler hands its node list to mpirun.

@@ -321,14 +321,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         else:  # too many bits for one sort value: sort by (table, row) keeping arrival order
             perm = xp.lexsort((xp.arange(n), rows, otab))
             key = otab[perm] * (int(rows.max(initial=0)) + 1) + rows[perm]
-        brk = xp.empty(n, bool)
+        brk = runtime.scratch(n, bool)
         if n:
             brk[0] = True
             xp.not_equal(key[1:], key[:-1], out=brk[1:])
         starts = xp.flatnonzero(brk)
         nuniq = int(starts.shape[0])
         seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
-        goff = xp.empty(nuniq, np.int64)
+        goff = runtime.scratch(nuniq, np.int64)
         bad = xp.zeros(max(nuniq, 1), np.int32)
         kernels.launch(
             "merge_grads",

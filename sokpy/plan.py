@@ -125,7 +125,7 @@ def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bi
     """``(packed, first bad position or n)`` of route_keys."""
     xp = runtime.xp()
     n = int(keys.shape[0])
-    packed = xp.empty(n, np.int64)
+    packed = runtime.scratch(n, np.int64)
     bad = xp.full(1, n, np.int64)
     kernels.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
     return packed, int(bad[0])
@@ -147,23 +147,25 @@ class _Dedup:
     values: unique key u has positions ``pos[seg[u]:seg[u+1]]`` (increasing), key ``ukeys[u]``
     and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
     too, so a shared hash value never merges two keys (at worst a key appears twice). Besides
-    the sort, two kernel passes (``mark_unique_keys``, ``unique_key_heads``) and one compaction."""
+    the sort, two kernel passes (``mark_unique_keys``, ``unique_key_heads``) and one compaction.
+    ``packed`` is sorted in place (it is not needed after this)."""
 
     def __init__(self, packed, keys, pos_bits: int, sv_bits: int, exact: bool):
         xp = runtime.xp()
         # The values are unique, so any sort gives the same: numpy's default (a SIMD sort on
         # x86) is 4-8x faster here than its stable one (timsort), even on table-major runs.
-        s = xp.sort(packed)
+        packed.sort()
+        s = packed
         n = int(s.shape[0])
-        self.pos = xp.empty(n, np.int64)
-        brk = xp.empty(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
+        self.pos = runtime.scratch(n, np.int64)
+        brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
         kernels.launch("mark_unique_keys", n, 1, (s, n, keys, pos_bits, int(exact), self.pos, brk))
         starts = xp.flatnonzero(brk.view(bool))
         self.nuniq = nuniq = int(starts.shape[0])
         self.seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
-        self.first = xp.empty(nuniq, np.int64)  # position of each unique key's first use
-        self.ukeys = xp.empty(nuniq, np.int64)
-        self.group = xp.empty(nuniq, np.int64)
+        self.first = runtime.scratch(nuniq, np.int64)  # position of each unique key's first use
+        self.ukeys = runtime.scratch(nuniq, np.int64)
+        self.group = runtime.scratch(nuniq, np.int64)
         args = (s, starts, nuniq, keys, pos_bits, sv_bits, self.first, self.ukeys, self.group)
         kernels.launch("unique_key_heads", nuniq, 1, args)
 
@@ -198,7 +200,7 @@ class LookupPlan:
     def forward(self) -> list[torch.Tensor]:
         """Runs the call (collective); returns the outputs: one tensor per table, or one
         ``[B, sum(dims)]`` tensor when ``keyed``."""
-        comm, xp = runtime.comm(), runtime.xp()
+        comm = runtime.comm()
         world, ntab = comm.size, self.ntables
         self.world = world
         error = self.error
@@ -221,9 +223,9 @@ class LookupPlan:
                 self._exchange_rows(agreement.recv_counts)
         b = self.batch
         nbags = int(b.offsets.shape[0]) - 1
-        self.out = xp.empty(self.out_size, np.float32)
-        self.den = xp.empty(max(nbags, 1), np.float32)
-        self.bag_of = xp.empty(max(int(b.keys.shape[0]), 1), np.int64) if self.grad_mode else None
+        self.out = runtime.scratch(self.out_size, np.float32)
+        self.den = runtime.scratch(max(nbags, 1), np.float32)
+        self.bag_of = runtime.scratch(max(int(b.keys.shape[0]), 1), np.int64) if self.grad_mode else None
         kernels.launch(
             "combine_forward",
             nbags,
@@ -303,6 +305,7 @@ class LookupPlan:
         if world == 1:
             return np.zeros(1, np.int64), 0
         d = self.dedup = _Dedup(packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
+        self.packed = None
         group = handoff.to_host(d.group)
         per = np.bincount(group, minlength=world * ntab).reshape(world, ntab)
         self.counts = per
@@ -319,14 +322,13 @@ class LookupPlan:
     def _find_rows(self, keys, seg_start, nseg: int, incoming: np.ndarray):
         """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
         tables first and initialising the rows an insert creates."""
-        xp = runtime.xp()
         ts = self.ts
         if ts.dynamic and self.insert:
             for i in ts.dynamic:
                 self.tables[i].storage.reserve(int(incoming[i]))
         self._sync_tables()
         n = int(keys.shape[0])
-        rows = xp.empty(n, np.int64)
+        rows = runtime.scratch(n, np.int64)
         kernels.launch(
             "find_rows",
             n,
@@ -370,7 +372,7 @@ class LookupPlan:
         # Keys out: per peer, its per-table counts, then its unique keys table after table.
         msg = ntab + self.counts.sum(axis=1)
         blk = _exclusive(msg)[:-1]
-        send = xp.empty(int(msg.sum()), np.int64)
+        send = runtime.scratch(int(msg.sum()), np.int64)
         send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(self.counts.reshape(-1))
         send[xp.arange(d.nuniq, dtype=np.int64) + ntab * (self.peer_of + 1)] = d.ukeys
         recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
@@ -391,7 +393,7 @@ class LookupPlan:
         within = np.cumsum(elems, axis=1) - elems
         self.seg_elem = (pstart[:, None] + ntab + within).reshape(-1)
         self.send_elems = peer_len
-        rows_out = xp.empty(int(peer_len.sum()), np.float32)
+        rows_out = runtime.scratch(int(peer_len.sum()), np.float32)
         rows_out[xp.asarray((pstart[:, None] + np.arange(ntab)).reshape(-1))] = 0.0
         nkeys = int(self.okeys.shape[0])
         kernels.launch(
@@ -414,7 +416,7 @@ class LookupPlan:
         rows_in = from_wire(wire, self.wire_dtype, xp)
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
-        self.val_off = xp.empty(max(n, 1), np.int64)
+        self.val_off = runtime.scratch(max(n, 1), np.int64)
         kernels.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, self.urow, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
         self.d_tabs = xp.asarray(self.tabs)
@@ -440,6 +442,7 @@ class LookupPlan:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
             if self.dedup is None:  # one rank: a key's group is its table
                 d = self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.exact)
+                self.packed = None
                 if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at ntab + u * dim
                     dim = int(self.dims[0])
                     self.urow = xp.arange(ntab, ntab + d.nuniq * dim, dim, dtype=np.int64)
@@ -450,7 +453,7 @@ class LookupPlan:
                     total = int(udim.sum())
                 self.recv_elems = np.array([ntab + total], np.int64)
             d = self.dedup
-            buf = xp.empty(int(self.recv_elems.sum()), np.float32)
+            buf = runtime.scratch(int(self.recv_elems.sum()), np.float32)
             starts = _exclusive(self.recv_elems)[:-1]
             flags = np.broadcast_to(used, (self.world, ntab)).astype(np.float32)
             buf[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(flags.reshape(-1))
@@ -542,7 +545,7 @@ class LookupPlan:
             return [None] * len(b.weight_grads)
         xp, c = runtime.xp(), _c()
         n = int(b.keys.shape[0])
-        dw = xp.empty(max(n, 1), np.float32)
+        dw = runtime.scratch(max(n, 1), np.float32)
         src = self.src
         if self.world == 1:  # the tables' own rows: take their addresses now (a table may have grown)
             self._sync_tables()

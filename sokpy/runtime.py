@@ -256,3 +256,14 @@ def xp():
     import numpy
 
     return numpy
+
+
+def scratch(shape, dtype):
+    """An uninitialised array for one call's work, from the backend's memory pool: CuPy's on
+    the device, ``hostpool``'s on the host (so that a step's large arrays are not page-faulted
+    in anew every step). Not for tables: their memory is sized exactly."""
+    if backend() == "host" and not _state.emulated:
+        from . import hostpool
+
+        return hostpool.empty(shape, dtype)
+    return xp().empty(shape, dtype)

@@ -1,0 +1,106 @@
+"""Reused host buffers for a call's arrays: the host backend's counterpart of CuPy's memory pool.
+
+A step allocates the same large arrays every time (the pooled output, the sort and dedup
+arrays, the gradient rows): tens of megabytes with many tables. glibc's malloc serves
+blocks that large with a fresh ``mmap`` and returns them to the kernel when they are freed,
+so every step page-faults them in anew (zeroing each page), which cost a 500-table step more
+than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does on a GPU:
+
+* ``empty(shape, dtype)`` returns an uninitialised numpy array on a block from the pool (a
+  new block when none of its size class is free). Arrays under ``MIN_BYTES`` come from numpy
+  as usual: malloc reuses small blocks without faults.
+* The block goes back to the pool when nothing refers to its memory any more: the array
+  hands out a ctypes view of the block as its buffer, and every numpy view, slice or torch
+  tensor made from it (``torch.from_numpy``) keeps that view alive, so the block is reused
+  exactly when malloc would have been free to reuse the memory.
+* Sizes are rounded up to one of eight classes per doubling (at most 12.5% more).
+* At most ``SOKPY_HOST_POOL_MB`` megabytes (default 1024) are kept idle; a block returned
+  beyond that is freed. ``SOKPY_HOST_POOL_MB=0`` turns the pool off. ``release()`` frees the
+  idle blocks now.
+
+Only per-call work arrays come from here (``runtime.scratch``); tables and their slots are
+sized exactly and live as long as their table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+
+import numpy as np
+
+MIN_BYTES = 1 << 16
+
+# Re-entrant: a garbage collection inside a locked section may free a lease, whose callback
+# takes the lock again on the same thread.
+_lock = threading.RLock()
+_free: dict[int, list[np.ndarray]] = {}  # size class -> idle blocks, most recently returned last
+_idle_bytes = 0
+_live: dict[int, tuple] = {}  # id(weak reference to a lease) -> (the weak reference, its block)
+
+
+def _limit() -> int:
+    return int(float(os.environ.get("SOKPY_HOST_POOL_MB", "1024")) * (1 << 20))
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of an eighth of the power of two below it."""
+    step = 1 << max((nbytes - 1).bit_length() - 4, 0)
+    return -(-nbytes // step) * step
+
+
+def _give_back(ref) -> None:
+    global _idle_bytes
+    with _lock:
+        _, block = _live.pop(id(ref))
+        if _idle_bytes + block.nbytes <= _limit():
+            _free.setdefault(block.nbytes, []).append(block)
+            _idle_bytes += block.nbytes
+
+
+def empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` on a pooled block.
+
+    >>> import numpy as np
+    >>> from sokpy import hostpool
+    >>> a = hostpool.empty((1000, 64), np.float32)
+    >>> a.shape, a.dtype, a.flags.c_contiguous
+    ((1000, 64), dtype('float32'), True)
+    """
+    global _idle_bytes
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    nbytes = count * dtype.itemsize
+    limit = _limit()
+    if nbytes < MIN_BYTES or limit <= 0:
+        return np.empty(shape, dtype)
+    size = size_class(nbytes)
+    with _lock:
+        idle = _free.get(size)
+        block = idle.pop() if idle else None
+        if block is not None:
+            _idle_bytes -= size
+    if block is None:
+        block = np.empty(size, np.uint8)
+    lease = (ctypes.c_uint8 * size).from_buffer(block)
+    ref = weakref.ref(lease, _give_back)
+    with _lock:
+        _live[id(ref)] = (ref, block)
+    return np.frombuffer(lease, dtype, count).reshape(shape)
+
+
+def release() -> None:
+    """Frees the idle blocks (blocks in use go back to the pool as usual)."""
+    global _idle_bytes
+    with _lock:
+        _free.clear()
+        _idle_bytes = 0
+
+
+def stats() -> dict:
+    """``{"idle_bytes", "idle_blocks", "live_blocks"}``: what the pool holds now."""
+    with _lock:
+        return dict(idle_bytes=_idle_bytes, idle_blocks=sum(map(len, _free.values())), live_blocks=len(_live))
