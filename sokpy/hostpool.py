@@ -14,9 +14,9 @@ than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does
   tensor made from it (``torch.from_numpy``) keeps that view alive, so the block is reused
   exactly when malloc would have been free to reuse the memory.
 * Sizes are rounded up to one of eight classes per doubling (at most 12.5% more).
-* At most ``SOKPY_HOST_POOL_MB`` megabytes (default 1024) are kept idle; a block returned
-  beyond that is freed. ``SOKPY_HOST_POOL_MB=0`` turns the pool off. ``release()`` frees the
-  idle blocks now.
+* At most ``SOKPY_HOST_POOL_MB`` megabytes (default 1024, read at import; ``set_limit`` changes
+  it) are kept idle; a block returned beyond that is freed. 0 turns the pool off.
+  ``release()`` frees the idle blocks now.
 
 Only per-call work arrays come from here (``runtime.scratch``); tables and their slots are
 sized exactly and live as long as their table.
@@ -25,6 +25,7 @@ sized exactly and live as long as their table.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import weakref
@@ -41,8 +42,14 @@ _idle_bytes = 0
 _live: dict[int, tuple] = {}  # id(weak reference to a lease) -> (the weak reference, its block)
 
 
-def _limit() -> int:
-    return int(float(os.environ.get("SOKPY_HOST_POOL_MB", "1024")) * (1 << 20))
+_limit = int(float(os.environ.get("SOKPY_HOST_POOL_MB", "1024")) * (1 << 20))
+
+
+def set_limit(megabytes: float) -> None:
+    """Caps the idle blocks at ``megabytes`` from now on (0: no pooling); frees the idle ones."""
+    global _limit
+    _limit = int(megabytes * (1 << 20))
+    release()
 
 
 def size_class(nbytes: int) -> int:
@@ -55,7 +62,7 @@ def _give_back(ref) -> None:
     global _idle_bytes
     with _lock:
         _, block = _live.pop(id(ref))
-        if _idle_bytes + block.nbytes <= _limit():
+        if _idle_bytes + block.nbytes <= _limit:
             _free.setdefault(block.nbytes, []).append(block)
             _idle_bytes += block.nbytes
 
@@ -71,25 +78,28 @@ def empty(shape, dtype) -> np.ndarray:
     """
     global _idle_bytes
     dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    count = int(np.prod(shape, dtype=np.int64))
+    if isinstance(shape, (int, np.integer)):
+        count = int(shape)
+        shape = None
+    else:
+        shape = tuple(shape)
+        count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    limit = _limit()
-    if nbytes < MIN_BYTES or limit <= 0:
-        return np.empty(shape, dtype)
+    if nbytes < MIN_BYTES or _limit <= 0:
+        return np.empty(count if shape is None else shape, dtype)
     size = size_class(nbytes)
     with _lock:
         idle = _free.get(size)
         block = idle.pop() if idle else None
-        if block is not None:
+        if block is None:
+            block = np.empty(size, np.uint8)
+        else:
             _idle_bytes -= size
-    if block is None:
-        block = np.empty(size, np.uint8)
-    lease = (ctypes.c_uint8 * size).from_buffer(block)
-    ref = weakref.ref(lease, _give_back)
-    with _lock:
+        lease = (ctypes.c_uint8 * size).from_buffer(block)
+        ref = weakref.ref(lease, _give_back)
         _live[id(ref)] = (ref, block)
-    return np.frombuffer(lease, dtype, count).reshape(shape)
+    a = np.frombuffer(lease, dtype, count)
+    return a if shape is None else a.reshape(shape)
 
 
 def release() -> None:

@@ -12,12 +12,11 @@ from sokpy import hostpool
 
 
 @pytest.fixture(autouse=True)
-def _fresh_pool(monkeypatch):
-    monkeypatch.delenv("SOKPY_HOST_POOL_MB", raising=False)
-    hostpool.release()
+def _fresh_pool():
+    hostpool.set_limit(1024)
     yield
     gc.collect()
-    hostpool.release()
+    hostpool.set_limit(1024)
 
 
 def _address(a) -> int:
@@ -62,16 +61,16 @@ def test_a_block_is_reused_only_after_its_last_view_and_tensor_are_gone():
     del b, c, d
 
 
-def test_small_arrays_and_a_zero_limit_bypass_the_pool(monkeypatch):
+def test_small_arrays_and_a_zero_limit_bypass_the_pool():
     small = hostpool.empty(hostpool.MIN_BYTES // 8 - 1, np.int64)
     assert small.base is None  # numpy's own memory
-    monkeypatch.setenv("SOKPY_HOST_POOL_MB", "0")
+    hostpool.set_limit(0)
     big = hostpool.empty(1 << 20, np.int64)
     assert big.base is None and hostpool.stats()["live_blocks"] == 0
 
 
-def test_idle_blocks_stay_under_the_limit_and_release_frees_them(monkeypatch):
-    monkeypatch.setenv("SOKPY_HOST_POOL_MB", "1")  # room for one of the 640 KB blocks, not two
+def test_idle_blocks_stay_under_the_limit_and_release_frees_them():
+    hostpool.set_limit(1)  # room for one of the 640 KB blocks, not two
     a, b = hostpool.empty(80_000, np.int64), hostpool.empty(80_000, np.int64)
     del a, b
     s = hostpool.stats()
@@ -123,3 +122,9 @@ print("kept ok")
 """
     r = run_python(code)
     assert "kept ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_limit_comes_from_the_environment():
+    code = "from sokpy import hostpool; import numpy as np; a = hostpool.empty(1 << 20, np.int64); print('base', a.base is None)"
+    assert "base True" in run_python(code, env={"SOKPY_HOST_POOL_MB": "0"}).stdout
+    assert "base False" in run_python(code).stdout
