@@ -65,6 +65,7 @@ def summarize(name: str, report: dict) -> dict:
         row[f"{c}_forward_ms"] = r["forward_ms"]
     sp = res["sokpy"]["split_ms"]
     row.update(sokpy_kernels_ms=sp["kernels"], sokpy_overhead_ms=sp["overhead"])
+    row.update(loss_ms=sp["loss"], sokpy_own_overhead_ms=sp["own_overhead"])
     if "fbgemm" in res:
         row["fbgemm_over_sokpy"] = res["fbgemm"]["median_ms"] / res["sokpy"]["median_ms"]
     row["torch_over_sokpy"] = res["torch"]["median_ms"] / res["sokpy"]["median_ms"]
@@ -131,12 +132,19 @@ def main(argv=None) -> int:
     png = os.path.splitext(args.out)[0] + ".png"
     if rows:
         plot(rows, png)
-    print(f"\n{'workload':<10} {'tables':>6} {'sokpy':>8} {'fbgemm':>8} {'torch':>8} {'fb/sok':>7} {'overhead':>9}")
+    print(
+        f"\n{'workload':<10} {'tables':>6} {'sokpy':>8} {'fbgemm':>8} {'torch':>8} {'fb/sok':>7} {'overhead':>9} "
+        f"{'loss':>6} {'own':>6}"
+    )
     for r in rows:
         print(
             f"{r['workload']:<10} {r['tables']:>6} {r['sokpy_ms']:>8.2f} {r.get('fbgemm_ms', float('nan')):>8.2f} "
-            f"{r['torch_ms']:>8.2f} {r.get('fbgemm_over_sokpy', float('nan')):>7.2f} {r['sokpy_overhead_ms']:>9.2f}"
+            f"{r['torch_ms']:>8.2f} {r.get('fbgemm_over_sokpy', float('nan')):>7.2f} {r['sokpy_overhead_ms']:>9.2f} "
+            f"{r['loss_ms']:>6.2f} {r['sokpy_own_overhead_ms']:>6.2f}"
         )
+    print(
+        "(overhead: sokpy's step less its kernels; loss: the loss every contestant's step has, timed alone; own: the difference)"
+    )
     if args.per_table:
         pt = report["per_table"]
         for r in pt["rows"]:
