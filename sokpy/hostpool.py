@@ -40,9 +40,7 @@ _lock = threading.RLock()
 _free: dict[int, list[np.ndarray]] = {}  # size class -> idle blocks, most recently returned last
 _idle_bytes = 0
 _live: dict[int, tuple] = {}  # id(weak reference to a lease) -> (the weak reference, its block)
-
-
-_limit = int(float(os.environ.get("SOKPY_HOST_POOL_MB", "1024")) * (1 << 20))
+_limit = int(float(os.environ.get("SOKPY_HOST_POOL_MB", "1024")) * (1 << 20))  # idle bytes kept at most
 
 
 def set_limit(megabytes: float) -> None:
