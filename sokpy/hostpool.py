@@ -7,8 +7,9 @@ so every step page-faults them in anew (zeroing each page), which cost a 500-tab
 than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does on a GPU:
 
 * ``empty(shape, dtype)`` returns an uninitialised numpy array on a block from the pool (a
-  new block when none of its size class is free). Arrays under ``MIN_BYTES`` come from numpy
-  as usual: malloc reuses small blocks without faults.
+  new block when none of its size class is free). Arrays under ``MIN_BYTES`` (64 KiB;
+  ``SOKPY_HOST_POOL_MIN_BYTES``, which the tests set to 0 to pool every array of whole jobs)
+  come from numpy as usual: malloc reuses small blocks without faults.
 * The block goes back to the pool when nothing refers to its memory any more: the array
   hands out a ctypes view of the block as its buffer, and every numpy view, slice or torch
   tensor made from it (``torch.from_numpy``) keeps that view alive, so the block is reused
@@ -32,7 +33,9 @@ import weakref
 
 import numpy as np
 
-MIN_BYTES = 1 << 16
+# Arrays under this many bytes come from numpy. SOKPY_HOST_POOL_MIN_BYTES=0 pools every array,
+# which the tests use to run whole multi-rank jobs with every work array pooled.
+MIN_BYTES = int(os.environ.get("SOKPY_HOST_POOL_MIN_BYTES", str(1 << 16)))
 
 # Re-entrant: a garbage collection inside a locked section may free a lease, whose callback
 # takes the lock again on the same thread.
@@ -83,7 +86,7 @@ def empty(shape, dtype) -> np.ndarray:
         shape = tuple(shape)
         count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    if nbytes < MIN_BYTES or _limit <= 0:
+    if nbytes < MIN_BYTES or _limit <= 0 or nbytes == 0:
         return np.empty(count if shape is None else shape, dtype)
     size = size_class(nbytes)
     with _lock:

@@ -6,7 +6,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from conftest import run_python
+from conftest import run_mpi, run_python
 
 from sokpy import hostpool
 
@@ -128,3 +128,21 @@ def test_the_limit_comes_from_the_environment():
     code = "from sokpy import hostpool; import numpy as np; a = hostpool.empty(1 << 20, np.int64); print('base', a.base is None)"
     assert "base True" in run_python(code, env={"SOKPY_HOST_POOL_MB": "0"}).stdout
     assert "base False" in run_python(code).stdout
+
+
+# Whole jobs with every work array from the pool (SOKPY_HOST_POOL_MIN_BYTES=0), checked by the
+# workers against their own references over several steps: a block handed out while still in
+# use (an exchange buffer, a gradient chunk, a kept output) shows as a wrong value there.
+POOL_ALL = {"SOKPY_HOST_POOL_MIN_BYTES": "0"}
+
+
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_optimizer_jobs_with_every_array_pooled(nranks):
+    out = run_mpi(nranks, "optim_worker.py", "formula", "sgd,adagrad,adam", 50 + nranks, env=POOL_ALL)
+    for kind in ("sgd", "adagrad", "adam"):
+        assert out.count(f"{kind} ok") == nranks
+
+
+def test_lookup_and_dynamic_jobs_with_every_array_pooled():
+    assert run_mpi(2, "lookup_worker.py", "values", 61, env=POOL_ALL).count("values ok") == 2
+    assert run_mpi(2, "dynamic_worker.py", "train", "adagrad", 62, timeout=300, env=POOL_ALL).count("adagrad ok") == 2
