@@ -7,7 +7,7 @@ so every step page-faults them in anew (zeroing each page), which cost a 500-tab
 than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does on a GPU:
 
 * ``empty(shape, dtype)`` returns an uninitialised numpy array on a block from the pool (a
-  new block when none of its size class is free). Arrays under ``MIN_BYTES`` (64 KiB;
+  new block when none of its size class is free). Arrays under ``MIN_BYTES`` (128 KiB;
   ``SOKPY_HOST_POOL_MIN_BYTES``, which the tests set to 0 to pool every array of whole jobs)
   come from numpy as usual: malloc reuses small blocks without faults.
 * The block goes back to the pool when nothing refers to its memory any more: the array
@@ -33,9 +33,10 @@ import weakref
 
 import numpy as np
 
-# Arrays under this many bytes come from numpy. SOKPY_HOST_POOL_MIN_BYTES=0 pools every array,
-# which the tests use to run whole multi-rank jobs with every work array pooled.
-MIN_BYTES = int(os.environ.get("SOKPY_HOST_POOL_MIN_BYTES", str(1 << 16)))
+# Arrays under this many bytes come from numpy: glibc's mmap threshold starts at 128 KiB and
+# only rises, so malloc never maps a smaller block afresh. SOKPY_HOST_POOL_MIN_BYTES=0 pools
+# every array, which the tests use to run whole multi-rank jobs with every work array pooled.
+MIN_BYTES = int(os.environ.get("SOKPY_HOST_POOL_MIN_BYTES", str(1 << 17)))
 
 # Re-entrant: a garbage collection inside a locked section may free a lease, whose callback
 # takes the lock again on the same thread.

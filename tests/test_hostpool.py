@@ -31,11 +31,11 @@ def test_size_classes_round_up_by_at_most_an_eighth(n):
 
 
 def test_arrays_have_the_shape_and_dtype_asked_and_are_writable():
-    a = hostpool.empty((300, 64), np.float32)
-    assert a.shape == (300, 64) and a.dtype == np.float32
+    a = hostpool.empty((1000, 64), np.float32)
+    assert a.shape == (1000, 64) and a.dtype == np.float32
     assert a.flags.c_contiguous and a.flags.writeable
     a[:] = 1.5
-    assert float(a.sum()) == 1.5 * 300 * 64
+    assert float(a.sum()) == 1.5 * 1000 * 64
     b = hostpool.empty(100_000, np.int64)
     assert b.shape == (100_000,) and b.dtype == np.int64
     assert hostpool.stats()["live_blocks"] == 2
