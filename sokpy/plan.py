@@ -412,8 +412,10 @@ class LookupPlan:
                 rows_out,
             ),
         )
-        wire, _ = comm.alltoallv(to_wire(rows_out, self.wire_dtype, xp), peer_len, self.recv_elems, large=self.large)
-        rows_in = from_wire(wire, self.wire_dtype, xp)
+        wire, _ = comm.alltoallv(
+            to_wire(rows_out, self.wire_dtype, runtime.scratch), peer_len, self.recv_elems, large=self.large
+        )
+        rows_in = from_wire(wire, self.wire_dtype, runtime.scratch)
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = runtime.scratch(max(n, 1), np.int64)
@@ -487,9 +489,9 @@ class LookupPlan:
                     rows_found=rows_are_keys,  # every key has its row
                 )
             else:
-                wire = to_wire(buf, self.wire_dtype, xp)
+                wire = to_wire(buf, self.wire_dtype, runtime.scratch)
                 grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
-                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, xp))
+                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, runtime.scratch))
         for t in self.tables:
             t._grad_refs += (chunk,)
         weight_grads = self._weight_grads(gptr, grads)

@@ -39,28 +39,29 @@ def check_wire_dtype(wire_dtype: str) -> str:
     return wire_dtype
 
 
-def to_wire(rows, wire_dtype: str, xp=np):
+def to_wire(rows, wire_dtype: str, empty=np.empty):
     """``rows`` (float32, 1-D, contiguous) in the wire format: itself for float32, else a
     16-bit array (bfloat16 travels as its bits in a float16-typed array: the transports only
-    move bytes)."""
+    move bytes). ``empty(n, dtype)`` makes the bfloat16 array (a call passes
+    ``runtime.scratch``)."""
     if wire_dtype == "float32":
         return rows
     if wire_dtype == "float16":
         with np.errstate(over="ignore"):  # beyond float16's range: infinite, as documented
             return rows.astype(np.float16)
     n = int(rows.shape[0])
-    half = xp.empty(n, np.uint16)
+    half = empty(n, np.uint16)
     kernels.launch("round_to_bfloat16", n, 1, (rows, n, half))
     return half.view(np.float16)
 
 
-def from_wire(wire, wire_dtype: str, xp=np):
-    """The float32 rows of a wire array made by ``to_wire``."""
+def from_wire(wire, wire_dtype: str, empty=np.empty):
+    """The float32 rows of a wire array made by ``to_wire`` (``empty`` as there)."""
     if wire_dtype == "float32":
         return wire
     if wire_dtype == "float16":
         return wire.astype(np.float32)
     n = int(wire.shape[0])
-    rows = xp.empty(n, np.float32)
+    rows = empty(n, np.float32)
     kernels.launch("widen_bfloat16", n, 1, (wire.view(np.uint16), n, rows))
     return rows
