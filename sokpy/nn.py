@@ -40,6 +40,7 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import os
@@ -189,6 +190,12 @@ def init_process_group(backend: str = "gloo") -> None:
     ``GLOO_SOCKET_IFNAME``), 127.0.0.1 when all ranks share a node, else the address rank 0's
     hostname resolves to. Collective; call it after :func:`sokpy.init`.
 
+    The group is destroyed at exit if the program has not done so (``atexit``, while Python
+    can still run): gloo's worker threads may still be finishing a collective's callback (a
+    DDP communication hook's, say), and a thread that wants Python after the interpreter has
+    begun to shut down aborts the whole process (``terminate called without an active
+    exception``).
+
     Example::
 
         sokpy.init()
@@ -208,6 +215,16 @@ def init_process_group(backend: str = "gloo") -> None:
             port = s.getsockname()[1]
     addr, port = comm.bcast((addr, port), root=0)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
+    atexit.unregister(_destroy_process_group)  # once, however often the group is started
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """Joins the default group's threads, unless the program has destroyed it itself."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def concat(out) -> torch.Tensor:

@@ -42,6 +42,12 @@ def test_ddp_leaves_tables_alone_and_averages_dense():
     assert out.count("ddp ok") == 2, out
 
 
+def test_exit_with_a_collective_callback_still_running():
+    # Without the group destroyed at exit, the gloo thread aborted the process (exit 134).
+    out = run_mpi(2, "nn_worker.py", "exit_busy", timeout=120)
+    assert out.count("exit_busy ok") == 2, out
+
+
 # ---- one process -----------------------------------------------------------------------------------
 
 

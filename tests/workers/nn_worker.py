@@ -331,6 +331,21 @@ def ddp():
     print("ddp ok", flush=True)
 
 
+def exit_busy():
+    """Leaves without destroying the group while a gloo thread is still in a collective's
+    Python callback: the callback wants Python again after the main thread has returned."""
+    import time
+
+    sokpy.nn.init_process_group()
+
+    def slow(future):
+        time.sleep(0.3)  # lets go of the GIL; the main thread meanwhile reaches exit
+        return future.value()[0]
+
+    dist.all_reduce(torch.ones(4), async_op=True).get_future().then(slow)
+    print("exit_busy ok", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "compare":
@@ -341,5 +356,7 @@ if __name__ == "__main__":
         resumed(sys.argv[2], int(sys.argv[3]))
     elif mode == "ddp":
         ddp()
+    elif mode == "exit_busy":
+        exit_busy()
     else:
         raise SystemExit(f"unknown mode {mode}")
