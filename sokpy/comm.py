@@ -42,6 +42,17 @@ def _contiguous(arr) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
+def receive_buffer(out, shape: tuple, dtype, empty):
+    """``out`` checked to be a C-contiguous array of ``shape`` and ``dtype``, or a new one."""
+    if out is None:
+        return empty(shape, dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(
+            f"alltoallv: out must be C-contiguous {dtype} of shape {tuple(shape)}, got {out.dtype} {out.shape}"
+        )
+    return out
+
+
 class Communicator:
     """What every backend's communicator provides. Counts are in rows (first axis)."""
 
@@ -54,13 +65,16 @@ class Communicator:
         Host values: the collective header and exchange sizes travel this way."""
         raise NotImplementedError
 
-    def alltoallv(self, send, send_counts, recv_counts=None, large=None):
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         """Sends rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` of ``send`` to rank d.
         Returns ``(recv, recv_counts)``: the rows from every rank, in rank order. When the
         caller already knows ``recv_counts`` it may pass them and save a count exchange.
         ``large`` says whether the transfer must be split below MPI's 32-bit counts; every
         rank must pass the same value (sokpy's collective layer agrees on it in its header).
-        None decides it with an extra small allreduce."""
+        None decides it with an extra small allreduce. ``out``: the array to receive into
+        (``recv`` is then ``out``). ``skip_self``: the block this rank sends itself is not
+        copied, and its place in ``recv`` keeps what it held; for a caller that reads its own
+        block where it wrote it in ``send``."""
         raise NotImplementedError
 
     def allreduce(self, arr, op: str = "sum"):
@@ -119,7 +133,7 @@ class MpiComm(Communicator):
                 self._comm.Alltoall(counts, recv)
         return recv
 
-    def alltoallv(self, send, send_counts, recv_counts=None, large=None):
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         send = np.ascontiguousarray(send)
         send_counts = np.asarray(send_counts, dtype=np.int64)
         if send_counts.shape != (self.size,):
@@ -130,9 +144,10 @@ class MpiComm(Communicator):
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
         row = int(np.prod(send.shape[1:], dtype=np.int64))
-        recv = hostpool.empty((int(recv_counts.sum()),) + send.shape[1:], send.dtype)  # reused, not faulted in
+        recv = receive_buffer(out, (int(recv_counts.sum()),) + send.shape[1:], send.dtype, hostpool.empty)
         if self.size == 1:
-            recv[...] = send
+            if not skip_self:
+                recv[...] = send
             return recv, recv_counts
         sc, rc = send_counts * row, recv_counts * row
         if large is None:  # decided together: every rank must take the same path
@@ -142,12 +157,15 @@ class MpiComm(Communicator):
         count_traffic("alltoall", (int(sc.sum()) - int(sc[self.rank])) * send.dtype.itemsize)
         with timed("exchange"):
             if large:
-                self._alltoallv_split(sbuf, sc, rbuf, rc)
+                self._alltoallv_split(sbuf, sc, rbuf, rc, skip_self)
             else:
                 sd = np.zeros(self.size, np.int64)
                 rd = np.zeros(self.size, np.int64)
                 np.cumsum(sc[:-1], out=sd[1:])
                 np.cumsum(rc[:-1], out=rd[1:])
+                if skip_self:  # the displacements keep the own block's place; nothing moves there
+                    sc, rc = sc.copy(), rc.copy()
+                    sc[self.rank] = rc[self.rank] = 0
                 # An empty buffer still needs a valid address and a datatype.
                 sb = sbuf if sbuf.size else np.empty(1, send.dtype)
                 rb = rbuf if rbuf.size else np.empty(1, send.dtype)
@@ -155,14 +173,15 @@ class MpiComm(Communicator):
                 self._comm.Alltoallv([sb, (sc, sd), dtype], [rb, (rc, rd), dtype])
         return recv, recv_counts
 
-    def _alltoallv_split(self, sbuf, sc, rbuf, rc) -> None:
+    def _alltoallv_split(self, sbuf, sc, rbuf, rc, skip_self: bool) -> None:
         """The all-to-all as point-to-point messages of at most ``max_count()`` elements each,
         so that neither a count nor a displacement needs more than MPI-3.1's 32-bit ``int``.
         Messages between one pair of ranks arrive in the order sent (same source and tag)."""
         sd = np.concatenate([[0], np.cumsum(sc)])
         rd = np.concatenate([[0], np.cumsum(rc)])
         me = self.rank
-        rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
+        if not skip_self:
+            rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
         requests = [self._comm.Irecv(piece, source=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(rbuf, rd)]
         requests += [self._comm.Isend(piece, dest=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(sbuf, sd)]
         self._MPI.Request.Waitall(requests)

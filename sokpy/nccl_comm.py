@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .comm import Communicator, MpiComm
+from .comm import Communicator, MpiComm, receive_buffer
 from .kernels import address_of
 from .timing import count_traffic, timed
 
@@ -103,7 +103,7 @@ class NcclComm(Communicator):
         self.mpi.barrier()
 
     # ---- arrays -------------------------------------------------------------------------------
-    def alltoallv(self, send, send_counts, recv_counts=None, large=None):
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         """As :meth:`Communicator.alltoallv`; ``large`` is accepted and ignored (NCCL's
         counts are 64-bit). One NCCL group: a send and a receive per peer with data."""
         xp = self.xp
@@ -117,7 +117,7 @@ class NcclComm(Communicator):
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
         row = int(np.prod(send.shape[1:], dtype=np.int64))
-        recv = xp.empty((int(recv_counts.sum()),) + tuple(send.shape[1:]), dtype=send.dtype)
+        recv = receive_buffer(out, (int(recv_counts.sum()),) + tuple(send.shape[1:]), send.dtype, xp.empty)
         sc, rc = send_counts * row, recv_counts * row
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
@@ -131,6 +131,8 @@ class NcclComm(Communicator):
             self.nccl.groupStart()
             try:
                 for peer in range(self.size):
+                    if skip_self and peer == self.rank:
+                        continue
                     if sc[peer]:
                         self._comm.send(sbase + int(sd[peer]) * item, int(sc[peer]), dtype, peer, stream)
                     if rc[peer]:

@@ -244,8 +244,8 @@ class LookupPlan:
                 self.bag_of,
             ),
         )
-        if not self.grad_mode:
-            self.src_keep = None
+        if not self.grad_mode or all(map(_is_none, b.weight_grads)):
+            self.src_keep = None  # the rows are read again only for the weights' gradient
         # Tensors that share the output buffer without being autograd views of it, so that
         # each may be modified in place like any other function's output.
         storage = handoff.to_torch(self.out).untyped_storage()
@@ -393,7 +393,13 @@ class LookupPlan:
         within = np.cumsum(elems, axis=1) - elems
         self.seg_elem = (pstart[:, None] + ntab + within).reshape(-1)
         self.send_elems = peer_len
-        rows_out = runtime.scratch(int(peer_len.sum()), np.float32)
+        # float32 on the wire: the rows this rank asks itself for are not copied but read
+        # where gather_rows put them. One buffer holds the received rows and then the sent
+        # ones, so that one source address reaches both (the own keys' offsets are moved).
+        in_place = self.wire_dtype == "float32"
+        recv_total = int(self.recv_elems.sum()) if in_place else 0
+        both = runtime.scratch(recv_total + int(peer_len.sum()), np.float32)
+        rows_out = both[recv_total:]
         rows_out[xp.asarray((pstart[:, None] + np.arange(ntab)).reshape(-1))] = 0.0
         nkeys = int(self.okeys.shape[0])
         kernels.launch(
@@ -412,14 +418,25 @@ class LookupPlan:
                 rows_out,
             ),
         )
-        wire, _ = comm.alltoallv(
-            to_wire(rows_out, self.wire_dtype, runtime.scratch), peer_len, self.recv_elems, large=self.large
-        )
-        rows_in = from_wire(wire, self.wire_dtype, runtime.scratch)
+        urow = self.urow
+        if in_place:
+            comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large, out=both[:recv_total], skip_self=True)
+            rows_in = both
+            me, rstart = comm.rank, _exclusive(self.recv_elems)[:-1]
+            lo, hi = _exclusive(self.counts.sum(axis=1))[me : me + 2]  # the own keys: group order is owner order
+            if hi > lo:
+                urow = runtime.scratch(d.nuniq, np.int64)
+                urow[...] = self.urow
+                urow[lo:hi] += recv_total + int(pstart[me]) - int(rstart[me])
+        else:
+            wire, _ = comm.alltoallv(
+                to_wire(rows_out, self.wire_dtype, runtime.scratch), peer_len, self.recv_elems, large=self.large
+            )
+            rows_in = from_wire(wire, self.wire_dtype, runtime.scratch)
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = runtime.scratch(max(n, 1), np.int64)
-        kernels.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, self.urow, d.nuniq, self.val_off))
+        kernels.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, urow, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
         self.d_tabs = xp.asarray(self.tabs)
         self.src = xp.full(ntab, kernels.address_of(rows_in), np.uint64)
@@ -455,7 +472,12 @@ class LookupPlan:
                     total = int(udim.sum())
                 self.recv_elems = np.array([ntab + total], np.int64)
             d = self.dedup
-            buf = runtime.scratch(int(self.recv_elems.sum()), np.float32)
+            # float32 on the wire with other ranks: one buffer holds what arrives and then
+            # what is sent, so that the owner reads its own block where segment_sum wrote it.
+            in_place = self.world > 1 and self.wire_dtype == "float32"
+            recv_total = int(self.send_elems.sum()) if in_place else 0
+            both = runtime.scratch(recv_total + int(self.recv_elems.sum()), np.float32)
+            buf = both[recv_total:]
             starts = _exclusive(self.recv_elems)[:-1]
             flags = np.broadcast_to(used, (self.world, ntab)).astype(np.float32)
             buf[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(flags.reshape(-1))
@@ -488,10 +510,15 @@ class LookupPlan:
                     uids=self.ts.uids,
                     rows_found=rows_are_keys,  # every key has its row
                 )
+            elif in_place:
+                large = agreement.large
+                comm.alltoallv(buf, self.recv_elems, self.send_elems, large, out=both[:recv_total], skip_self=True)
+                me = comm.rank
+                chunk = self._owner_chunk(both, recv_total + int(starts[me]) - int(_exclusive(self.send_elems)[me]))
             else:
                 wire = to_wire(buf, self.wire_dtype, runtime.scratch)
                 grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
-                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, runtime.scratch))
+                chunk = self._owner_chunk(from_wire(grecv, self.wire_dtype, runtime.scratch), 0)
         for t in self.tables:
             t._grad_refs += (chunk,)
         weight_grads = self._weight_grads(gptr, grads)
@@ -519,17 +546,21 @@ class LookupPlan:
                 addr[t] = kernels.address_of(g)
         return used, xp.asarray(addr), keep
 
-    def _owner_chunk(self, grecv) -> GradChunk:
+    def _owner_chunk(self, grecv, own: int) -> GradChunk:
         """The owner's view of the gradient rows that arrived: per received key, its table and
-        where its row starts (the same places its forward row left from)."""
-        xp = runtime.xp()
+        where its row starts (the same places its forward row left from). The block from this
+        rank itself is ``own`` elements further on (where it was written, not received)."""
+        xp, me = runtime.xp(), runtime.comm().rank
         world, ntab = self.world, self.ntables
         starts = _exclusive(self.send_elems)[:-1]
+        starts[me] += own
+        seg_elem = self.seg_elem.copy()
+        seg_elem[me * ntab : (me + 1) * ntab] += own
         flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
         used = flags.reshape(world, ntab) != 0
         seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
         dims = np.tile(self.dims, world)
-        offsets = self.seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
+        offsets = seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
         return GradChunk(
             self.tables,
             grecv,

@@ -108,6 +108,31 @@ def check_alltoallv(c):
                     check_equal(send, send_copy, f"{what}: the send buffer was modified")
 
 
+def check_alltoallv_into(c):
+    """``out=``: the rows land in the given array. ``skip_self=True``: the own block's place
+    keeps what it held (a sentinel here) and every other block arrives as before."""
+    for pattern in ("random", "self_only", "one_big"):
+        for skip_self in (False, True):
+            seed = stable_seed("into", pattern, skip_self)
+            counts = count_matrix(pattern, SIZE, seed)
+            send = np.concatenate([payload(seed, RANK, d, counts[RANK, d], (3,), np.float32) for d in range(SIZE)])
+            blocks = [payload(seed, s, RANK, counts[s, RANK], (3,), np.float32) for s in range(SIZE)]
+            if skip_self:
+                blocks[RANK] = np.full_like(blocks[RANK], -7.0)
+            want = np.concatenate(blocks)
+            out = np.full_like(want, -7.0)
+            recv, _ = c.alltoallv(send, counts[RANK].copy(), counts[:, RANK].copy(), out=out, skip_self=skip_self)
+            what = f"alltoallv out= pattern={pattern} skip_self={skip_self}"
+            check(recv is out, f"{what}: did not return out")
+            check_equal(out, want, what)
+    try:
+        c.alltoallv(np.zeros(SIZE, np.float32), np.ones(SIZE, np.int64), out=np.zeros(SIZE + 1, np.float32))
+    except ValueError:
+        check(True, "out of the wrong shape")
+    else:
+        check(False, "alltoallv into an out of the wrong shape did not raise ValueError")
+
+
 def check_alltoallv_views(c):
     """Input that is not C-contiguous (Fortran order, a strided slice) is sent as its values."""
     counts = count_matrix("random", SIZE, 77)
@@ -263,6 +288,7 @@ def check_traffic(c):
 
 GROUPS = {
     "alltoallv": check_alltoallv,
+    "alltoallv_into": check_alltoallv_into,
     "alltoallv_views": check_alltoallv_views,
     "alltoallv_errors": check_alltoallv_errors,
     "alltoall_counts": check_alltoall_counts,

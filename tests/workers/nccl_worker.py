@@ -32,6 +32,18 @@ for case, (dtype, trailing) in enumerate([(np.int64, ()), (np.float32, (3,)), (n
     got, _ = nccl.alltoallv(send, counts, recv_counts=want_counts)  # counts already known
     same(got, want, "alltoallv with recv_counts")
 
+# Into a given array, the own block left as it was (the lookup reads it where it wrote it).
+counts = rng.integers(1, 4, world)
+send = rng.standard_normal((int(counts.sum()), 2)).astype(np.float32)
+recv_counts = mpi.alltoall_counts(counts)
+want, _ = mpi.alltoallv(send, counts, recv_counts)
+lo, hi = np.concatenate([[0], np.cumsum(recv_counts)])[rank : rank + 2]
+want[lo:hi] = -7.0
+out = np.full_like(want, -7.0)
+got, _ = nccl.alltoallv(send, counts, recv_counts, out=out, skip_self=True)
+assert got is out
+same(out, want, "alltoallv into out, own block skipped")
+
 empty, counts = nccl.alltoallv(np.empty((0, 4), np.float32), np.zeros(world, np.int64))
 assert empty.shape == (0, 4) and not counts.any()
 
