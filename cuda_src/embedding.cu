@@ -74,28 +74,37 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
                                       int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
     const double inv_world = 1.0 / (double)world;
-    int t = -1;
+    // The table's fields are read when a thread's run of keys enters a table (keys of one
+    // table are contiguous and a thread's keys increase), not once per key.
+    int t = -1, exact = 0;
+    i64 tab_end = -1, kind = 0, target = 0, rows = 0;
+    u64 group_bits = 0;
     SOKPY_FOR_KEYS(j, n) {
-        t = sokpy_segment_near(key_start, ntables, j, t);
+        if (j >= tab_end) {
+            t = sokpy_segment_near(key_start, ntables, j, t);
+            tab_end = key_start[t + 1];
+            kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
+            target = SOKPY_TAB(tabs, t, SOKPY_TAB_TARGET);
+            rows = SOKPY_TAB(tabs, t, SOKPY_TAB_ROWS);
+            exact = (kind == SOKPY_KIND_STATIC || kind == SOKPY_KIND_STATIC_AT) && SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
+            group_bits = (u64)t;  // owner * ntables + t, the owner added per key
+        }
         const i64 k = keys[j];
-        const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
-        i64 owner = SOKPY_TAB(tabs, t, SOKPY_TAB_TARGET), local = k;
-        int exact = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
+        i64 owner = target, local = k;
         if (kind == SOKPY_KIND_STATIC || kind == SOKPY_KIND_STATIC_AT) {
-            if (k < 0 || k >= SOKPY_TAB(tabs, t, SOKPY_TAB_ROWS)) {
+            if (k < 0 || k >= rows) {
                 atomicMin(bad, j);
                 owner = 0;
                 local = 0;
             } else if (kind == SOKPY_KIND_STATIC) {
                 local = sokpy_div_world(k, world, inv_world, &owner);
             }
-        } else {
-            if (kind == SOKPY_KIND_DYNAMIC) owner = sokpy_dynamic_owner(k, world);
-            exact = 0;
+        } else if (kind == SOKPY_KIND_DYNAMIC) {
+            owner = sokpy_dynamic_owner(k, world);
         }
         u64 sv = (u64)local;
         if (!exact) sv = sv_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - sv_bits) : 0;
-        const u64 g = (u64)(owner * ntables + t);
+        const u64 g = (u64)owner * (u64)ntables + group_bits;
         packed[j] = (i64)((g << (sv_bits + pos_bits)) | (sv << pos_bits) | (u64)j);
     }
 }
