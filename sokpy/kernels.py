@@ -493,6 +493,20 @@ def launch(name: str, n: int, dim: int, args) -> None:
         get(name)(grid, block, args)
 
 
+def chunk_count(n: int, backend: str | None = None) -> int:
+    """How many contiguous chunks a kernel that walks each chunk on one thread (the radix
+    sort's passes, ``cuda_src/sort.cu``) cuts ``n`` items into: on the host one per 2^20
+    items (one for a call's usual size; a chunk keeps counters of its own, and with one the
+    pass is a plain loop), on the device one per 512 (thousands of threads)."""
+    if backend is None:
+        from . import runtime
+
+        backend = runtime.backend()
+    if backend == "host" and not EMULATE_DEVICE_SHAPES:
+        return max(1, int(n) >> 20)
+    return max(1, -(-int(n) // 512))
+
+
 def launch_shape(n: int, dim: int, backend: str | None = None):
     """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``.
 

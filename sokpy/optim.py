@@ -35,6 +35,7 @@ import torch
 from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk
 from .plan import rows_of, table_set
+from .sorting import sort_by_bits
 from .variable import _Table
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
@@ -315,7 +316,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         rb = max(1, int(rows.max(initial=0)).bit_length()) if n else 1
         ab = max(1, (n - 1).bit_length())
         if tb + rb + ab <= 63:
-            packed = xp.sort((otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64))  # unique values
+            packed = (otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
+            packed = sort_by_bits(packed, ab, tb + rb + ab)
             perm = packed & ((1 << ab) - 1)
             key = packed >> ab
         else:  # too many bits for one sort value: sort by (table, row) keeping arrival order

@@ -259,8 +259,9 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [200, 5000])  # numpy's sort below 4,096 values, the radix sort from there
 @pytest.mark.parametrize("exact", [True, False])
-def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact):
+def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n):
     """The deduplication behind every lookup, against a reference that walks the sorted values
     one by one. Not exact: sort values of one bit, so that different keys share them (as the
     hashed sort values of a dynamic table can). Exact: the sort value is the key's own row, and
@@ -268,13 +269,13 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     from sokpy.plan import _Dedup
 
     rng = np.random.default_rng(5)
-    n, pos_bits, sv_bits = 200, 8, 3 if exact else 1
+    pos_bits, sv_bits = (n - 1).bit_length(), 3 if exact else 1
     index = rng.integers(0, 6, n)  # few distinct keys, many repeats
     keys = index.astype(np.int64) * 1_000_003
     group = rng.integers(0, 3, n)
     sv = index if exact else rng.integers(0, 2, 6)[index]
     packed = (group << (sv_bits + pos_bits)) | (sv << pos_bits) | np.arange(n)
-    d = _Dedup(packed.astype(np.int64), keys, pos_bits, sv_bits, exact)
+    d = _Dedup(packed.astype(np.int64), keys, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact)
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])

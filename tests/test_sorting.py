@@ -1,0 +1,71 @@
+"""sokpy.sorting.sort_by_bits (the radix sort of cuda_src/sort.cu) against numpy's sort, on the
+host's launch shape and on the device's (SOKPY_EMULATE_DEVICE_SHAPES=1: many chunks)."""
+
+import numpy as np
+import pytest
+from conftest import run_python
+
+import sokpy
+from sokpy.sorting import sort_by_bits
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host():
+    sokpy.init(backend="host")
+
+
+def case(n: int, lo: int, width: int, seed: int, skew: bool = False) -> np.ndarray:
+    """n unique values: random high bits [lo, lo + width) above the position in the bits below lo."""
+    rng = np.random.default_rng([n, lo, width, seed])
+    if skew:  # most values share their high bits: whole digits hold one bucket
+        high = np.where(rng.random(n) < 0.9, (1 << width) - 1, rng.integers(0, 1 << width, n))
+    else:
+        high = rng.integers(0, 1 << width, n)
+    return (high.astype(np.int64) << lo) | np.arange(n, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 4095, 4096, 5000, 70_000, 300_000])
+@pytest.mark.parametrize("width", [1, 11, 22, 30])
+def test_matches_numpy(n, width):
+    lo = max(1, (n - 1).bit_length())
+    for skew in (False, True):
+        v = case(n, lo, width, 0, skew)
+        want = np.sort(v)
+        got = sort_by_bits(v.copy(), lo, lo + width)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_widest_values_and_many_chunks():
+    # 2^20 + 3 values cut into two chunks on the host; 43 bits above the position (63 in all).
+    n = (1 << 20) + 3
+    v = case(n, 21, 42, 1)
+    np.testing.assert_array_equal(sort_by_bits(v.copy(), 21, 63), np.sort(v))
+
+
+def test_positions_of_equal_high_bits_keep_their_order():
+    # Only the bits [lo, hi) are sorted: below lo the positions, which come out increasing
+    # within equal high bits because every pass is stable.
+    n, lo = 10_000, 14
+    high = np.random.default_rng(3).integers(0, 4, n)
+    v = (high << lo) | np.arange(n)
+    got = sort_by_bits(v.copy(), lo, lo + 2)
+    for h in range(4):
+        pos = got[(got >> lo) == h] & ((1 << lo) - 1)
+        np.testing.assert_array_equal(pos, np.flatnonzero(high == h))
+
+
+def test_device_launch_shapes_sort_alike():
+    code = """
+import numpy as np, sokpy
+from sokpy.kernels import chunk_count
+from sokpy.sorting import sort_by_bits
+sokpy.init(backend="host")
+for n, width in [(4096, 22), (100_000, 17), (300_000, 30)]:
+    lo = (n - 1).bit_length()
+    v = (np.random.default_rng(n).integers(0, 1 << width, n) << lo) | np.arange(n)
+    assert chunk_count(n) > 1
+    np.testing.assert_array_equal(sort_by_bits(v.copy(), lo, lo + width), np.sort(v))
+print("sorted alike")
+"""
+    res = run_python(code, env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"}, timeout=300)
+    assert res.returncode == 0 and "sorted alike" in res.stdout, res.stdout + res.stderr
