@@ -114,9 +114,11 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // value k came from, and brk[k] = 1 where a unique key starts: its (group, sort value)
 // differs from the previous value's or, where sort values are not exact (the top bits of a
 // hash), its key does. Two keys that share a hashed sort value and interleave by position
-// give more than one unique entry each (never a merge of two keys).
+// give more than one unique entry each (never a merge of two keys); *collided becomes 1 where
+// a run of equal sort values holds more than one key, so the caller knows that a key may
+// appear more than once.
 extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact, i64* pos,
-                                            unsigned char* brk) {
+                                            unsigned char* brk, int* collided) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     SOKPY_FOR_KEYS(k, n) {
         const i64 p = s[k] & mask;
@@ -124,7 +126,10 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
         int b = 1;
         if (k > 0) {
             b = (s[k] >> pos_bits) != (s[k - 1] >> pos_bits);
-            if (!b && !exact) b = keys[p] != keys[s[k - 1] & mask];
+            if (!b && !exact && keys[p] != keys[s[k - 1] & mask]) {
+                b = 1;
+                atomicMax(collided, 1);
+            }
         }
         brk[k] = (unsigned char)b;
     }

@@ -147,7 +147,8 @@ class _Dedup:
     """The call's keys grouped by (owner, table) and deduplicated, from the sorted packed
     values: unique key u has positions ``pos[seg[u]:seg[u+1]]`` (increasing), key ``ukeys[u]``
     and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
-    too, so a shared hash value never merges two keys (at worst a key appears twice). Besides
+    too, so a shared hash value never merges two keys (at worst a key appears twice, and then
+    ``collided`` is true). Besides
     the sort (a radix sort over the bits above the position, below ``hi``), two kernel passes
     (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
     second buffer (it is not needed after this)."""
@@ -158,7 +159,10 @@ class _Dedup:
         n = int(s.shape[0])
         self.pos = runtime.scratch(n, np.int64)
         brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
-        kernels.launch("mark_unique_keys", n, 1, (s, n, keys, pos_bits, int(exact), self.pos, brk))
+        collided = xp.zeros(1, np.int32)
+        kernels.launch("mark_unique_keys", n, 1, (s, n, keys, pos_bits, int(exact), self.pos, brk, collided))
+        # Whether a key may have more than one unique entry (keys that share a hashed sort value).
+        self.collided = not exact and bool(collided[0])
         starts = xp.flatnonzero(brk.view(bool))
         self.nuniq = nuniq = int(starts.shape[0])
         self.seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
@@ -497,8 +501,9 @@ class LookupPlan:
                 rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
                 rows = d.ukeys if rows_are_keys else self.rows[d.first]
                 # A table passed twice (two features sharing it) has rows under both of its
-                # table slots: they are summed at the step, like gradients from other ranks.
-                merged = self.ts.distinct
+                # table slots, and keys sharing a hashed sort value may have several rows
+                # each: both are summed at the step, like gradients from other ranks.
+                merged = self.ts.distinct and not d.collided
                 chunk = GradChunk(
                     self.tables,
                     buf,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import run_mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -48,3 +49,43 @@ def test_insert_false_reads_zero_rows_and_creates_nothing(nranks):
 def test_assign_and_export_of_any_int64_key(nranks):
     out = run_mpi(nranks, "dynamic_worker.py", "assign_export")
     assert out.count("assign_export ok") == nranks
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer in numpy (as cuda_src/sokpy_common.cuh documents it)."""
+    x = x.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def test_keys_sharing_a_hashed_sort_value_train_as_one_key_each(sokpy_host):
+    """A dynamic table's keys are grouped by the top bits of a hash of the key; two keys that
+    share those bits and alternate in the batch must still each get one update with their
+    whole gradient (one rank: no owner merges the rows afterwards). 600,000 keys in one table
+    leave 63 - 20 = 43 bits of hash; the pair below shares its top 43 bits (found by hashing
+    the keys below 2^23 and sorting)."""
+    sokpy = sokpy_host
+    k1, k2 = 2030603, 3702206
+    top = _mix64(np.array([k1, k2], np.uint64) ^ np.uint64(0x5851F42D4C957F2D)) >> np.uint64(64 - 43)
+    assert top[0] == top[1] and k1 != k2
+    var = sokpy.DynamicVariable(4, initializer=sokpy.initializers.zeros(), name="hash_collision")
+    opt = sokpy.optim.Adagrad([var], lr=0.1, initial_accumulator_value=0.1)
+    nbags = 150_000  # bag 0 alternates the pair; the others repeat one filler key
+    keys = np.full(4 * nbags, 7, np.int64)
+    keys[:4] = [k1, k2, k1, k2]
+    ids = sokpy.Ragged(torch.from_numpy(keys), torch.arange(0, 4 * nbags + 1, 4))
+    upstream = torch.zeros(nbags, 4)
+    upstream[0] = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    out = sokpy.lookup_sparse(var, ids, combiners="sum")
+    (out * upstream).sum().backward()
+    opt.step()
+    got_keys, got_rows = sokpy.export(var)
+    rows = dict(zip(got_keys.tolist(), got_rows.numpy()))
+    g = 2 * upstream[0].numpy()  # each key twice in bag 0
+    want = -0.1 * g / (np.sqrt(0.1 + g * g) + 1e-10)
+    np.testing.assert_allclose(rows[k1], want, rtol=1e-6)
+    np.testing.assert_allclose(rows[k2], want, rtol=1e-6)

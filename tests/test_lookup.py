@@ -291,3 +291,6 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(d.nuniq)] == [r[3] for r in runs]
     for u in range(d.nuniq):  # no unique entry mixes two keys
         assert (keys[d.pos[d.seg[u] : d.seg[u + 1]]] == d.ukeys[u]).all()
+    # collided: some run of equal sort values holds two keys (so a key may appear twice)
+    heads, pos = order >> pos_bits, order & (2**pos_bits - 1)
+    assert d.collided == (not exact and bool(((heads[1:] == heads[:-1]) & (keys[pos[1:]] != keys[pos[:-1]])).any()))
