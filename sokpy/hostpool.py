@@ -14,6 +14,10 @@ than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does
   hands out a ctypes view of the block as its buffer, and every numpy view, slice or torch
   tensor made from it (``torch.from_numpy``) keeps that view alive, so the block is reused
   exactly when malloc would have been free to reuse the memory.
+* Every array starts on a cache line (``ALIGN``, 64 bytes; numpy's own arrays are only 16-byte
+  aligned), so that a 64-byte row of 16 float32 is one line, not two: a keyed lookup
+  writes one output row per bag, and t100's pooling kernel took 12.1-13.1 ms with 16-byte
+  aligned output against 6.4-8.3 ms with aligned output.
 * Sizes are rounded up to one of eight classes per doubling (at most 12.5% more).
 * At most ``SOKPY_HOST_POOL_MB`` megabytes (default 1024, read at import; ``set_limit`` changes
   it) are kept idle; a block returned beyond that is freed. 0 turns the pool off.
@@ -38,6 +42,9 @@ import numpy as np
 # every array, which the tests use to run whole multi-rank jobs with every work array pooled.
 MIN_BYTES = int(os.environ.get("SOKPY_HOST_POOL_MIN_BYTES", str(1 << 17)))
 
+# Every array starts at a multiple of this many bytes (a cache line).
+ALIGN = 64
+
 # Re-entrant: a garbage collection inside a locked section may free a lease, whose callback
 # takes the lock again on the same thread.
 _lock = threading.RLock()
@@ -60,6 +67,24 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose data starts on a cache line (``ALIGN``
+    bytes): numpy's own arrays start 16 bytes into one. For table rows (``runtime.empty_rows``)
+    and the pool's blocks.
+
+    >>> import numpy as np
+    >>> from sokpy import hostpool
+    >>> hostpool.aligned_empty((3, 16), np.float32).ctypes.data % hostpool.ALIGN
+    0
+    """
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def _give_back(ref) -> None:
     global _idle_bytes
     with _lock:
@@ -70,7 +95,8 @@ def _give_back(ref) -> None:
 
 
 def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` on a pooled block.
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` on a pooled block (or,
+    under ``MIN_BYTES``, a fresh one), starting on a cache line.
 
     >>> import numpy as np
     >>> from sokpy import hostpool
@@ -88,13 +114,13 @@ def empty(shape, dtype) -> np.ndarray:
         count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES or _limit <= 0 or nbytes == 0:
-        return np.empty(count if shape is None else shape, dtype)
+        return aligned_empty(count if shape is None else shape, dtype)
     size = size_class(nbytes)
     with _lock:
         idle = _free.get(size)
         block = idle.pop() if idle else None
         if block is None:
-            block = np.empty(size, np.uint8)
+            block = aligned_empty(size, np.uint8)
         else:
             _idle_bytes -= size
         lease = (ctypes.c_uint8 * size).from_buffer(block)

@@ -24,7 +24,10 @@ order, no float atomics), the same exchange in reverse, and the owners keep the 
 
 Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
 (the per-table key counts in the key message; in the backward, whether each table's output
-received a gradient on the sender) followed by the rows, table after table.
+received a gradient on the sender) followed by the rows, table after table. In the buffers
+of rows (forward and backward) the leading slots are padded to whole cache lines
+(``row_header``), so that rows of 16, 32, 64 ... floats start on a line when the buffer
+does: a row then costs one line, not two.
 
 Example::
 
@@ -63,6 +66,11 @@ def _exclusive(x, xp=np):
     out = xp.zeros(int(x.shape[0]) + 1, np.int64)
     xp.cumsum(x, out=out[1:])
     return out
+
+
+def row_header(ntables: int) -> int:
+    """The leading slots of a buffer of rows: ``ntables`` rounded up to 16 float32 (64 bytes)."""
+    return -(-ntables // 16) * 16
 
 
 def _bits(n: int) -> int:
@@ -319,9 +327,10 @@ class LookupPlan:
         self.peer_of = d.group // ntab
         udim = xp.asarray(ts.dims)[d.group % ntab]
         # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
-        # each ntab leading slots then the rows, table after table.
-        self.urow = _exclusive(udim, xp)[:-1] + ntab * (self.peer_of + 1)
-        self.recv_elems = ntab + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+        # each a header (row_header) then the rows, table after table.
+        hdr = row_header(ntab)
+        self.urow = _exclusive(udim, xp)[:-1] + hdr * (self.peer_of + 1)
+        self.recv_elems = hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
         msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
         volume = max(int(msg.sum()), int(self.recv_elems.sum()))
         return msg, volume
@@ -395,10 +404,11 @@ class LookupPlan:
         self.d_seg_start = xp.asarray(self.seg_start)
         self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, rcnt.sum(axis=0))
         elems = rcnt * self.dims
-        peer_len = ntab + elems.sum(axis=1)
+        hdr = row_header(ntab)
+        peer_len = hdr + elems.sum(axis=1)
         pstart = _exclusive(peer_len)[:-1]
         within = np.cumsum(elems, axis=1) - elems
-        self.seg_elem = (pstart[:, None] + ntab + within).reshape(-1)
+        self.seg_elem = (pstart[:, None] + hdr + within).reshape(-1)
         self.send_elems = peer_len
         # float32 on the wire: the rows this rank asks itself for are not copied but read
         # where gather_rows put them. One buffer holds the received rows and then the sent
@@ -407,7 +417,7 @@ class LookupPlan:
         recv_total = int(self.recv_elems.sum()) if in_place else 0
         both = runtime.scratch(recv_total + int(peer_len.sum()), np.float32)
         rows_out = both[recv_total:]
-        rows_out[xp.asarray((pstart[:, None] + np.arange(ntab)).reshape(-1))] = 0.0
+        rows_out[xp.asarray((pstart[:, None] + np.arange(hdr)).reshape(-1))] = 0.0
         nkeys = int(self.okeys.shape[0])
         kernels.launch(
             "gather_rows",
@@ -466,18 +476,19 @@ class LookupPlan:
             uids=self.ts.key,
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
+            hdr = row_header(ntab)
             if self.dedup is None:  # one rank: a key's group is its table
                 d = self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
                 self.packed = None
-                if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at ntab + u * dim
+                if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at hdr + u * dim
                     dim = int(self.dims[0])
-                    self.urow = xp.arange(ntab, ntab + d.nuniq * dim, dim, dtype=np.int64)
+                    self.urow = xp.arange(hdr, hdr + d.nuniq * dim, dim, dtype=np.int64)
                     total = d.nuniq * dim
                 else:
                     udim = xp.asarray(self.dims)[d.group]
-                    self.urow = _exclusive(udim, xp)[:-1] + ntab
+                    self.urow = _exclusive(udim, xp)[:-1] + hdr
                     total = int(udim.sum())
-                self.recv_elems = np.array([ntab + total], np.int64)
+                self.recv_elems = np.array([hdr + total], np.int64)
             d = self.dedup
             # float32 on the wire with other ranks: one buffer holds what arrives and then
             # what is sent, so that the owner reads its own block where segment_sum wrote it.
@@ -486,8 +497,9 @@ class LookupPlan:
             both = runtime.scratch(recv_total + int(self.recv_elems.sum()), np.float32)
             buf = both[recv_total:]
             starts = _exclusive(self.recv_elems)[:-1]
-            flags = np.broadcast_to(used, (self.world, ntab)).astype(np.float32)
-            buf[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+            flags = np.zeros((self.world, hdr), np.float32)  # the header: the used flags, then zeros
+            flags[:, :ntab] = used
+            buf[xp.asarray((starts[:, None] + np.arange(hdr)).reshape(-1))] = xp.asarray(flags.reshape(-1))
             scale = 1.0 / self.world if self.grad_reduction == "mean" else 1.0
             # One rank: these rows are the whole gradients (no other rank adds to them), so the
             # kernel checks them as it writes them and the optimizer step needs no merge pass.

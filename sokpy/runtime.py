@@ -22,6 +22,8 @@ __all__ = [
     "backend",
     "comm",
     "xp",
+    "scratch",
+    "empty_rows",
     "NotInitializedError",
     "LaunchError",
 ]
@@ -256,6 +258,18 @@ def xp():
     import numpy
 
     return numpy
+
+
+def empty_rows(shape, dtype):
+    """An uninitialised array for a table's rows and slots, which live as long as the table:
+    ``xp().empty`` on the device (CuPy aligns to 256 bytes or more), on the host an array
+    that starts on a cache line (``hostpool.aligned_empty``), so that a row whose size is a
+    multiple of 64 bytes is read and updated in whole lines."""
+    if backend() == "host" and not _state.emulated:
+        from . import hostpool
+
+        return hostpool.aligned_empty(shape, dtype)
+    return xp().empty(shape, dtype)
 
 
 def scratch(shape, dtype):

@@ -109,13 +109,12 @@ class Storage:
     def add_slots(self, names, initial) -> None:
         """Widens every row by one ``dim`` block per slot name, filled with its initial value
         (rows created later start there too). One copy of the shard."""
-        xp = runtime.xp()
         names, initial = list(names), [float(v) for v in initial]
         if not names:
             return
         old = self.data
         cols = self.dim * (1 + len(self.slot_names) + len(names))
-        data = xp.empty((old.shape[0], cols), np.float32)
+        data = runtime.empty_rows((old.shape[0], cols), np.float32)
         data[:, : old.shape[1]] = old
         for k, value in enumerate(initial, start=1 + len(self.slot_names)):
             data[:, k * self.dim : (k + 1) * self.dim] = value
@@ -169,7 +168,7 @@ class StaticStorage(Storage):
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_STATIC_AT"] if localized else c["SOKPY_KIND_STATIC"]
         self.key_stride, self.key_base = int(key_stride), int(key_base)
-        self.data = runtime.xp().empty((int(local_rows), self.dim), np.float32)
+        self.data = runtime.empty_rows((int(local_rows), self.dim), np.float32)
         init_rows([(self, 0, self.size)])
 
     @property
@@ -189,7 +188,7 @@ class StaticStorage(Storage):
         Storage.__init__(s, self.dim, self.init)
         s.kind, s.key_stride, s.key_base = self.kind, self.key_stride, self.key_base
         s.slot_names, s.slot_init = list(self.slot_names), list(self.slot_init)
-        s.data = runtime.xp().empty_like(self.data)
+        s.data = runtime.empty_rows(self.data.shape, np.float32)
         return s
 
 
@@ -204,7 +203,7 @@ class HashStorage(Storage):
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
         rows = max(16, int(capacity))
-        self.data = xp.empty((rows, self.dim), np.float32)
+        self.data = runtime.empty_rows((rows, self.dim), np.float32)
         self.row_keys = xp.empty(rows, np.int64)
         self.counter = xp.zeros(1, np.int64)  # rows in use, advanced by the insert kernel
         self._size = 0
@@ -256,7 +255,7 @@ class HashStorage(Storage):
 
     def _grow_rows(self, rows: int) -> None:
         xp = runtime.xp()
-        data = xp.empty((rows, self.width), np.float32)
+        data = runtime.empty_rows((rows, self.width), np.float32)
         data[: self._size] = self.data[: self._size]
         row_keys = xp.empty(rows, np.int64)
         row_keys[: self._size] = self.row_keys[: self._size]
