@@ -156,10 +156,9 @@ class _Dedup:
     values: unique key u has positions ``pos[seg[u]:seg[u+1]]`` (increasing), key ``ukeys[u]``
     and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
     too, so a shared hash value never merges two keys (at worst a key appears twice, and then
-    ``collided`` is true). Besides
-    the sort (a radix sort over the bits above the position, below ``hi``), two kernel passes
-    (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
-    second buffer (it is not needed after this)."""
+    ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
+    below ``hi``), two kernel passes (``mark_unique_keys``, ``unique_key_heads``) and one
+    compaction. ``packed`` is the sort's second buffer (it is not needed after this)."""
 
     def __init__(self, packed, keys, pos_bits: int, sv_bits: int, hi: int, exact: bool):
         xp = runtime.xp()
@@ -300,6 +299,7 @@ class LookupPlan:
             self.sv_bits = int(ts.row_bits.max())
         tabs[:, c["SOKPY_TAB_EXACT"]] = exact
         self.sort_hi = self.pos_bits + self.sv_bits + _bits(world * ntab)
+        self.hdr = row_header(ntab)  # the leading slots of this call's buffers of rows
         self.tabs = tabs
         self.d_tabs = xp.asarray(tabs)
         self.keys = xp.asarray(b.keys)
@@ -328,9 +328,8 @@ class LookupPlan:
         udim = xp.asarray(ts.dims)[d.group % ntab]
         # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
         # each a header (row_header) then the rows, table after table.
-        hdr = row_header(ntab)
-        self.urow = _exclusive(udim, xp)[:-1] + hdr * (self.peer_of + 1)
-        self.recv_elems = hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+        self.urow = _exclusive(udim, xp)[:-1] + self.hdr * (self.peer_of + 1)
+        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
         msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
         volume = max(int(msg.sum()), int(self.recv_elems.sum()))
         return msg, volume
@@ -404,7 +403,7 @@ class LookupPlan:
         self.d_seg_start = xp.asarray(self.seg_start)
         self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, rcnt.sum(axis=0))
         elems = rcnt * self.dims
-        hdr = row_header(ntab)
+        hdr = self.hdr
         peer_len = hdr + elems.sum(axis=1)
         pstart = _exclusive(peer_len)[:-1]
         within = np.cumsum(elems, axis=1) - elems
@@ -476,7 +475,7 @@ class LookupPlan:
             uids=self.ts.key,
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
-            hdr = row_header(ntab)
+            hdr = self.hdr
             if self.dedup is None:  # one rank: a key's group is its table
                 d = self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
                 self.packed = None
