@@ -11,7 +11,7 @@ import torch
 from conftest import run_mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-from reference import uniform_init  # noqa: E402
+from reference import _mix64, uniform_init  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "ftrl", "adam"])
@@ -51,23 +51,12 @@ def test_assign_and_export_of_any_int64_key(nranks):
     assert out.count("assign_export ok") == nranks
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer in numpy (as cuda_src/sokpy_common.cuh documents it)."""
-    x = x.astype(np.uint64)
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
-
-
 def test_keys_sharing_a_hashed_sort_value_train_as_one_key_each(sokpy_host):
     """A dynamic table's keys are grouped by the top bits of a hash of the key; two keys that
     share those bits and alternate in the batch must still each get one update with their
     whole gradient (one rank: no owner merges the rows afterwards). 600,000 keys in one table
     leave 63 - 20 = 43 bits of hash; the pair below shares its top 43 bits (found by hashing
-    the keys below 2^23 and sorting)."""
+    the keys below 2^23 and sorting; the reference's own splitmix64 checks it)."""
     sokpy = sokpy_host
     k1, k2 = 2030603, 3702206
     top = _mix64(np.array([k1, k2], np.uint64) ^ np.uint64(0x5851F42D4C957F2D)) >> np.uint64(64 - 43)
