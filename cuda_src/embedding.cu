@@ -252,6 +252,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
     const float* w = 0;
     const float* rows = 0;
     float* out_t = out;
+    i64 key_end = 0, next_hint = 0;  // the table's last key + 1; the next key whose row to hint
     SOKPY_FOR_ROWS(b, nbags) {
         if (b >= tab_end) {
             t = sokpy_segment_near(bag_start, ntables, b, t);
@@ -264,6 +265,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
             out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
             out_t = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START);
+            key_end = offsets[tab_end];
         }
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
@@ -275,13 +277,16 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
-        const i64 ahead = b + SOKPY_PREFETCH_DISTANCE;  // the rows and output of a bag a few bags ahead (same table)
+        // The rows of the keys up to SOKPY_PREFETCH_KEYS past this bag (same table), each hinted
+        // once, and the output row of a bag a few bags ahead.
         float* __restrict__ o = out_t + (b - tab_first) * out_stride;
-        if (ahead < tab_end) {
-            for (i64 j = offsets[ahead]; j < offsets[ahead + 1]; ++j) {
-                if (val_off[j] >= 0) sokpy_prefetch_row(rows + val_off[j] * stride, dim);
-            }
-            if (out_stride >= SOKPY_FAR_STRIDE) sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * out_stride, dim);
+        if (next_hint < end) next_hint = end;
+        const i64 hint_end = end + SOKPY_PREFETCH_KEYS < key_end ? end + SOKPY_PREFETCH_KEYS : key_end;
+        for (; next_hint < hint_end; ++next_hint) {
+            if (val_off[next_hint] >= 0) sokpy_prefetch_row(rows + val_off[next_hint] * stride, dim);
+        }
+        if (b + SOKPY_PREFETCH_DISTANCE < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
+            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * out_stride, dim);
         }
         // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
         // first row initialises the output instead of a pass of zeros before it: on the host a
