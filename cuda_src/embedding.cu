@@ -172,7 +172,7 @@ extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_st
             seg_end = seg_start[s + 1];
             seg_dst = dst + seg_elem[s];
         }
-        const i64 ahead = i + SOKPY_PREFETCH_DISTANCE;
+        const i64 ahead = i + SOKPY_PREFETCH_GATHER;
         if (ahead < seg_end && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
         float* o = seg_dst + (i - seg_first) * dim;
         const i64 r = rows[i];

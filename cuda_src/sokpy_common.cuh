@@ -111,6 +111,10 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // (eight) level (AMD EPYC VM, kernels A/B in one process). 16 keys did as well on one-key
 // bags and worse on t100; 64 no better.
 #define SOKPY_PREFETCH_KEYS 32
+// How many keys ahead gather_rows (the owner's rows for the exchange) prefetches: against 4,
+// at 2 ranks criteo26 0.91 -> 0.68 ms, t100 3.1-3.3 -> 2.2-2.4, W1 1.97-2.17 -> 1.89-2.05
+// (kernel A/B in one job, AMD EPYC VM); 32 no better.
+#define SOKPY_PREFETCH_GATHER 16
 // How many key positions ahead segment_sum prefetches a gradient row. Each look-ahead is a
 // chain of two random reads (the position's bag, then the row; the bag is prefetched twice as
 // far ahead), and most keys have one or two positions, so it looks further than a row
