@@ -157,12 +157,13 @@ class _Dedup:
     and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
     too, so a shared hash value never merges two keys (at worst a key appears twice, and then
     ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
-    below ``hi``), two kernel passes (``mark_unique_keys``, ``unique_key_heads``) and one
-    compaction. ``packed`` is the sort's second buffer (it is not needed after this)."""
+    below ``hi``; ``runs`` as ``sorting.sort_by_bits`` takes them), two kernel passes
+    (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
+    second buffer (it is not needed after this)."""
 
-    def __init__(self, packed, keys, pos_bits: int, sv_bits: int, hi: int, exact: bool):
+    def __init__(self, packed, keys, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None):
         xp = runtime.xp()
-        s = sort_by_bits(packed, pos_bits, hi)
+        s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
         self.pos = runtime.scratch(n, np.int64)
         brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
@@ -476,8 +477,11 @@ class LookupPlan:
         ) as call:
             agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
             hdr = self.hdr
-            if self.dedup is None:  # one rank: a key's group is its table
-                d = self.dedup = _Dedup(self.packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
+            if self.dedup is None:  # one rank: a key's group is its table, so tables are runs of groups
+                runs = (self.d_key_start, self.pos_bits + self.sv_bits)
+                d = self.dedup = _Dedup(
+                    self.packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact, runs
+                )
                 self.packed = None
                 if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at hdr + u * dim
                     dim = int(self.dims[0])

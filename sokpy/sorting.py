@@ -10,7 +10,9 @@ comparison sort takes log2(n). On the 2-core AMD EPYC VM numpy's sort of 106,496
 4.0 ms and of 2,048,000 about 110 ms; two radix passes take 0.3 and about 18 ms.
 
 The passes are the flat kernels of ``cuda_src/sort.cu`` (one launch to count digits, the scan
-by the array module, one launch to scatter), the same on both backends.
+by the array module, one launch to scatter), the same on both backends. Where the values
+already come in runs of equal high bits (one rank: a lookup's keys come table by table), each
+run is sorted in its own place by the bits below those.
 
 Example::
 
@@ -31,7 +33,8 @@ __all__ = ["sort_by_bits"]
 
 # Digit width: 2^11 counters stay in L1 and two passes cover 22 bits, the usual width of a
 # lookup's values, while the data is cache-sized; above that the scatter's 2^11 write streams
-# miss the TLB, and 8-bit digits were faster (1M values: 5.9 against 6.5 ms for 22 bits).
+# miss the TLB, and 8-bit digits were faster (1M values: 5.9 against 6.5 ms for 22 bits). A
+# chunk of few values gets a narrower digit: its counters are zeroed and scanned every pass.
 _WIDE_DIGITS, _NARROW_DIGITS, _WIDE_UP_TO = 11, 8, 1 << 18
 # Below this many values the array module's comparison sort is faster than four launches
 # (the same result: the values are unique): 2,000 values 0.04 against 0.10 ms, 8,000 0.19
@@ -39,11 +42,25 @@ _WIDE_DIGITS, _NARROW_DIGITS, _WIDE_UP_TO = 11, 8, 1 << 18
 _RADIX_FROM = 4096
 
 
-def sort_by_bits(values, lo: int, hi: int):
+def _digit_bits(per_chunk: int) -> int:
+    """Digit width for chunks of about ``per_chunk`` values: at most one counter per 8 values."""
+    if per_chunk > _WIDE_UP_TO:
+        return _NARROW_DIGITS
+    return max(4, min(_WIDE_DIGITS, int(per_chunk).bit_length() - 3))
+
+
+def sort_by_bits(values, lo: int, hi: int, runs=None):
     """``values`` (int64, unique, and in order within equal bits ``[lo, hi)``: bits below
     ``lo`` hold each value's position) sorted ascending, by a stable radix sort over bits
     ``[lo, hi)`` only; no bit at or above ``hi`` may be set. Returns a pooled array (a new
-    one, or ``values`` itself, which the sort uses as its second buffer)."""
+    one, or ``values`` itself, which the sort uses as its second buffer).
+
+    ``runs = (bounds, mid)`` says that the values already come in runs, ``[bounds[r],
+    bounds[r+1])`` for run r (int64, from 0 to n), in order of their bits ``[mid, hi)``: equal
+    within a run and increasing from one run to the next (a one-rank lookup's keys, table by
+    table). Then, when there are at least as many runs as the backend's threads would take
+    chunks, each run is sorted in its own place by bits ``[lo, mid)`` only: fewer bits, and
+    each run's passes stay in cache (t500: 500 runs of 4,096 values)."""
     xp = runtime.xp()
     n = int(values.shape[0])
     if hi <= lo or n < 2:
@@ -51,11 +68,19 @@ def sort_by_bits(values, lo: int, hi: int):
     if n < _RADIX_FROM:
         values.sort()
         return values
-    digit = _WIDE_DIGITS if n <= _WIDE_UP_TO else _NARROW_DIGITS
+    nchunks = kernels.chunk_count(n)
+    by_run = runs is not None and int(runs[0].shape[0]) - 1 >= nchunks
+    if by_run:  # chunk-major counts: every run sorted in its place
+        bounds, hi = runs
+        nchunks = int(bounds.shape[0]) - 1
+    else:  # digit-major counts over equal chunks: one sort of the whole array
+        chunk = -(-n // nchunks)
+        bounds = xp.asarray(np.minimum(np.arange(nchunks + 1, dtype=np.int64) * chunk, n))
+    if hi <= lo:
+        return values
+    digit = _digit_bits(n // nchunks)
     passes = -(-(hi - lo) // digit)
     width = -(-(hi - lo) // passes)  # equal digits: 22 bits in two passes of 11
-    nchunks = kernels.chunk_count(n)
-    chunk = -(-n // nchunks)
     # counts[1:] gets the digit counts; their running sum in place leaves counts[:-1] the
     # exclusive scan, each (digit, chunk)'s first output position.
     counts = runtime.scratch((1 << width) * nchunks + 1, np.int64)
@@ -63,9 +88,11 @@ def sort_by_bits(values, lo: int, hi: int):
     for shift in range(lo, hi, width):
         bits = min(width, hi - shift)
         size = (1 << bits) * nchunks
-        kernels.launch("radix_count_digits", nchunks, 1, (src, n, chunk, shift, bits, nchunks, counts[1:]))
+        strides = (1, 1 << bits) if by_run else (nchunks, 1)  # (digit, chunk) strides of the counts
+        args = (src, bounds, nchunks, shift, bits, *strides)
+        kernels.launch("radix_count_digits", nchunks, 1, (*args, counts[1:]))
         counts[0] = 0  # (the scatter advanced the previous pass's offsets in place)
         xp.cumsum(counts[1 : size + 1], out=counts[1 : size + 1])
-        kernels.launch("radix_scatter_digits", nchunks, 1, (src, n, chunk, shift, bits, nchunks, counts, dst))
+        kernels.launch("radix_scatter_digits", nchunks, 1, (*args, counts, dst))
         src, dst = dst, src
     return src
