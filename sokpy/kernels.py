@@ -493,16 +493,23 @@ def launch(name: str, n: int, dim: int, args) -> None:
         get(name)(grid, block, args)
 
 
+def _host_shapes(backend: str | None) -> bool:
+    """Whether launches on ``backend`` (default: the one sokpy runs on) take the host's shapes
+    (one thread per block), not the device's (also on the host under
+    SOKPY_EMULATE_DEVICE_SHAPES)."""
+    if backend is None:
+        from . import runtime
+
+        backend = runtime.backend()
+    return backend == "host" and not EMULATE_DEVICE_SHAPES
+
+
 def chunk_count(n: int, backend: str | None = None) -> int:
     """How many contiguous chunks a kernel that walks each chunk on one thread (the radix
     sort's passes, ``cuda_src/sort.cu``) cuts ``n`` items into: on the host one per 2^20
     items (one for a call's usual size; a chunk keeps counters of its own, and with one the
     pass is a plain loop), on the device one per 512 (thousands of threads)."""
-    if backend is None:
-        from . import runtime
-
-        backend = runtime.backend()
-    if backend == "host" and not EMULATE_DEVICE_SHAPES:
+    if _host_shapes(backend):
         return max(1, int(n) >> 20)
     return max(1, -(-int(n) // 512))
 
@@ -515,11 +522,7 @@ def launch_shape(n: int, dim: int, backend: str | None = None):
     emulated thread per block (block ``(1, 1)``) and at most 256 blocks, each taking a run of
     rows, so g++ vectorises each row's dimension loop. A GPU block has 128 threads: ``block.x`` covers the dimension (up to a warp) and
     ``block.y = 128 // block.x`` rows share the block, so small dims do not leave lanes idle."""
-    if backend is None:
-        from . import runtime
-
-        backend = runtime.backend()
-    if backend == "host" and not EMULATE_DEVICE_SHAPES:
+    if _host_shapes(backend):
         return (max(1, min(int(n), _HOST_BLOCKS)),), (1, 1)
     bx = 1
     while bx < min(int(dim), 32):

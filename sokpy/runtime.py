@@ -260,12 +260,17 @@ def xp():
     return numpy
 
 
+def _host_memory() -> bool:
+    """Whether arrays are numpy arrays in host memory (the host backend, not the emulated device)."""
+    return backend() == "host" and not _state.emulated
+
+
 def empty_rows(shape, dtype):
     """An uninitialised array for a table's rows and slots, which live as long as the table:
     ``xp().empty`` on the device (CuPy aligns to 256 bytes or more), on the host an array
     that starts on a cache line (``hostpool.aligned_empty``), so that a row whose size is a
     multiple of 64 bytes is read and updated in whole lines."""
-    if backend() == "host" and not _state.emulated:
+    if _host_memory():
         from . import hostpool
 
         return hostpool.aligned_empty(shape, dtype)
@@ -276,7 +281,7 @@ def scratch(shape, dtype):
     """An uninitialised array for one call's work, from the backend's memory pool: CuPy's on
     the device, ``hostpool``'s on the host (so that a step's large arrays are not page-faulted
     in anew every step). Not for tables: their memory is sized exactly."""
-    if backend() == "host" and not _state.emulated:
+    if _host_memory():
         from . import hostpool
 
         return hostpool.empty(shape, dtype)
