@@ -159,9 +159,11 @@ class _Dedup:
     ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
     below ``hi``; ``runs`` as ``sorting.sort_by_bits`` takes them), two kernel passes
     (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
-    second buffer (it is not needed after this)."""
+    second buffer (it is not needed after this). ``tabs`` is the call's table descriptor: the
+    unique keys of a static table with exact sort values come from those values, not from
+    ``keys``."""
 
-    def __init__(self, packed, keys, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None):
+    def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None):
         xp = runtime.xp()
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
@@ -177,7 +179,8 @@ class _Dedup:
         self.first = runtime.scratch(nuniq, np.int64)  # position of each unique key's first use
         self.ukeys = runtime.scratch(nuniq, np.int64)
         self.group = runtime.scratch(nuniq, np.int64)
-        args = (s, starts, nuniq, keys, pos_bits, sv_bits, self.first, self.ukeys, self.group)
+        ntab, world = int(tabs.shape[0]), runtime.world_size()
+        args = (s, starts, nuniq, keys, pos_bits, sv_bits, ntab, tabs, world, self.first, self.ukeys, self.group)
         kernels.launch("unique_key_heads", nuniq, 1, args)
 
 
@@ -320,7 +323,7 @@ class LookupPlan:
         self.dedup = None
         if world == 1:
             return np.zeros(1, np.int64), 0
-        d = self.dedup = _Dedup(packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
+        d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
         self.packed = None
         group = handoff.to_host(d.group)
         per = np.bincount(group, minlength=world * ntab).reshape(world, ntab)
@@ -480,7 +483,7 @@ class LookupPlan:
             if self.dedup is None:  # one rank: a key's group is its table, so tables are runs of groups
                 runs = (self.d_key_start, self.pos_bits + self.sv_bits)
                 d = self.dedup = _Dedup(
-                    self.packed, self.keys, self.pos_bits, self.sv_bits, self.sort_hi, self.exact, runs
+                    self.packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact, runs
                 )
                 self.packed = None
                 if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at hdr + u * dim

@@ -264,18 +264,27 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
 def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n):
     """The deduplication behind every lookup, against a reference that walks the sorted values
     one by one. Not exact: sort values of one bit, so that different keys share them (as the
-    hashed sort values of a dynamic table can). Exact: the sort value is the key's own row, and
-    runs split by value alone."""
+    hashed sort values of a dynamic table can). Exact: the sort value is the key's own row (one
+    rank; static tables, spread and placed), runs split by value alone, and the unique keys are
+    taken from the sort values, not read from the keys."""
+    from sokpy import kernels
     from sokpy.plan import _Dedup
 
+    c = kernels.constants()
     rng = np.random.default_rng(5)
     pos_bits, sv_bits = (n - 1).bit_length(), 3 if exact else 1
     index = rng.integers(0, 6, n)  # few distinct keys, many repeats
-    keys = index.astype(np.int64) * 1_000_003
-    group = rng.integers(0, 3, n)
+    keys = index.astype(np.int64) if exact else index.astype(np.int64) * 1_000_003
+    group = rng.integers(0, 3, n)  # one rank: the group is the table
     sv = index if exact else rng.integers(0, 2, 6)[index]
     packed = (group << (sv_bits + pos_bits)) | (sv << pos_bits) | np.arange(n)
-    d = _Dedup(packed.astype(np.int64), keys, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact)
+    tabs = np.zeros((3, c["SOKPY_TAB_FIELDS"]), np.int64)
+    if exact:
+        tabs[:, c["SOKPY_TAB_KIND"]] = [c["SOKPY_KIND_STATIC"], c["SOKPY_KIND_STATIC_AT"], c["SOKPY_KIND_STATIC"]]
+        tabs[:, c["SOKPY_TAB_EXACT"]] = 1
+    else:
+        tabs[:, c["SOKPY_TAB_KIND"]] = c["SOKPY_KIND_DYNAMIC"]
+    d = _Dedup(packed.astype(np.int64), keys, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact)
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
