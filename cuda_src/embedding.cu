@@ -116,13 +116,19 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // hash), its key does. Two keys that share a hashed sort value and interleave by position
 // give more than one unique entry each (never a merge of two keys); *collided becomes 1 where
 // a run of equal sort values holds more than one key, so the caller knows that a key may
-// appear more than once.
-extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact, i64* pos,
-                                            unsigned char* brk, int* collided) {
+// appear more than once. When bag_of (each position's bag) is not null, kbag[k] = bag_of[pos[k]]
+// too, the bags in the order segment_sum reads them.
+extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact,
+                                            const i64* bag_of, i64* pos, i64* kbag, unsigned char* brk,
+                                            int* collided) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     SOKPY_FOR_KEYS(k, n) {
         const i64 p = s[k] & mask;
         pos[k] = p;
+        if (bag_of) {
+            if (k + SOKPY_PREFETCH_BAGS < n) sokpy_prefetch_word(bag_of + (s[k + SOKPY_PREFETCH_BAGS] & mask));
+            kbag[k] = bag_of[p];
+        }
         int b = 1;
         if (k > 0) {
             b = (s[k] >> pos_bits) != (s[k - 1] >> pos_bits);
@@ -340,13 +346,16 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
 // order; u belongs to table t = group[u] % ntables. Its gradient row, written at element
 // dst_off[u] of dst, is
 //   sum_k (grad_t[bag b_j] / den[b_j]) * w_j     (j = perm[k], b_j = bag_of[j]; den 0 -> term 0)
-// in the order of k, times scale. grad[t] is the address of dL/d(output of table t), laid
-// out as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row. When
-// bad is not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite.
-extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* bag_start, const float* den,
-                                       const float* weights, const i64* perm, const i64* seg, const i64* group,
-                                       int ntables, const i64* tabs, i64 nuniq, float* dst, const i64* dst_off,
-                                       float scale, int* bad) {
+// in the order of k, times scale. kbag, when not null, holds the same bags in the order of k
+// (kbag[k] = bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the
+// chain from a position to its gradient row (one rank, t500: the backward 41.5 -> 39 ms).
+// grad[t] is the address of dL/d(output of table t), laid out as the output was (OUT_STRIDE);
+// 0 means the output got no gradient: a zero row. When bad is not null (zeroed by the
+// caller), bad[u] = 1 marks a row that is not finite.
+extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
+                                       const float* den, const float* weights, const i64* perm, const i64* seg,
+                                       const i64* group, int ntables, const i64* tabs, i64 nuniq, float* dst,
+                                       const i64* dst_off, float scale, int* bad) {
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
     i64 cur = -1, stride = 0, first_bag = 0;
@@ -369,16 +378,20 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         if (!g) continue;
         for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
             // Look ahead over the next keys' positions too (most keys have one or two): the bag
-            // of a position twice the distance ahead, the gradient row of one the distance
-            // ahead (across a table boundary this hints a wrong address, which is harmless).
+            // of a position twice the distance ahead (without kbag), the gradient row of one
+            // the distance ahead (across a table boundary this hints a wrong address, which is
+            // harmless).
             const i64 ka = k + SOKPY_PREFETCH_POSITIONS;
-            if (ka + SOKPY_PREFETCH_POSITIONS < seg[nuniq]) sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
-            if (ka < seg[nuniq]) sokpy_prefetch_row(g + (bag_of[perm[ka]] - first_bag) * stride, dim);
-            const i64 j = perm[k];
-            const i64 b = bag_of[j];
+            if (!kbag && ka + SOKPY_PREFETCH_POSITIONS < seg[nuniq]) {
+                sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
+            }
+            if (ka < seg[nuniq]) {
+                sokpy_prefetch_row(g + ((kbag ? kbag[ka] : bag_of[perm[ka]]) - first_bag) * stride, dim);
+            }
+            const i64 b = kbag ? kbag[k] : bag_of[perm[k]];
             const float dn = sum ? 1.0f : den[b];
             if (dn == 0.0f) continue;
-            const float wj = w ? w[j] : 1.0f;
+            const float wj = w ? w[perm[k]] : 1.0f;
             const float* __restrict__ s = g + (b - first_bag) * stride;
             if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
                 sokpy_row_axpy(o, s, wj, dim, false);

@@ -161,16 +161,19 @@ class _Dedup:
     (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
     second buffer (it is not needed after this). ``tabs`` is the call's table descriptor: the
     unique keys of a static table with exact sort values come from those values, not from
-    ``keys``."""
+    ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag of each sorted
+    position (``bag_of[pos]``), else None."""
 
-    def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None):
+    def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None, bag_of=None):
         xp = runtime.xp()
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
         self.pos = runtime.scratch(n, np.int64)
         brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
         collided = xp.zeros(1, np.int32)
-        kernels.launch("mark_unique_keys", n, 1, (s, n, keys, pos_bits, int(exact), self.pos, brk, collided))
+        self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
+        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, brk, collided)
+        kernels.launch("mark_unique_keys", n, 1, args)
         # Whether a key may have more than one unique entry (keys that share a hashed sort value).
         self.collided = not exact and bool(collided[0])
         starts = xp.flatnonzero(brk.view(bool))
@@ -483,7 +486,15 @@ class LookupPlan:
             if self.dedup is None:  # one rank: a key's group is its table, so tables are runs of groups
                 runs = (self.d_key_start, self.pos_bits + self.sv_bits)
                 d = self.dedup = _Dedup(
-                    self.packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact, runs
+                    self.packed,
+                    self.keys,
+                    self.d_tabs,
+                    self.pos_bits,
+                    self.sv_bits,
+                    self.sort_hi,
+                    self.exact,
+                    runs,
+                    bag_of=self.bag_of,
                 )
                 self.packed = None
                 if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at hdr + u * dim
@@ -510,8 +521,10 @@ class LookupPlan:
             # One rank: these rows are the whole gradients (no other rank adds to them), so the
             # kernel checks them as it writes them and the optimizer step needs no merge pass.
             bad = xp.zeros(max(d.nuniq, 1), np.int32) if self.world == 1 else None
-            args = (gptr, self.bag_of, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group, ntab)
-            args += (self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
+            # kbag: the bags in sorted order, where the deduplication ran after the forward (one
+            # rank); several ranks deduplicate before it, and segment_sum reads bag_of there.
+            args = (gptr, self.bag_of, d.kbag, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group)
+            args += (ntab, self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
             kernels.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
             if self.world == 1:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None

@@ -284,7 +284,8 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
         tabs[:, c["SOKPY_TAB_EXACT"]] = 1
     else:
         tabs[:, c["SOKPY_TAB_KIND"]] = c["SOKPY_KIND_DYNAMIC"]
-    d = _Dedup(packed.astype(np.int64), keys, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact)
+    bag_of = rng.integers(0, n, n) if exact else None  # each position's bag, as combine_forward writes it
+    d = _Dedup(packed.astype(np.int64), keys, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
@@ -298,6 +299,8 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     assert d.group.tolist() == [r[0] >> sv_bits for r in runs]
     assert d.first.tolist() == [r[1] for r in runs] and d.ukeys.tolist() == [r[2] for r in runs]
     assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(d.nuniq)] == [r[3] for r in runs]
+    # the bag of each sorted position, for segment_sum (only when the bags are given)
+    assert d.kbag is None if bag_of is None else d.kbag.tolist() == [bag_of[p] for r in runs for p in r[3]]
     for u in range(d.nuniq):  # no unique entry mixes two keys
         assert (keys[d.pos[d.seg[u] : d.seg[u + 1]]] == d.ukeys[u]).all()
     # collided: some run of equal sort values holds two keys (so a key may appear twice)
