@@ -121,9 +121,11 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // prefetch: 4 -> 16 took t500's segment_sum from 52 to 38 ms (32: no better).
 #define SOKPY_PREFETCH_POSITIONS 16
 // How many sorted positions ahead mark_unique_keys hints the bag of (one rank): the bags were
-// written in the forward and are read in sort order, a cache miss each without it (t500's
-// mark_unique_keys 6.7 -> 4.5 ms).
-#define SOKPY_PREFETCH_BAGS 32
+// written in the forward and are read in sort order, a cache miss each without it. t500's
+// mark_unique_keys: no hint 6.7 ms, 16 ahead 5.5, 32 4.6, 64 4.1, 128 3.7, 256 3.6; W1 0.39 /
+// 0.32 / 0.28 / 0.26 / 0.25 for 16-256; criteo26 0.25 / 0.22 / 0.19 for 32-128 (kernel A/B
+// in one process, AMD EPYC VM).
+#define SOKPY_PREFETCH_BAGS 128
 // How many rows ahead an optimizer update prefetches the row it will read and write (values
 // and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms (combine_forward keeps 4:
 // 8 made it slower).
