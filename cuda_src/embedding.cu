@@ -381,7 +381,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
             // of a position twice the distance ahead (without kbag), the gradient row of one
             // the distance ahead (across a table boundary this hints a wrong address, which is
             // harmless).
-            const i64 ka = k + SOKPY_PREFETCH_POSITIONS;
+            const i64 ka = k + (kbag ? SOKPY_PREFETCH_SORTED_POSITIONS : SOKPY_PREFETCH_POSITIONS);
             if (!kbag && ka + SOKPY_PREFETCH_POSITIONS < seg[nuniq]) {
                 sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
             }

@@ -120,6 +120,11 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // far ahead), and most keys have one or two positions, so it looks further than a row
 // prefetch: 4 -> 16 took t500's segment_sum from 52 to 38 ms (32: no better).
 #define SOKPY_PREFETCH_POSITIONS 16
+// The same with the bags in sorted order (segment_sum's kbag, one rank): the look-ahead is one
+// read, not a chain, and looks further. Against 16 (kernel A/B in one process, AMD EPYC VM):
+// t500 13.0 -> 12.1 ms, criteo26 0.94 -> 0.70, W1 level (32: 12.0, 0.77). Without kbag (two
+// ranks) 16 stays best: W1 1.47-1.49 against 1.55 (32) and 1.58 (64).
+#define SOKPY_PREFETCH_SORTED_POSITIONS 64
 // How many sorted positions ahead mark_unique_keys hints the bag of (one rank): the bags were
 // written in the forward and are read in sort order, a cache miss each without it. t500's
 // mark_unique_keys: no hint 6.7 ms, 16 ahead 5.5, 32 4.6, 64 4.1, 128 3.7, 256 3.6; W1 0.39 /
