@@ -143,10 +143,10 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
 
 // Unique key u starts at sorted index starts[u]: the position of its first use, its key and
 // its group (owner * ntables + table). The key of a static table whose sort value is its
-// exact stored row (tabs EXACT) comes back from that row and the owner (row * world + owner
-// for rows spread over the ranks, the row itself for a table placed whole on one rank), not
-// from a read of keys at a random position: on the host that read is a cache miss per unique
-// key (this kernel, one rank, AMD EPYC VM: t100 0.83 -> 0.21 ms, t500 3.9 -> 2.6, W1 0.26 -> 0.09).
+// exact stored row (tabs EXACT) comes back from that row and the owner (sokpy_static_key),
+// not from a read of keys at a random position: on the host that read is a cache miss per
+// unique key (this kernel, one rank, AMD EPYC VM: t100 0.83 -> 0.21 ms, t500 3.9 -> 2.6, W1
+// 0.26 -> 0.09).
 extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64 nuniq, const i64* keys, int pos_bits,
                                             int sv_bits, int ntables, const i64* tabs, int world, i64* first,
                                             i64* ukeys, i64* group) {
@@ -154,8 +154,8 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64
     const i64 sv_mask = ((i64)1 << sv_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
     // keys come group by group), not once per key.
-    i64 cur = -1, owner = 0;
-    int from_row = 0, spread = 0;
+    i64 cur = -1, owner = 0, kind = 0;
+    int from_row = 0;
     SOKPY_FOR_KEYS(u, nuniq) {
         const i64 v = s[starts[u]];
         const i64 p = v & mask;
@@ -163,14 +163,14 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64
         if (g != cur) {
             cur = g;
             const int t = (int)(g % ntables);
-            const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
-            spread = kind == SOKPY_KIND_STATIC;
-            from_row = (spread || kind == SOKPY_KIND_STATIC_AT) && SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
+            kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
+            const int is_static = kind == SOKPY_KIND_STATIC || kind == SOKPY_KIND_STATIC_AT;
+            from_row = is_static && SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
             owner = g / ntables;
         }
         const i64 row = (v >> pos_bits) & sv_mask;
         first[u] = p;
-        ukeys[u] = from_row ? (spread ? row * world + owner : row) : keys[p];
+        ukeys[u] = from_row ? sokpy_static_key(kind, row, owner, world) : keys[p];
         group[u] = g;
     }
 }
@@ -341,6 +341,12 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
 }
 
 // ---- the requester: gradients --------------------------------------------------------------
+// The bag of sorted position k: kbag[k] when the bags come in sorted order, else the bag of
+// position perm[k].
+__device__ __forceinline__ i64 sokpy_sorted_bag(const i64* kbag, const i64* bag_of, const i64* perm, i64 k) {
+    return kbag ? kbag[k] : bag_of[perm[k]];
+}
+
 // combine_forward's transpose, a deterministic segment reduction (no float atomics). The
 // keys of unique key u are positions perm[k] for k in [seg[u], seg[u+1]), in increasing
 // order; u belongs to table t = group[u] % ntables. Its gradient row, written at element
@@ -386,9 +392,9 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
                 sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
             }
             if (ka < seg[nuniq]) {
-                sokpy_prefetch_row(g + ((kbag ? kbag[ka] : bag_of[perm[ka]]) - first_bag) * stride, dim);
+                sokpy_prefetch_row(g + (sokpy_sorted_bag(kbag, bag_of, perm, ka) - first_bag) * stride, dim);
             }
-            const i64 b = kbag ? kbag[k] : bag_of[perm[k]];
+            const i64 b = sokpy_sorted_bag(kbag, bag_of, perm, k);
             const float dn = sum ? 1.0f : den[b];
             if (dn == 0.0f) continue;
             const float wj = w ? w[perm[k]] : 1.0f;

@@ -91,6 +91,13 @@ __device__ __forceinline__ i64 sokpy_div_world(i64 k, i64 world, double inv_worl
     return q;
 }
 
+// The key of stored row `row` on rank `owner` of a static table: the inverse of the placement
+// (k = row * world + owner for rows spread over the ranks, k = row for a table placed whole on
+// one rank).
+__device__ __forceinline__ i64 sokpy_static_key(i64 kind, i64 row, i64 owner, int world) {
+    return kind == SOKPY_KIND_STATIC ? row * world + owner : row;
+}
+
 // ---- hash placement -----------------------------------------------------------------------
 // The rank of a dynamic table's key: mix64(k) % W (patterned ids do not pile up on one rank).
 __device__ __forceinline__ i64 sokpy_dynamic_owner(i64 key, int world) {
