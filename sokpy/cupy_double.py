@@ -18,6 +18,12 @@ meets those rules on a machine without a GPU:
 * Results are arrays of this module; reductions give 0-d arrays, not numpy scalars.
 * It exposes ``__cuda_array_interface__`` (CuPy's way of giving its pointer to kernels and
   to NCCL) and DLPack (to torch), never the host's ``__array_interface__``.
+* It counts the places where a GPU would make the host wait for the device
+  (:func:`host_reads`): a read of device values (``.get()``, ``int()``, ``float()``,
+  ``bool()``, ``.tolist()``, ``.item()``, a device value as an index) and a routine whose
+  result size depends on the data (``nonzero``, ``flatnonzero``, ``argwhere``, ``unique``,
+  ``bincount``, ``compress``, ``extract``, indexing by a boolean mask), for which CuPy reads
+  a count first. Tests hold the number per call fixed, whatever the number of tables.
 
 Where CuPy is installed (it imports without a GPU), a function, ufunc method or array
 method CuPy does not have raises ``AttributeError`` / ``TypeError`` here too, so code that
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ndarray", "asarray", "array", "from_dlpack", "get_array_module"]
+__all__ = ["ndarray", "asarray", "array", "from_dlpack", "get_array_module", "host_reads"]
 
 _IMPLICIT = (
     "Implicit conversion to a NumPy array is not allowed (emulated CuPy array, SOKPY_EMULATE_DEVICE): "
@@ -103,7 +109,26 @@ def _wrap(x):
     return x
 
 
+# Routines and methods that read device values on the host, or whose result size depends on
+# the data (CuPy reads a count from the device before it allocates the result).
+_READS_DEVICE = frozenset("nonzero flatnonzero argwhere unique bincount compress extract tolist item".split())
+_host_reads = 0
+
+
+def host_reads() -> int:
+    """How many times so far the host would have waited for the device (see the module's
+    docstring): read it before and after a call to count the call's host synchronisations."""
+    return _host_reads
+
+
+def _host_read() -> None:
+    global _host_reads
+    _host_reads += 1
+
+
 def _call(fn, args, kwargs, allow_numpy: bool, kind: str):
+    if kind.rpartition(".")[2] in _READS_DEVICE:
+        _host_read()
     a = _unwrap(args, allow_numpy, kind)
     k = {n: _unwrap(v, allow_numpy, kind) for n, v in kwargs.items()}
     return _wrap(fn(*a, **k))
@@ -124,6 +149,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     def get(self, stream=None) -> np.ndarray:
         """A host copy (``cupy.ndarray.get``)."""
+        _host_read()
         return self._a.copy()
 
     @property
@@ -144,15 +170,19 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return self._a.__dlpack_device__()
 
     def __int__(self) -> int:
+        _host_read()
         return int(self._a)
 
     def __float__(self) -> float:
+        _host_read()
         return float(self._a)
 
     def __bool__(self) -> bool:
+        _host_read()
         return bool(self._a)
 
     def __index__(self) -> int:
+        _host_read()
         return self._a.__index__()
 
     def __len__(self) -> int:
@@ -166,7 +196,10 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     # ---- indexing: numpy arrays and lists are copied in, as CuPy does ---------------------
     def __getitem__(self, index):
-        return _wrap(self._a[_unwrap(index, True, "indexing")])
+        index = _unwrap(index, True, "indexing")
+        if isinstance(index, np.ndarray) and index.dtype == np.bool_:
+            _host_read()  # a boolean mask: CuPy counts its true entries first
+        return _wrap(self._a[index])
 
     def __setitem__(self, index, value):
         self._a[_unwrap(index, True, "indexing")] = _unwrap(value, True, "assignment")

@@ -95,6 +95,8 @@ class GradChunk:
             return self.group, self.rows, self.offsets, self.keys, self.bad  # all of them, as they are
         t = self.group if self.by_table else self.group % self.ntables  # (an int64 remainder is slow)
         mine = xp.asarray(index)[t]
+        if every_entry and (index >= 0).all():  # every entry is kept: nothing to compact
+            return mine, self.rows, self.offsets, self.keys, self.bad
         keep = (mine >= 0) & (self.rows >= 0)
         if self.used is not None and not self.used.all():
             keep &= xp.asarray(self.used.reshape(-1))[self.group]

@@ -313,7 +313,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         n = int(otab.shape[0])
         ts = table_set(tables)
         tb = max(1, (len(tables) - 1).bit_length())
-        rb = max(1, int(rows.max(initial=0)).bit_length()) if n else 1
+        rb = max(1, (max(ts.capacity, 1) - 1).bit_length())  # stored rows are below the capacity: no read of rows
         ab = max(1, (n - 1).bit_length())
         if tb + rb + ab <= 63:
             packed = (otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
@@ -332,14 +332,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
         goff = runtime.scratch(nuniq, np.int64)
         bad = xp.zeros(max(nuniq, 1), np.int32)
+        first = perm[starts]
+        uotab, urows, ukeys = otab[first], rows[first], keys[first]
         kernels.launch(
             "merge_grads",
             nuniq,
             int(ts.dims.max(initial=1)),
-            (buffer, offsets, perm, seg, otab[perm[starts]] if nuniq else otab, xp.asarray(ts.tabs), nuniq, goff, bad),
+            (buffer, offsets, perm, seg, uotab, xp.asarray(ts.tabs), nuniq, goff, bad),
         )
-        first = perm[starts]
-        uotab, urows, ukeys = otab[first], rows[first], keys[first]
         error = None
         if nuniq and bool(bad[:nuniq].any()):
             u = int(xp.flatnonzero(bad[:nuniq])[0])

@@ -68,6 +68,14 @@ def _exclusive(x, xp=np):
     return out
 
 
+def _add_per_block(x, cut, values) -> None:
+    """Adds ``values[p]`` to ``x[cut[p]:cut[p + 1]]`` for each block p (a loop over ranks, not
+    keys or tables)."""
+    for lo, hi, v in zip(cut[:-1].tolist(), cut[1:].tolist(), np.asarray(values).tolist()):
+        if hi > lo and v:
+            x[lo:hi] += v
+
+
 def row_header(ntables: int) -> int:
     """The leading slots of a buffer of rows: ``ntables`` rounded up to 16 float32 (64 bytes)."""
     return -(-ntables // 16) * 16
@@ -109,6 +117,8 @@ class TableSet:
         if self.epoch != epoch():
             for i, t in enumerate(tables):
                 t.storage.descriptor(self.tabs[i], self.ptrs[i])
+            # Every stored row index of these tables is below this (for sort widths).
+            self.capacity = max((t.storage.capacity for t in tables), default=0)
             self.epoch = epoch()
 
 
@@ -131,13 +141,15 @@ def table_set(tables) -> TableSet:
 
 
 def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bits: int):
-    """``(packed, first bad position or n)`` of route_keys."""
+    """``(packed, bad)`` of route_keys: ``bad`` is a one-element array of the backend with the
+    first position of a key out of range, or n (read it when the caller needs the host to
+    know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile)."""
     xp = runtime.xp()
     n = int(keys.shape[0])
     packed = runtime.scratch(n, np.int64)
     bad = xp.full(1, n, np.int64)
     kernels.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
-    return packed, int(bad[0])
+    return packed, bad
 
 
 def _sort_bits(n: int, ngroups: int) -> tuple[int, int]:
@@ -299,6 +311,9 @@ class LookupPlan:
             tabs[:, c["SOKPY_TAB_OUT_START"]] = _exclusive(sizes)[:-1]
             tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = ts.dims
             self.out_size = int(sizes.sum())
+        # Every table of the call has this dimension (0: they differ): rows of consecutive
+        # keys then lie one dimension apart, whatever their tables.
+        self.one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
         self.pos_bits, self.sv_bits = _sort_bits(n, world * ntab)
         exact = ts.row_bits <= self.sv_bits
         self.exact = bool(exact.all())
@@ -315,31 +330,44 @@ class LookupPlan:
         self.d_offsets = xp.asarray(b.offsets)
         self.d_weights = None if b.weights is None else xp.asarray(b.weights)
         packed, bad = _route(self.d_tabs, self.keys, self.d_key_start, ntab, world, self.pos_bits, self.sv_bits)
-        if bad < n:
+        self.packed = packed
+        self.dedup = None
+        if world == 1:
+            self._check_range(int(bad[0]))
+            return np.zeros(1, np.int64), 0
+        d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
+        self.packed = None
+        # The unique keys come sorted by group (owner * T + table), so a group's count is the
+        # distance from its first key to the next group's: a binary search per group. One read
+        # from the device brings the range check's verdict and these counts.
+        edges = xp.searchsorted(d.group, xp.arange(world * ntab + 1, dtype=np.int64))
+        head = handoff.to_host(xp.concatenate([bad, xp.diff(edges)]))
+        self._check_range(int(head[0]))
+        per = head[1:].reshape(world, ntab)
+        self.counts = per
+        self.ucut = _exclusive(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
+        # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
+        # each a header (row_header) then the rows, table after table.
+        if self.one_dim:
+            self.urow = xp.arange(0, d.nuniq * self.one_dim, self.one_dim, dtype=np.int64)
+        else:
+            self.urow = _exclusive(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
+        _add_per_block(self.urow, self.ucut, self.hdr * np.arange(1, world + 1))
+        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+        msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
+        volume = max(int(msg.sum()), int(self.recv_elems.sum()))
+        return msg, volume
+
+    def _check_range(self, bad: int) -> None:
+        """Raises for route_keys' first key out of range (at position ``bad``; n: none)."""
+        b = self.batch
+        if bad < int(b.keys.shape[0]):
             t = int(np.searchsorted(b.key_start, bad, side="right")) - 1
             var = self.tables[t]
             raise ValueError(
                 f"table {var.name!r} (index {t}): key {int(b.keys[bad])} at position "
                 f"{bad - int(b.key_start[t])} is out of range [0, {var.rows})"
             )
-        self.packed = packed
-        self.dedup = None
-        if world == 1:
-            return np.zeros(1, np.int64), 0
-        d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
-        self.packed = None
-        group = handoff.to_host(d.group)
-        per = np.bincount(group, minlength=world * ntab).reshape(world, ntab)
-        self.counts = per
-        self.peer_of = d.group // ntab
-        udim = xp.asarray(ts.dims)[d.group % ntab]
-        # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
-        # each a header (row_header) then the rows, table after table.
-        self.urow = _exclusive(udim, xp)[:-1] + self.hdr * (self.peer_of + 1)
-        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
-        msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
-        volume = max(int(msg.sum()), int(self.recv_elems.sum()))
-        return msg, volume
 
     def _find_rows(self, keys, seg_start, nseg: int, incoming: np.ndarray):
         """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
@@ -396,15 +424,15 @@ class LookupPlan:
         blk = _exclusive(msg)[:-1]
         send = runtime.scratch(int(msg.sum()), np.int64)
         send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(self.counts.reshape(-1))
-        send[xp.arange(d.nuniq, dtype=np.int64) + ntab * (self.peer_of + 1)] = d.ukeys
+        for p, (lo, hi) in enumerate(zip(self.ucut[:-1].tolist(), self.ucut[1:].tolist())):
+            send[blk[p] + ntab : blk[p] + ntab + hi - lo] = d.ukeys[lo:hi]
         recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
         # Owner: parse the counts, then find and gather the rows.
-        rblk = _exclusive(np.asarray(recv_msg))[:-1]
+        recv_msg = np.asarray(recv_msg)
+        rblk = _exclusive(recv_msg)[:-1]
         head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
         rcnt = handoff.to_host(recv[xp.asarray(head)]).reshape(world, ntab)
-        keep = xp.ones(int(recv.shape[0]), bool)
-        keep[xp.asarray(head)] = False
-        self.okeys = recv[keep]
+        self.okeys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
         self.rcnt = rcnt
         self.seg_start = _exclusive(rcnt.reshape(-1))
         self.d_seg_start = xp.asarray(self.seg_start)
@@ -446,7 +474,7 @@ class LookupPlan:
             comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large, out=both[:recv_total], skip_self=True)
             rows_in = both
             me, rstart = comm.rank, _exclusive(self.recv_elems)[:-1]
-            lo, hi = _exclusive(self.counts.sum(axis=1))[me : me + 2]  # the own keys: group order is owner order
+            lo, hi = self.ucut[me : me + 2]  # the own keys: group order is owner order
             if hi > lo:
                 urow = runtime.scratch(d.nuniq, np.int64)
                 urow[...] = self.urow
@@ -497,8 +525,8 @@ class LookupPlan:
                     bag_of=self.bag_of,
                 )
                 self.packed = None
-                if ntab and (self.dims == self.dims[0]).all():  # one dimension: row u at hdr + u * dim
-                    dim = int(self.dims[0])
+                if self.one_dim:  # row u at hdr + u * dim
+                    dim = self.one_dim
                     self.urow = xp.arange(hdr, hdr + d.nuniq * dim, dim, dtype=np.int64)
                     total = d.nuniq * dim
                 else:
@@ -593,13 +621,19 @@ class LookupPlan:
         world, ntab = self.world, self.ntables
         starts = _exclusive(self.send_elems)[:-1]
         starts[me] += own
-        seg_elem = self.seg_elem.copy()
-        seg_elem[me * ntab : (me + 1) * ntab] += own
         flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
         used = flags.reshape(world, ntab) != 0
         seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
-        dims = np.tile(self.dims, world)
-        offsets = seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
+        if self.one_dim:  # peer p's keys [kcut[p], kcut[p + 1]) have their rows one after another after its header
+            dim = self.one_dim
+            kcut = _exclusive(self.rcnt.sum(axis=1))
+            offsets = xp.arange(0, int(kcut[-1]) * dim, dim, dtype=np.int64)
+            _add_per_block(offsets, kcut, starts + self.hdr - kcut[:-1] * dim)
+        else:
+            seg_elem = self.seg_elem.copy()
+            seg_elem[me * ntab : (me + 1) * ntab] += own
+            dims = np.tile(self.dims, world)
+            offsets = seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
         return GradChunk(
             self.tables,
             grecv,
@@ -609,6 +643,7 @@ class LookupPlan:
             xp.asarray(offsets),
             None if used.all() else used,
             uids=self.ts.uids,
+            rows_found=not self.ts.dynamic,  # a static table has the row of every key sent to it
         )
 
     def _weight_grads(self, gptr, grads):
@@ -687,6 +722,7 @@ def owners(var, keys) -> np.ndarray:
     packed, bad = _route(
         xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, sv_bits
     )
+    bad = int(bad[0])
     if bad < n:
         raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
     return handoff.to_host(packed >> (pos_bits + sv_bits))

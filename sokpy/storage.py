@@ -34,7 +34,7 @@ import itertools
 
 import numpy as np
 
-from . import kernels, runtime
+from . import handoff, kernels, runtime
 
 __all__ = ["Storage", "StaticStorage", "HashStorage", "InitSpec", "epoch", "init_rows", "finish_inserts"]
 
@@ -136,8 +136,9 @@ class Storage:
     def reserve(self, incoming: int) -> None:
         """Makes room for ``incoming`` new keys before a lookup that may insert them."""
 
-    def commit_inserts(self) -> tuple[int, int]:
-        """After a kernel that may have inserted keys: ``(first new row, new size)``."""
+    def commit_inserts(self, size: int) -> tuple[int, int]:
+        """After a kernel that may have inserted keys, with the row counter it left (``size``):
+        ``(first new row, new size)``."""
         return self.size, self.size
 
     def find(self, keys, insert: bool):
@@ -263,11 +264,9 @@ class HashStorage(Storage):
         self.growths += 1
         _bump()
 
-    def commit_inserts(self) -> tuple[int, int]:
-        """Reads the row counter after an insert kernel and initialises the new rows."""
-        first, size = self._size, int(self.counter[0])
-        self._size = size
-        return first, size
+    def commit_inserts(self, size: int) -> tuple[int, int]:
+        first, self._size = self._size, int(size)
+        return first, self._size
 
     def find(self, keys, insert: bool):
         xp = runtime.xp()
@@ -333,10 +332,11 @@ def init_rows(segments) -> None:
 
 
 def finish_inserts(storages) -> None:
-    """After a kernel that may have inserted keys into ``storages``: counts their rows and
-    initialises the new ones (values and optimizer slots), all in one launch."""
-    segments = []
-    for s in storages:
-        first, stop = s.commit_inserts()
-        segments.append((s, first, stop))
-    init_rows(segments)
+    """After a kernel that may have inserted keys into ``storages``: reads their row counters
+    (one read from the device for all of them, not one per table) and initialises the new
+    rows (values and optimizer slots), all in one launch."""
+    if not storages:
+        return
+    xp = runtime.xp()
+    sizes = handoff.to_host(xp.concatenate([s.counter for s in storages])).tolist()
+    init_rows([(s, *s.commit_inserts(size)) for s, size in zip(storages, sizes)])

@@ -5,7 +5,7 @@ allow what CuPy allows (else it flags correct code)."""
 import numpy as np
 import pytest
 import torch
-from conftest import run_python
+from conftest import run_mpi, run_python
 
 from sokpy import cupy_double as xp
 
@@ -80,3 +80,38 @@ def test_names_cupy_lacks_fail_as_on_a_gpu():
     with pytest.raises(TypeError, match="no CuPy implementation"):
         np.insert(a, 0, 5)  # reaches the double through __array_function__
     assert int(np.cumsum(a)[-1]) == 6  # one CuPy has
+
+
+# The most host synchronisations a call may make on the device code path (forward, backward,
+# optimizer step), whatever its number of tables. One rank: the range check of the keys
+# (forward); the count of unique keys, the finite check of the gradient rows and, with mixed
+# dimensions, the size of the gradient buffer (backward); nothing at the step. Several ranks:
+# the count of unique keys, then the range check with the per-(rank, table) key counts in one
+# read, then the counts that arrive (forward); the peers' used flags (backward); the count of
+# unique rows and the finite check (step). A dynamic table adds the row counters after its
+# inserts (one read for all tables) and the check for keys that share a hashed sort value.
+HOST_SYNCS = {
+    (1, "one_dim"): (1, 2, 0),
+    (1, "mixed_dims"): (1, 3, 0),
+    (1, "dynamic"): (2, 4, 1),
+    ("W", "one_dim"): (3, 1, 2),
+    ("W", "mixed_dims"): (3, 1, 2),
+    ("W", "dynamic"): (5, 1, 3),
+}
+
+
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_host_synchronisations_per_call_do_not_grow_with_tables(nranks):
+    out = run_mpi(nranks, "syncs_worker.py", env={"SOKPY_EMULATE_DEVICE": "1"})
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("syncs "):
+            _, rank, case, ntab, *phases = line.split()
+            counts[int(rank), case, int(ntab)] = tuple(map(int, phases))
+    assert len(counts) == nranks * 6, out
+    for (rank, case, ntab), got in counts.items():
+        assert got == counts[rank, case, 2], (
+            f"rank {rank}, {case}: {ntab} tables {got}, 2 tables {counts[rank, case, 2]}"
+        )
+        most = HOST_SYNCS[1 if nranks == 1 else "W", case]
+        assert all(g <= m for g, m in zip(got, most)), f"rank {rank}, {case}, {ntab} tables: {got} > {most}"
