@@ -109,8 +109,10 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // not bags, so that one-key bags look as far ahead as long ones: against 4 bags ahead,
 // criteo26 (one key a bag) 3.05 -> 2.17 ms, t100 (two) 6.58 -> 4.68, t500 25.3 -> 15.6, W1
 // (eight) level (AMD EPYC VM, kernels A/B in one process). 16 keys did as well on one-key
-// bags and worse on t100; 64 no better.
-#define SOKPY_PREFETCH_KEYS 32
+// bags and worse on t100. 64 against 32, later (same VM and method): t500 14.2 -> 13.2 and
+// 15.1 -> 13.9 ms, t100 3.61 -> 3.30, criteo26 and W1 level; at 2 ranks t100 2.83 -> 2.56,
+// W1 1.06 -> 1.00. 128: as 64 on t500, 3.19 on t100, 1.61 against 1.59 on criteo26.
+#define SOKPY_PREFETCH_KEYS 64
 // How many keys ahead gather_rows (the owner's rows for the exchange) prefetches: against 4,
 // at 2 ranks criteo26 0.91 -> 0.68 ms, t100 3.1-3.3 -> 2.2-2.4, W1 1.97-2.17 -> 1.89-2.05
 // (kernel A/B in one job, AMD EPYC VM); 32 no better.
