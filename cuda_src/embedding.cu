@@ -184,7 +184,7 @@ extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_st
                                        int ntables, const i64* tabs, const u64* ptrs, float* dst) {
     // The segment's fields are read when a thread's walk over keys enters a segment.
     int s = -1, dim = 0;
-    i64 seg_first = 0, seg_end = -1, width = 0;
+    i64 seg_first = 0, seg_end = -1, width = 0, look = SOKPY_PREFETCH_GATHER;
     const float* data = 0;
     float* seg_dst = dst;
     SOKPY_FOR_ROWS(i, n) {
@@ -197,8 +197,9 @@ extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_st
             seg_first = seg_start[s];
             seg_end = seg_start[s + 1];
             seg_dst = dst + seg_elem[s];
+            look = max((i64)SOKPY_PREFETCH_GATHER, (i64)(SOKPY_PREFETCH_GATHER_LINES / ((dim + 15) / 16)));
         }
-        const i64 ahead = i + SOKPY_PREFETCH_GATHER;
+        const i64 ahead = i + look;
         if (ahead < seg_end && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
         float* o = seg_dst + (i - seg_first) * dim;
         const i64 r = rows[i];

@@ -117,6 +117,11 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // at 2 ranks criteo26 0.91 -> 0.68 ms, t100 3.1-3.3 -> 2.2-2.4, W1 1.97-2.17 -> 1.89-2.05
 // (kernel A/B in one job, AMD EPYC VM); 32 no better.
 #define SOKPY_PREFETCH_GATHER 16
+// ... and at least as many keys as keep this many cache lines of rows in flight: rows of one
+// line (16 floats) look 64 keys ahead, rows of 4 lines or more SOKPY_PREFETCH_GATHER. Against
+// 16 keys for every row (kernel A/B in one 2-rank job, AMD EPYC VM): t100 2.05 -> 1.73 ms,
+// criteo26 0.56 -> 0.49, W1 level (its 4-line rows: 32 or 64 keys ahead were 2-3% slower).
+#define SOKPY_PREFETCH_GATHER_LINES 64
 // How many key positions ahead segment_sum prefetches a gradient row. Each look-ahead is a
 // chain of two random reads (the position's bag, then the row; the bag is prefetched twice as
 // far ahead), and most keys have one or two positions, so it looks further than a row
