@@ -305,15 +305,15 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
         // The rows of the keys up to SOKPY_PREFETCH_KEYS past this bag (same table), each hinted
-        // once, and the output row of a bag a few bags ahead.
+        // once, and the output row of the bag SOKPY_PREFETCH_OUT_BAGS ahead.
         float* __restrict__ o = out_t + (b - tab_first) * out_stride;
         if (next_hint < end) next_hint = end;
         const i64 hint_end = end + SOKPY_PREFETCH_KEYS < key_end ? end + SOKPY_PREFETCH_KEYS : key_end;
         for (; next_hint < hint_end; ++next_hint) {
             if (val_off[next_hint] >= 0) sokpy_prefetch_row(rows + val_off[next_hint] * stride, dim);
         }
-        if (b + SOKPY_PREFETCH_DISTANCE < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
-            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_DISTANCE * out_stride, dim);
+        if (b + SOKPY_PREFETCH_OUT_BAGS < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
+            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, dim);
         }
         // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
         // first row initialises the output instead of a pass of zeros before it: on the host a

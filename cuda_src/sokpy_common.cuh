@@ -83,8 +83,8 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 // A hint that a row will be written soon (host only): the output rows of a keyed lookup over
 // many tables lie a whole batch row apart, beyond the page the hardware prefetcher stays in,
 // so without it every bag's write waits for its cache line. For rows closer together than
-// SOKPY_FAR_STRIDE floats (4 KB) the hardware does it and the hint only costs instructions
-// (W1's forward: 0.4-0.7 ms slower with it).
+// SOKPY_FAR_STRIDE floats (1.5 KB) the hardware does it and the hint only costs instructions
+// (W1's forward, rows 1 KB apart: 0.4-0.7 ms slower with it 4 bags ahead, 0.08 ms at 32).
 __device__ __forceinline__ void sokpy_prefetch_row_for_write(float* row, int dim) {
 #ifdef SOKPY_HOST
     for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 1);
@@ -101,8 +101,12 @@ __device__ __forceinline__ void sokpy_prefetch_word(const void* p) {
 // 1 when x is finite (not NaN or +-Inf), with no library call.
 __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
 
-// Output rows at least this many floats apart are prefetched for writing (combine_forward).
-#define SOKPY_FAR_STRIDE 1024
+// Output rows at least this many floats apart are prefetched for writing (combine_forward),
+// SOKPY_PREFETCH_OUT_BAGS bags ahead. Against 1024 floats (with 32 bags ahead, kernels
+// alternated in one process, AMD EPYC VM): criteo26 (rows 416 floats apart) 1.30 -> 1.19 ms;
+// W1's rows, 256 floats apart, stay without (with: 2.35 -> 2.43 ms).
+#define SOKPY_FAR_STRIDE 384
+#define SOKPY_PREFETCH_OUT_BAGS 32
 // How many rows ahead a kernel prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
 // How many keys past the current bag combine_forward prefetches the rows of. Counted in keys,
