@@ -107,7 +107,7 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // W1's rows, 256 floats apart, stay without (with: 2.35 -> 2.43 ms).
 #define SOKPY_FAR_STRIDE 384
 #define SOKPY_PREFETCH_OUT_BAGS 32
-// How many rows ahead a kernel prefetches.
+// How many rows ahead copy_rows prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
 // How many keys past the current bag combine_forward prefetches the rows of. Counted in keys,
 // not bags, so that one-key bags look as far ahead as long ones: against 4 bags ahead,
@@ -143,8 +143,7 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // in one process, AMD EPYC VM).
 #define SOKPY_PREFETCH_BAGS 128
 // How many rows ahead an optimizer update prefetches the row it will read and write (values
-// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms (combine_forward keeps 4:
-// 8 made it slower). 8 -> 32, later (kernels alternated in one process, AMD EPYC VM):
+// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms. 8 -> 32, later (kernels alternated in one process, AMD EPYC VM):
 // criteo26 0.85 -> 0.57 ms, t100 3.34 -> 2.61, t500 9.0 -> 7.2, W1 level; at 2 ranks
 // criteo26 0.57 -> 0.47, W1 1.38 -> 1.33. 16 was between the two; 64 no better than 32.
 #define SOKPY_PREFETCH_UPDATES 32
