@@ -76,6 +76,15 @@ def _add_per_block(x, cut, values) -> None:
             x[lo:hi] += v
 
 
+def _rows_after_headers(cut, starts, hdr: int, dim: int, xp=np):
+    """The element offset of each key's row in a buffer of blocks of rows of one dimension:
+    block p's keys, ``[cut[p], cut[p + 1])``, have their rows one after another from
+    ``starts[p] + hdr`` on (after the block's leading slots, ``row_header``)."""
+    out = xp.arange(0, int(cut[-1]) * dim, dim, dtype=np.int64)
+    _add_per_block(out, cut, np.asarray(starts) + hdr - cut[:-1] * dim)
+    return out
+
+
 def row_header(ntables: int) -> int:
     """The leading slots of a buffer of rows: ``ntables`` rounded up to 16 float32 (64 bytes)."""
     return -(-ntables // 16) * 16
@@ -348,12 +357,12 @@ class LookupPlan:
         self.ucut = _exclusive(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
         # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
         # each a header (row_header) then the rows, table after table.
+        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
         if self.one_dim:
-            self.urow = xp.arange(0, d.nuniq * self.one_dim, self.one_dim, dtype=np.int64)
+            self.urow = _rows_after_headers(self.ucut, _exclusive(self.recv_elems)[:-1], self.hdr, self.one_dim, xp)
         else:
             self.urow = _exclusive(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
-        _add_per_block(self.urow, self.ucut, self.hdr * np.arange(1, world + 1))
-        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+            _add_per_block(self.urow, self.ucut, self.hdr * np.arange(1, world + 1))
         msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
         volume = max(int(msg.sum()), int(self.recv_elems.sum()))
         return msg, volume
@@ -624,11 +633,8 @@ class LookupPlan:
         flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
         used = flags.reshape(world, ntab) != 0
         seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
-        if self.one_dim:  # peer p's keys [kcut[p], kcut[p + 1]) have their rows one after another after its header
-            dim = self.one_dim
-            kcut = _exclusive(self.rcnt.sum(axis=1))
-            offsets = xp.arange(0, int(kcut[-1]) * dim, dim, dtype=np.int64)
-            _add_per_block(offsets, kcut, starts + self.hdr - kcut[:-1] * dim)
+        if self.one_dim:  # peer p's keys have their rows one after another after its header
+            offsets = _rows_after_headers(_exclusive(self.rcnt.sum(axis=1)), starts, self.hdr, self.one_dim, xp)
         else:
             seg_elem = self.seg_elem.copy()
             seg_elem[me * ntab : (me + 1) * ntab] += own

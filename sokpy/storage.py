@@ -136,11 +136,6 @@ class Storage:
     def reserve(self, incoming: int) -> None:
         """Makes room for ``incoming`` new keys before a lookup that may insert them."""
 
-    def commit_inserts(self, size: int) -> tuple[int, int]:
-        """After a kernel that may have inserted keys, with the row counter it left (``size``):
-        ``(first new row, new size)``."""
-        return self.size, self.size
-
     def find(self, keys, insert: bool):
         """The stored rows of ``keys`` (int64, all owned by this rank and valid for the table):
         -1 for a key a dynamic table does not hold, unless ``insert`` creates its row."""
@@ -265,6 +260,8 @@ class HashStorage(Storage):
         _bump()
 
     def commit_inserts(self, size: int) -> tuple[int, int]:
+        """After a kernel that may have inserted keys, with the row counter it left (``size``,
+        read by finish_inserts): ``(first new row, new size)``."""
         first, self._size = self._size, int(size)
         return first, self._size
 
@@ -332,7 +329,7 @@ def init_rows(segments) -> None:
 
 
 def finish_inserts(storages) -> None:
-    """After a kernel that may have inserted keys into ``storages``: reads their row counters
+    """After a kernel that may have inserted keys into ``storages`` (HashStorage): reads their row counters
     (one read from the device for all of them, not one per table) and initialises the new
     rows (values and optimizer slots), all in one launch."""
     if not storages:
