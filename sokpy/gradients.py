@@ -52,7 +52,10 @@ class GradChunk:
     entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
     tables' uids (int64, as ``table.uid``; the caller's TableSet has them). ``by_table``: every
     group is a table index (one rank's chunk, an optimizer's merged chunk). ``rows_found``:
-    no row is -1 (static tables, or rows kept by a step), so :meth:`entries` need not look."""
+    no row is -1 (static tables, or rows kept by a step), so :meth:`entries` need not look.
+    ``runs``: the entries come as this many runs, each ascending by (table index, row) (the
+    blocks of the ranks that sent them, when every table's keys were sorted by row); 0: no
+    known order."""
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class GradChunk:
         bad=None,
         by_table=False,
         rows_found=False,
+        runs=0,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
@@ -76,6 +80,7 @@ class GradChunk:
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used = used
         self.merged, self.bad, self.by_table, self.rows_found = merged, bad, by_table, rows_found
+        self.runs = runs
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every

@@ -279,6 +279,7 @@ class SparseOptimizer(torch.optim.Optimizer):
                     chunks[id(chunk)] = chunk
                     holders.setdefault(id(chunk), []).append(i)
         parts, buffers, base = [], [], 0
+        runs = 0  # ascending runs of (index, row) in the entries; 0 when some chunk's order is unknown
         for cid, chunk in chunks.items():
             # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
             # train and for those whose reference to this chunk was dropped (zero_grad).
@@ -290,19 +291,24 @@ class SparseOptimizer(torch.optim.Optimizer):
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
             otab, rows, offsets, keys, bad = chunk.entries(imap)
+            kept = imap[imap >= 0]  # a chunk's runs stay runs when its tables keep their order here
+            ordered = runs >= 0 and chunk.runs and bool((kept[1:] > kept[:-1]).all())
+            runs = runs + chunk.runs if ordered else -1
             parts.append((otab, rows, offsets + base if base else offsets, keys, bad))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
+        runs = max(runs, 0)
         if len(parts) == 1:
             merged = next(iter(chunks.values())).merged
-            return (*parts[0][:4], buffers[0], merged, parts[0][4])
+            return (*parts[0][:4], buffers[0], merged, parts[0][4], runs)
         cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return (*cat, xp.concatenate(buffers), False, None)
+        return (*cat, xp.concatenate(buffers), False, None, runs)
 
-    def _merge(self, tables, otab, rows, offsets, keys, buffer, merged: bool, bad):
+    def _merge(self, tables, otab, rows, offsets, keys, buffer, merged: bool, bad, runs: int = 0):
         """Sums the gradient rows of equal (table, row) in arrival order (one launch) and checks
         them. Returns ``(table, row, gradient offset, key, buffer, error or None)`` per unique row.
-        A chunk that is ``merged`` already (one rank, or a previous step) is taken as it is."""
+        A chunk that is ``merged`` already (one rank, or a previous step) is taken as it is.
+        ``runs``: the entries come as that many runs ascending by (table, row) (0: unknown)."""
         xp = runtime.xp()
         if merged:
             error = None
@@ -317,7 +323,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         ab = max(1, (n - 1).bit_length())
         if tb + rb + ab <= 63:
             packed = (otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
-            packed = sort_by_bits(packed, ab, tb + rb + ab)
+            packed = sort_by_bits(packed, ab, tb + rb + ab, ascending_runs=runs)
             perm = packed & ((1 << ab) - 1)
             key = packed >> ab
         else:  # too many bits for one sort value: sort by (table, row) keeping arrival order

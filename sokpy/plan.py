@@ -650,6 +650,8 @@ class LookupPlan:
             None if used.all() else used,
             uids=self.ts.uids,
             rows_found=not self.ts.dynamic,  # a static table has the row of every key sent to it
+            # Exact sort values are the stored rows: each sender's block is sorted by (table, row).
+            runs=world if self.exact else 0,
         )
 
     def _weight_grads(self, gptr, grads):

@@ -27,6 +27,20 @@ def test_same_global_batch_same_table_at_1_and_4_ranks(tmp_path):
     assert not np.allclose(tables[1][0], tables[1][0][0])  # trained, not constant
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_owner_merge_of_sorted_blocks_matches_the_reference(nranks):
+    # Each rank's gradient rows reach the owner sorted by (table, row). In the lookup's table
+    # order they are one run per rank: two runs are merged by a stable sort, three or more,
+    # and the reversed order, by the radix sort. Every way must give the reference's tables.
+    out = run_mpi(nranks, "optim_worker.py", "merge")
+    for order, runs in (("same", nranks), ("reversed", 0)):
+        lines = [line for line in out.splitlines() if f"merge {order} ok" in line]
+        assert len(lines) == nranks, out
+        for line in lines:
+            assert f"runs [{runs}]" in line, line
+            assert int(line.split("sorted ")[1].split("+")[0]) >= 4096, line  # past the small-array sort
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3])
 def test_nonfinite_gradient_refused_on_every_rank(nranks):
     out = run_mpi(nranks, "optim_worker.py", "nonfinite")

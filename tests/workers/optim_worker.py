@@ -5,6 +5,9 @@ Modes (argv[1]):
                       across ranks; the final tables must match the numpy reference
   global PATH         the same global batch split over the ranks; rank 0 writes the final tables
   nonfinite           a NaN gradient on one rank is refused on every rank; nothing changes
+  merge               Adagrad on tables large enough that each owner merges thousands of
+                      gradient rows from every rank, with the optimizer's tables in the
+                      lookup's order and reversed; prints the run counts the merges were given
 """
 
 import sys
@@ -122,6 +125,55 @@ def check_nonfinite():
     print(f"rank {RANK}: nonfinite ok")
 
 
+def check_merge():
+    """The owner's merge of gradient rows from every rank, in both of its sorts: each rank's
+    block arrives sorted by (table, row), so with the optimizer's tables in the lookup's order
+    the entries are one ascending run per rank; reversed, they are not runs. Both must train
+    the tables as the reference does."""
+    from sokpy import optim
+
+    seen = []
+    real_sort = optim.sort_by_bits
+
+    def spy(values, lo, hi, runs=None, ascending_runs=0):
+        seen.append((int(values.shape[0]), ascending_runs))
+        return real_sort(values, lo, hi, runs, ascending_runs)
+
+    optim.sort_by_bits = spy
+    specs = [(30_000, 8, -1), (9_000, 4, 0)]  # spread, and all on rank 0
+    hp = dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)
+    for order in ("same", "reversed"):
+        tables = [
+            sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=40 + i)
+            for i, (r, d, t) in enumerate(specs)
+        ]
+        refs = [NumpyOptimizer("adagrad", full_table(sokpy, v).numpy(), **hp) for v in tables]
+        opt = sokpy.optim.Adagrad(tables if order == "same" else tables[::-1], **hp)
+        seen.clear()
+        for step in range(3):
+
+            def bags(rank, t, step=step):
+                return make_bags(np.random.default_rng([5, step, rank, t]), specs[t][0], 2000, 12, weighted=True)
+
+            def upstream(rank, t, step=step):
+                return np.random.default_rng([6, step, rank, t]).normal(size=(2000, specs[t][1])).astype(np.float32)
+
+            train_step(tables, opt, [bags(RANK, t) for t in range(2)], [upstream(RANK, t) for t in range(2)])
+            for t, ((rows, dim, _), ref) in enumerate(zip(specs, refs)):
+                grad, touched = sum_gradient(
+                    rows, dim, [bags(r, t) for r in range(WORLD)], [upstream(r, t) for r in range(WORLD)]
+                )
+                ref.step(grad, touched)
+        for t, (v, ref) in enumerate(zip(tables, refs)):
+            got = full_table(sokpy, v).numpy()
+            if not np.allclose(got, ref.w, rtol=2e-4, atol=2e-5):
+                raise AssertionError(f"rank {RANK}: {order} order, table {t}: max diff {np.abs(got - ref.w).max()}")
+        print(
+            f"rank {RANK}: merge {order} ok; sorted {min(n for n, _ in seen)}+ entries; runs {sorted({r for _, r in seen})}"
+        )
+    optim.sort_by_bits = real_sort
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "formula":
@@ -131,5 +183,7 @@ if __name__ == "__main__":
         train_global_batch(sys.argv[2])
     elif mode == "nonfinite":
         check_nonfinite()
+    elif mode == "merge":
+        check_merge()
     else:
         raise SystemExit(f"unknown mode {mode}")
