@@ -141,23 +141,35 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
     }
 }
 
-// Unique key u starts at sorted index starts[u]: the position of its first use, its key and
-// its group (owner * ntables + table). The key of a static table whose sort value is its
-// exact stored row (tabs EXACT) comes back from that row and the owner (sokpy_static_key),
-// not from a read of keys at a random position: on the host that read is a cache miss per
-// unique key (this kernel, one rank, AMD EPYC VM: t100 0.83 -> 0.21 ms, t500 3.9 -> 2.6, W1
-// 0.26 -> 0.09).
-extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64 nuniq, const i64* keys, int pos_bits,
-                                            int sv_bits, int ntables, const i64* tabs, int world, i64* first,
-                                            i64* ukeys, i64* group) {
+// Lays out the unique keys. Unique key u starts at sorted position k = starts[u] (given
+// starts: one thread per unique key, count = nuniq), or, without starts, at each k where
+// brk[k] = 1, and is then number u = before[k], the unique keys before k (one thread per
+// sorted position, count = n: the number of unique keys need not be known at launch, which
+// saves a read on several ranks). It writes the start seg[u] = k, the position of the key's
+// first use, the key and its group (owner * ntables + table). The key of a static table whose
+// sort value is its exact stored row (tabs EXACT) comes back from that row and the owner
+// (sokpy_static_key), not from a read of keys at a random position: on the host that read is a
+// cache miss per unique key (this kernel, one rank, AMD EPYC VM: t100 0.83 -> 0.21 ms, t500 3.9
+// -> 2.6, W1 0.26 -> 0.09).
+extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* brk,
+                                            const i64* before, i64 count, const i64* keys, int pos_bits, int sv_bits,
+                                            int ntables, const i64* tabs, int world, i64* seg, i64* first, i64* ukeys,
+                                            i64* group) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     const i64 sv_mask = ((i64)1 << sv_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
     // keys come group by group), not once per key.
     i64 cur = -1, owner = 0, kind = 0;
     int from_row = 0;
-    SOKPY_FOR_KEYS(u, nuniq) {
-        const i64 v = s[starts[u]];
+    SOKPY_FOR_KEYS(i, count) {
+        i64 k = i, u = i;
+        if (starts) {
+            k = starts[i];
+        } else {
+            if (!brk[i]) continue;
+            u = before[i];
+        }
+        const i64 v = s[k];
         const i64 p = v & mask;
         const i64 g = v >> (pos_bits + sv_bits);
         if (g != cur) {
@@ -169,6 +181,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, i64
             owner = g / ntables;
         }
         const i64 row = (v >> pos_bits) & sv_mask;
+        seg[u] = k;
         first[u] = p;
         ukeys[u] = from_row ? sokpy_static_key(kind, row, owner, world) : keys[p];
         group[u] = g;

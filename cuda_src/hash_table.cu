@@ -11,15 +11,19 @@
 // holds keys [seg_start[s], seg_start[s+1]) of table t). A dynamic table inserts a key it
 // does not hold when `insert` is set (its row is numbered from the table's counter and its
 // values are initialised afterwards, by init_rows), else gives -1. Race-free: the same key
-// may appear many times in one launch, and blocks run in parallel.
+// may appear many times in one launch, and blocks run in parallel. seg_of, when not null,
+// gets each key's segment (the owner's gradient entries need it, and the counts that delimit
+// the segments stay on the device).
 extern "C" __global__ void find_rows(const i64* keys, i64 n, const i64* seg_start, int nseg, int ntables,
-                                     const i64* tabs, const u64* ptrs, int world, int insert, i64* rows) {
+                                     const i64* tabs, const u64* ptrs, int world, int insert, i64* rows,
+                                     i64* seg_of) {
     const double inv_world = 1.0 / (double)world;
     int s = -1;
     SOKPY_FOR_KEYS(i, n) {
         s = sokpy_segment_near(seg_start, nseg, i, s);
         const int t = s % ntables;
         rows[i] = sokpy_row_of(tabs, ptrs, t, keys[i], world, inv_world, insert);
+        if (seg_of) seg_of[i] = s;
     }
 }
 

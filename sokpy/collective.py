@@ -13,8 +13,10 @@ header, so all ranks take the same decision from the same data:
 * a **label**: the sequence number of the forward call a backward exchange belongs to,
 * the **grad mode** (whether a lookup records a backward),
 * this rank's **verdict** (any exception while it checked its input),
-* a per-peer **count** (e.g. how many keys this rank sends to that peer next) and this
-  rank's **volume** (elements it sends in the data exchanges of the call).
+* a per-peer **count** (e.g. how many keys this rank sends to that peer next), a second
+  per-peer count for the **reply** (e.g. how many row elements this rank expects back from
+  that peer) and this rank's **volume** (elements it sends in the data exchanges of the
+  call).
 
 Because every call starts with the same header exchange of the same size, ranks that are
 in different calls (another operation, other tables, the backward of another lookup, a
@@ -52,9 +54,9 @@ from .errors import CollectiveMismatchError, InputError
 
 __all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint"]
 
-HEADER_WORDS = 8
+HEADER_WORDS = 9
 _MAGIC = 0x736F6B7079  # "sokpy"
-_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE, _F_ERROR, _F_COUNT, _F_VOLUME = range(HEADER_WORDS)
+_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE, _F_ERROR, _F_COUNT, _F_VOLUME, _F_REPLY = range(HEADER_WORDS)
 _AGREED = [_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE]
 
 _seq = itertools.count(1)
@@ -93,6 +95,7 @@ class Agreement(NamedTuple):
     """What every rank learnt from the header exchange."""
 
     recv_counts: np.ndarray  # int64 [W]: the count each peer announced to this rank
+    replies: np.ndarray  # int64 [W]: the reply count each peer expects from this rank
     large: bool  # the call's data exchanges must be split below MPI's 32-bit limit (same on every rank)
     seq: int  # this call's sequence number (the same on every rank)
 
@@ -160,11 +163,14 @@ class Call:
             self._stack.close()
             self._stack = None
 
-    def agree(self, error: str | None, counts=None, volume: int = 0, error_type: type = InputError) -> Agreement:
+    def agree(
+        self, error: str | None, counts=None, volume: int = 0, error_type: type = InputError, replies=None
+    ) -> Agreement:
         """Exchanges the header; returns the peers' counts, or raises the same error on every
         rank when any rank has an ``error`` or the ranks' calls differ.
 
-        ``counts[d]`` (int64, one per rank) travels to rank d; ``volume`` is the number of
+        ``counts[d]`` (int64, one per rank) travels to rank d, and so does ``replies[d]`` (what
+        this rank expects rank d to send back; the lookup's rows); ``volume`` is the number of
         elements this rank will send in the call's data exchanges (for the split decision);
         ``error_type`` (InputError or a subclass) is raised when some rank has an error."""
         comm = runtime.comm()
@@ -179,11 +185,12 @@ class Call:
         header[:, _F_ERROR] = int(error is not None)
         header[:, _F_COUNT] = 0 if counts is None else np.asarray(counts, np.int64)
         header[:, _F_VOLUME] = int(volume)
+        header[:, _F_REPLY] = 0 if replies is None else np.asarray(replies, np.int64)
         recv = comm.alltoall_counts(header)
         agreed = bool((recv[:, _AGREED] == recv[0, _AGREED]).all())
         if agreed and not recv[:, _F_ERROR].any():
             large = int(recv[:, _F_VOLUME].sum()) >= max_count()
-            return Agreement(recv[:, _F_COUNT].copy(), large, self.seq)
+            return Agreement(recv[:, _F_COUNT].copy(), recv[:, _F_REPLY].copy(), large, self.seq)
         self._raise(comm, error, recv, agreed, error_type)
         raise AssertionError("unreachable")
 

@@ -9,8 +9,9 @@ Forward (``LookupPlan.forward``):
 1. ``route_keys``: for every key, its owner, a range check and a packed sort value
    ``(owner, table, row-or-hash, position)``; one sort of those values groups the keys by
    owner and table and finds the unique ones (positions of equal keys stay in order);
-2. the collective header (``collective.Call.agree``) carries each rank's verdict and its key
-   counts per peer: the one count exchange a lookup needs anyway;
+2. the collective header (``collective.Call.agree``) carries each rank's verdict, its key
+   counts per peer and the row elements it expects back from each: the one count exchange a
+   lookup needs anyway (the host's one read from the device comes before it);
 3. one all-to-all of keys for all tables (each peer's message starts with its per-table
    counts), then on the owner ``find_rows`` (placement arithmetic or hash find-or-insert)
    and ``gather_rows`` into one buffer;
@@ -179,33 +180,70 @@ class _Dedup:
     too, so a shared hash value never merges two keys (at worst a key appears twice, and then
     ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
     below ``hi``; ``runs`` as ``sorting.sort_by_bits`` takes them), two kernel passes
-    (``mark_unique_keys``, ``unique_key_heads``) and one compaction. ``packed`` is the sort's
-    second buffer (it is not needed after this). ``tabs`` is the call's table descriptor: the
-    unique keys of a static table with exact sort values come from those values, not from
-    ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag of each sorted
-    position (``bag_of[pos]``), else None."""
+    (``mark_unique_keys``, ``unique_key_heads``) and a running count of the unique keys.
+    ``packed`` is the sort's second buffer (it is not needed after this). ``tabs`` is the
+    call's table descriptor: the unique keys of a static table with exact sort values come from
+    those values, not from ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag
+    of each sorted position (``bag_of[pos]``), else None.
+
+    Built in two steps: the constructor sorts and marks where unique keys start, then
+    :meth:`finish` lays them out. Several ranks first need the unique keys per (owner, table)
+    (:meth:`counts`, from a running count, on the device), and read them with the rest of the
+    call's header; ``finish`` then takes their total. One rank reads nothing else, and
+    :meth:`finish_alone` takes the unique keys' starts as the host's read (a compaction of the
+    marks, which costs the host less than the running count)."""
 
     def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None, bag_of=None):
         xp = runtime.xp()
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
+        self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
+        self.pos_bits, self.sv_bits = pos_bits, sv_bits
         self.pos = runtime.scratch(n, np.int64)
-        brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
-        collided = xp.zeros(1, np.int32)
+        self.brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
+        self.collided_flag = xp.zeros(1, np.int32)
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
-        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, brk, collided)
+        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.brk, self.collided_flag)
         kernels.launch("mark_unique_keys", n, 1, args)
-        # Whether a key may have more than one unique entry (keys that share a hashed sort value).
-        self.collided = not exact and bool(collided[0])
-        starts = xp.flatnonzero(brk.view(bool))
-        self.nuniq = nuniq = int(starts.shape[0])
-        self.seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
+        self.before = None
+
+    def counts(self, ngroups: int):
+        """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
+        Groups are contiguous in sorted order (a binary search finds where each starts), and
+        ``before[k]``, the unique keys at sorted positions below k, is also the number of the
+        unique key that starts at k."""
+        xp = runtime.xp()
+        self.before = runtime.scratch(self.n + 1, np.int64)
+        self.before[:1] = 0
+        xp.cumsum(self.brk, dtype=np.int64, out=self.before[1:])
+        edges = runtime.scratch(ngroups + 1, np.int64)
+        edges[:1], edges[ngroups:] = 0, self.n
+        shift = self.pos_bits + self.sv_bits
+        edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
+        return xp.diff(self.before[edges])
+
+    def finish(self, nuniq: int, collided: bool, starts=None) -> None:
+        """Lays out the ``nuniq`` unique keys; ``collided``: the read of the flag
+        ``mark_unique_keys`` set. Without ``starts`` (their sorted positions), after
+        :meth:`counts`: the layout kernel walks all sorted positions."""
+        self.collided = bool(collided)
+        self.nuniq = nuniq
+        self.seg = runtime.scratch(nuniq + 1, np.int64)
+        self.seg[nuniq:] = self.n
         self.first = runtime.scratch(nuniq, np.int64)  # position of each unique key's first use
         self.ukeys = runtime.scratch(nuniq, np.int64)
         self.group = runtime.scratch(nuniq, np.int64)
-        ntab, world = int(tabs.shape[0]), runtime.world_size()
-        args = (s, starts, nuniq, keys, pos_bits, sv_bits, ntab, tabs, world, self.first, self.ukeys, self.group)
-        kernels.launch("unique_key_heads", nuniq, 1, args)
+        ntab, world = int(self.tabs.shape[0]), runtime.world_size()
+        count = self.n if starts is None else nuniq
+        args = (self.s, starts, self.brk, self.before, count, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
+        kernels.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        self.s = self.brk = self.before = None  # sort buffers: back to the pool
+
+    def finish_alone(self) -> None:
+        """:meth:`finish` with the host's own reads (one rank, where no counts travel)."""
+        xp = runtime.xp()
+        starts = xp.flatnonzero(self.brk.view(bool))
+        self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)
 
 
 class LookupPlan:
@@ -253,12 +291,13 @@ class LookupPlan:
         with collective.Call(
             "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
         ) as call:
-            agreement = call.agree(error, counts, volume)
+            replies = self.recv_elems if error is None and world > 1 else None  # the rows each owner sends back
+            agreement = call.agree(error, counts, volume, replies=replies)
             self.seq, self.large = agreement.seq, agreement.large
             if world == 1:
                 self._local_rows()
             else:
-                self._exchange_rows(agreement.recv_counts)
+                self._exchange_rows(agreement.recv_counts, agreement.replies)
         b = self.batch
         nbags = int(b.offsets.shape[0]) - 1
         self.out = runtime.scratch(self.out_size, np.float32)
@@ -346,13 +385,12 @@ class LookupPlan:
             return np.zeros(1, np.int64), 0
         d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
         self.packed = None
-        # The unique keys come sorted by group (owner * T + table), so a group's count is the
-        # distance from its first key to the next group's: a binary search per group. One read
-        # from the device brings the range check's verdict and these counts.
-        edges = xp.searchsorted(d.group, xp.arange(world * ntab + 1, dtype=np.int64))
-        head = handoff.to_host(xp.concatenate([bad, xp.diff(edges)]))
+        # The call's one read from the device: the range check's verdict, whether hashed keys
+        # collided, and the unique keys per (owner, table).
+        head = handoff.to_host(xp.concatenate([bad, d.collided_flag.astype(np.int64), d.counts(world * ntab)]))
         self._check_range(int(head[0]))
-        per = head[1:].reshape(world, ntab)
+        per = head[2:].reshape(world, ntab)
+        d.finish(int(per.sum()), bool(head[1]))
         self.counts = per
         self.ucut = _exclusive(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
         # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
@@ -378,22 +416,20 @@ class LookupPlan:
                 f"{bad - int(b.key_start[t])} is out of range [0, {var.rows})"
             )
 
-    def _find_rows(self, keys, seg_start, nseg: int, incoming: np.ndarray):
+    def _find_rows(self, keys, seg_start, nseg: int, incoming, seg_of=None):
         """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
-        tables first and initialising the rows an insert creates."""
+        tables first (``incoming``: host counts of keys per table, read only then) and
+        initialising the rows an insert creates. ``seg_of``, when given, gets each key's segment."""
         ts = self.ts
         if ts.dynamic and self.insert:
+            incoming = incoming()
             for i in ts.dynamic:
                 self.tables[i].storage.reserve(int(incoming[i]))
         self._sync_tables()
         n = int(keys.shape[0])
         rows = runtime.scratch(n, np.int64)
-        kernels.launch(
-            "find_rows",
-            n,
-            1,
-            (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows),
-        )
+        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows)
+        kernels.launch("find_rows", n, 1, (*args, seg_of))
         if ts.dynamic and self.insert:
             finish_inserts([self.tables[i].storage for i in ts.dynamic])
         return rows
@@ -414,7 +450,7 @@ class LookupPlan:
         b = self.batch
         if self.ts.dynamic:
             incoming = np.diff(b.key_start)
-            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, incoming)
+            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, lambda: incoming)
         else:  # static tables on one rank: key k is stored row k (route_keys checked the range)
             self._sync_tables()
             self.rows = self.keys
@@ -424,7 +460,11 @@ class LookupPlan:
         self.src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
         self.src_keep = None
 
-    def _exchange_rows(self, recv_msg) -> None:
+    def _exchange_rows(self, recv_msg, replies) -> None:
+        """The exchanges of a call on several ranks: keys out, rows back. ``recv_msg``: the
+        length of each peer's key message to this rank; ``replies``: the row elements each peer
+        expects back (both from the header), so that the per-table counts in the key messages
+        need not come to the host."""
         comm, xp, c = runtime.comm(), runtime.xp(), _c()
         world, ntab = self.world, self.ntables
         d = self.dedup
@@ -436,22 +476,26 @@ class LookupPlan:
         for p, (lo, hi) in enumerate(zip(self.ucut[:-1].tolist(), self.ucut[1:].tolist())):
             send[blk[p] + ntab : blk[p] + ntab + hi - lo] = d.ukeys[lo:hi]
         recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
-        # Owner: parse the counts, then find and gather the rows.
+        # Owner: the counts stay on the device; find and gather the rows.
         recv_msg = np.asarray(recv_msg)
         rblk = _exclusive(recv_msg)[:-1]
         head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
-        rcnt = handoff.to_host(recv[xp.asarray(head)]).reshape(world, ntab)
+        rcnt = recv[xp.asarray(head)]  # keys per (peer, table)
         self.okeys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
-        self.rcnt = rcnt
-        self.seg_start = _exclusive(rcnt.reshape(-1))
-        self.d_seg_start = xp.asarray(self.seg_start)
-        self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, rcnt.sum(axis=0))
-        elems = rcnt * self.dims
+        self.peer_keys = recv_msg - ntab  # keys from each peer
+        self.d_seg_start = _exclusive(rcnt, xp)
+        self.oseg = runtime.scratch(int(self.okeys.shape[0]), np.int64)  # each received key's (peer, table)
+
+        def incoming():  # keys per table, for growing dynamic tables (a read only for them)
+            return handoff.to_host(rcnt).reshape(world, ntab).sum(axis=0)
+
+        self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, incoming, self.oseg)
         hdr = self.hdr
-        peer_len = hdr + elems.sum(axis=1)
+        peer_len = np.asarray(replies, np.int64)  # hdr + the peer's rows, as it counted them
         pstart = _exclusive(peer_len)[:-1]
-        within = np.cumsum(elems, axis=1) - elems
-        self.seg_elem = (pstart[:, None] + hdr + within).reshape(-1)
+        elems = rcnt.reshape(world, ntab) * xp.asarray(self.dims)
+        within = xp.cumsum(elems, axis=1) - elems
+        self.seg_elem = (xp.asarray(pstart + hdr)[:, None] + within).reshape(-1)
         self.send_elems = peer_len
         # float32 on the wire: the rows this rank asks itself for are not copied but read
         # where gather_rows put them. One buffer holds the received rows and then the sent
@@ -470,7 +514,7 @@ class LookupPlan:
                 self.orows,
                 nkeys,
                 self.d_seg_start,
-                xp.asarray(self.seg_elem),
+                self.seg_elem,
                 world * ntab,
                 ntab,
                 self.d_tabs,
@@ -533,6 +577,7 @@ class LookupPlan:
                     runs,
                     bag_of=self.bag_of,
                 )
+                d.finish_alone()
                 self.packed = None
                 if self.one_dim:  # row u at hdr + u * dim
                     dim = self.one_dim
@@ -632,21 +677,21 @@ class LookupPlan:
         starts[me] += own
         flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
         used = flags.reshape(world, ntab) != 0
-        seg = np.repeat(np.arange(world * ntab, dtype=np.int64), self.rcnt.reshape(-1))
+        seg = self.oseg
         if self.one_dim:  # peer p's keys have their rows one after another after its header
-            offsets = _rows_after_headers(_exclusive(self.rcnt.sum(axis=1)), starts, self.hdr, self.one_dim, xp)
+            offsets = _rows_after_headers(_exclusive(self.peer_keys), starts, self.hdr, self.one_dim, xp)
         else:
             seg_elem = self.seg_elem.copy()
             seg_elem[me * ntab : (me + 1) * ntab] += own
-            dims = np.tile(self.dims, world)
-            offsets = seg_elem[seg] + (np.arange(seg.size, dtype=np.int64) - self.seg_start[seg]) * dims[seg]
+            dims = xp.asarray(np.tile(self.dims, world))
+            offsets = seg_elem[seg] + (xp.arange(seg.size, dtype=np.int64) - self.d_seg_start[seg]) * dims[seg]
         return GradChunk(
             self.tables,
             grecv,
             self.okeys,
             self.orows,
-            xp.asarray(seg),
-            xp.asarray(offsets),
+            seg,
+            offsets,
             None if used.all() else used,
             uids=self.ts.uids,
             rows_found=not self.ts.dynamic,  # a static table has the row of every key sent to it

@@ -274,7 +274,10 @@ class HashStorage(Storage):
         tab, ptr = self._single_descriptor()
         rows = xp.empty(n, np.int64)
         kernels.launch(
-            "find_rows", n, 1, (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows)
+            "find_rows",
+            n,
+            1,
+            (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows, None),
         )
         if insert:
             finish_inserts([self])

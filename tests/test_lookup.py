@@ -288,6 +288,8 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     # Exact values hold everything the deduplication needs: it must not read the keys then.
     given = np.full(n, -7, np.int64) if exact else keys
     d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
+    per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
+    d.finish_alone()
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
@@ -298,6 +300,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
         else:
             runs.append((head, p, keys[p], [p]))
     assert d.nuniq == len(runs)
+    assert per_group == [sum(r[0] >> sv_bits == g for r in runs) for g in range(3)]
     assert d.group.tolist() == [r[0] >> sv_bits for r in runs]
     assert d.first.tolist() == [r[1] for r in runs] and d.ukeys.tolist() == [r[2] for r in runs]
     assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(d.nuniq)] == [r[3] for r in runs]
