@@ -180,7 +180,7 @@ class _Dedup:
     too, so a shared hash value never merges two keys (at worst a key appears twice, and then
     ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
     below ``hi``; ``runs`` as ``sorting.sort_by_bits`` takes them), two kernel passes
-    (``mark_unique_keys``, ``unique_key_heads``) and a running count of the unique keys.
+    (``mark_unique_keys``, ``unique_key_heads``) and a count of the unique keys (below).
     ``packed`` is the sort's second buffer (it is not needed after this). ``tabs`` is the
     call's table descriptor: the unique keys of a static table with exact sort values come from
     those values, not from ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag
@@ -418,8 +418,9 @@ class LookupPlan:
 
     def _find_rows(self, keys, seg_start, nseg: int, incoming, seg_of=None):
         """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
-        tables first (``incoming``: host counts of keys per table, read only then) and
-        initialising the rows an insert creates. ``seg_of``, when given, gets each key's segment."""
+        tables first (``incoming()`` returns the host's counts of keys per table; it is called,
+        and may read them from the device, only then) and initialising the rows an insert
+        creates. ``seg_of``, when given, gets each key's segment."""
         ts = self.ts
         if ts.dynamic and self.insert:
             incoming = incoming()
