@@ -131,6 +131,36 @@ def test_gradient_accumulates_until_zero_grad(sokpy_host):
     assert v.grad is None
 
 
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("bad_key", [40, 30, -3])
+def test_key_out_of_range_on_one_rank_names_table_and_key_and_changes_nothing(sokpy_host, grad, bad_key):
+    """One rank, static tables only (the contract jobs run at 2 and 3 ranks, with a dynamic
+    table in the call): a bad key raises an InputError with its table, key and position, with
+    autograd on or off, and leaves the tables and gradients as they were."""
+    sokpy = sokpy_host
+    a = sokpy.Variable(30, 4, name=f"range_spread_{grad}_{bad_key}")
+    b = sokpy.Variable(20, 8, target_gpu=0, name=f"range_placed_{grad}_{bad_key}")
+    opt = sokpy.optim.Adagrad([a, b], lr=0.5)
+    before = [a.weight.clone(), b.weight.clone()]
+    # a's keys are all in range (29 is its last row); b gets the bad key, in its second bag.
+    ids = [[[1, 29], [3]], [[4], [5, bad_key, 6]]]
+    with torch.set_grad_enabled(grad), pytest.raises(sokpy.InputError) as err:
+        sokpy.lookup_sparse([a, b], ids, combiners="sum")
+    text = str(err.value)
+    assert (
+        f"'range_placed_{grad}_{bad_key}'" in text and "index 1" in text and f"key {bad_key} at position 2" in text
+    ), text
+    assert "[0, 20)" in text, text
+    assert torch.equal(a.weight, before[0]) and torch.equal(b.weight, before[1])
+    assert a.grad is None and b.grad is None
+    # The same call with the key in range trains as usual afterwards.
+    ids[1][1][1] = 19
+    outs = sokpy.lookup_sparse([a, b], ids, combiners="sum")
+    sum(o.sum() for o in outs).backward()
+    opt.step()
+    assert b.grad.keys.tolist() == [4, 5, 6, 19] and not torch.equal(b.weight, before[1])
+
+
 def test_export_and_assign_round_trip(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(6, 2, initializer=0.0)
