@@ -143,9 +143,10 @@ __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.4028
 // in one process, AMD EPYC VM).
 #define SOKPY_PREFETCH_BAGS 128
 // How many rows ahead an optimizer update prefetches the row it will read and write (values
-// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms. 8 -> 32, later (kernels alternated in one process, AMD EPYC VM):
-// criteo26 0.85 -> 0.57 ms, t100 3.34 -> 2.61, t500 9.0 -> 7.2, W1 level; at 2 ranks
-// criteo26 0.57 -> 0.47, W1 1.38 -> 1.33. 16 was between the two; 64 no better than 32.
+// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms. 8 -> 32, later
+// (kernels alternated in one process, AMD EPYC VM): criteo26 0.85 -> 0.57 ms, t100 3.34 ->
+// 2.61, t500 9.0 -> 7.2, W1 level; at 2 ranks criteo26 0.57 -> 0.47, W1 1.38 -> 1.33. 16 was
+// between the two; 64 no better than 32.
 #define SOKPY_PREFETCH_UPDATES 32
 
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).

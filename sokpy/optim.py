@@ -279,7 +279,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                     chunks[id(chunk)] = chunk
                     holders.setdefault(id(chunk), []).append(i)
         parts, buffers, base = [], [], 0
-        runs = 0  # ascending runs of (index, row) in the entries; 0 when some chunk's order is unknown
+        # Ascending runs of (index, row) in the entries: every chunk's runs stay runs when its
+        # tables keep their order here.
+        runs, ordered = 0, True
         for cid, chunk in chunks.items():
             # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
             # train and for those whose reference to this chunk was dropped (zero_grad).
@@ -291,13 +293,13 @@ class SparseOptimizer(torch.optim.Optimizer):
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
             otab, rows, offsets, keys, bad = chunk.entries(imap)
-            kept = imap[imap >= 0]  # a chunk's runs stay runs when its tables keep their order here
-            ordered = runs >= 0 and chunk.runs and bool((kept[1:] > kept[:-1]).all())
-            runs = runs + chunk.runs if ordered else -1
+            kept = imap[mine]
+            ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
+            runs += chunk.runs
             parts.append((otab, rows, offsets + base if base else offsets, keys, bad))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
-        runs = max(runs, 0)
+        runs = runs if ordered else 0  # 0: some chunk's order is unknown
         if len(parts) == 1:
             merged = next(iter(chunks.values())).merged
             return (*parts[0][:4], buffers[0], merged, parts[0][4], runs)

@@ -332,9 +332,9 @@ def init_rows(segments) -> None:
 
 
 def finish_inserts(storages) -> None:
-    """After a kernel that may have inserted keys into ``storages`` (HashStorage): reads their row counters
-    (one read from the device for all of them, not one per table) and initialises the new
-    rows (values and optimizer slots), all in one launch."""
+    """After a kernel that may have inserted keys into ``storages`` (HashStorage): reads their
+    row counters (one read from the device for all of them, not one per table) and initialises
+    the new rows (values and optimizer slots), all in one launch."""
     if not storages:
         return
     xp = runtime.xp()
