@@ -19,7 +19,6 @@ itself excluded), ``other_bytes`` the input arrays of its other array collective
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 __all__ = ["timed", "totals", "traffic", "count_traffic", "reset"]
 
@@ -38,17 +37,26 @@ def set_synchronize(fn) -> None:
     _synchronize = fn
 
 
-@contextmanager
-def timed(category: str):
-    if _synchronize is not None:
-        _synchronize()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
+class timed:
+    """``with timed("kernels"): ...`` adds the block's seconds to the category (waiting for the
+    device before each reading of the clock when a wait is installed). A class, not a
+    generator-based context manager: kernels enter it at every launch, and this costs a
+    third as much."""
+
+    __slots__ = ("category", "start")
+
+    def __init__(self, category: str):
+        self.category = category
+
+    def __enter__(self) -> None:
         if _synchronize is not None:
             _synchronize()
-        _totals[category] = _totals.get(category, 0.0) + time.perf_counter() - start
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if _synchronize is not None:
+            _synchronize()
+        _totals[self.category] = _totals.get(self.category, 0.0) + time.perf_counter() - self.start
 
 
 def totals() -> dict:

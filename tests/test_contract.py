@@ -71,3 +71,28 @@ def test_overflowing_gradient_sum_refused_at_one_rank():
     the kernel's own check must catch a sum that overflows."""
     out = run_mpi(1, "contract_worker.py", "nonfinite_sum", timeout=120)
     assert "nonfinite_sum ok" in out
+
+
+def test_one_rank_agreement_returns_the_counts_and_raises_the_input_error(sokpy_host, monkeypatch):
+    """One rank has no peer to exchange the header with: agree hands back its own counts and
+    replies (copies), numbers the calls, decides the split from the volume, and still raises
+    the InputError every rank would raise, naming the rank."""
+    import numpy as np
+
+    from sokpy import collective
+    from sokpy.errors import InputError
+
+    counts, replies = np.array([5], np.int64), np.array([7], np.int64)
+    with collective.Call("probe") as call:
+        got = call.agree(None, counts, volume=3, replies=replies)
+    counts[0] = replies[0] = -1
+    assert (got.recv_counts.tolist(), got.replies.tolist(), got.large) == ([5], [7], False)
+    assert got.recv_counts.dtype == got.replies.dtype == np.int64
+    with collective.Call("probe") as call:
+        empty = call.agree(None)
+    assert (empty.recv_counts.tolist(), empty.replies.tolist(), empty.seq) == ([0], [0], got.seq + 1)
+    monkeypatch.setattr(collective, "max_count", lambda: 10)
+    with collective.Call("probe") as call:
+        assert call.agree(None, counts, volume=10).large
+    with collective.Call("probe") as call, pytest.raises(InputError, match="sokpy.probe: rank 0: bad key 9"):
+        call.agree("bad key 9", counts)

@@ -112,6 +112,46 @@ def test_copy_rows_takes_torch_tensors(copy_rows):
     np.testing.assert_array_equal(t_dst.numpy(), want)
 
 
+def _address_cases():
+    base = np.arange(4000, dtype=np.float32)
+    ro = base.copy()
+    ro.flags.writeable = False
+    return {
+        "whole": base,
+        "offset view": base[13:],
+        "read-only": ro,
+        "read-only view": ro[7:],
+        "empty": base[:0],
+        "2-d": base.reshape(40, 100),
+        "strided": base[::2],
+    }
+
+
+@pytest.mark.parametrize("case", list(_address_cases()))
+def test_numpy_address_is_the_data_address(case):
+    """The launch path's quick address (a ctypes view, with ctypes.data as the fallback) is
+    numpy's own data address for every kind of array a launch may pass."""
+    x = _address_cases()[case]
+    ptr, dtype, contiguous = kernels._array_info(x)
+    assert (ptr, dtype, contiguous) == (x.ctypes.data, x.dtype, x.flags.c_contiguous)
+
+
+def test_copy_rows_reads_read_only_and_offset_views(copy_rows):
+    """A read-only source and views that start inside a buffer reach the kernel at their own
+    addresses."""
+    src, src_off, dst, _, want = copy_case("gather", 100, 8, seed=3)
+    big = np.zeros((len(src) + 5, 8), np.float32)
+    big[5:] = src
+    view = big[5:]
+    view.flags.writeable = False
+    out = np.full((len(dst) + 10, 8), -1.0, np.float32)
+    out[10:] = dst
+    grid, block = kernels.launch_shape(100, 8, backend="host")
+    copy_rows(grid, block, (view, src_off.astype(np.int64), out[10:], None, 100, 8))
+    np.testing.assert_array_equal(out[10:], want)
+    assert (out[:10] == -1.0).all(), "the destination view's address was not its own"
+
+
 @pytest.mark.parametrize("n", [0, 1, 5, 2**20])
 @pytest.mark.parametrize("dim", [1, 129])
 def test_launch_shape_host(n, dim):
