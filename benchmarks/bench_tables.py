@@ -143,7 +143,7 @@ def main(argv=None) -> int:
             f"{r['loss_ms']:>6.2f} {r['sokpy_own_overhead_ms']:>6.2f}"
         )
     print(
-        "(overhead: sokpy's step less its kernels; loss: the loss every contestant's step has, timed alone; own: the difference)"
+        "(overhead: sokpy's step less its kernels; loss: the loss every contestant's step has, timed inside its steps; own: the difference)"
     )
     if args.per_table:
         pt = report["per_table"]
