@@ -57,7 +57,7 @@ __all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint"]
 HEADER_WORDS = 9
 _MAGIC = 0x736F6B7079  # "sokpy"
 _F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE, _F_ERROR, _F_COUNT, _F_VOLUME, _F_REPLY = range(HEADER_WORDS)
-_AGREED = [_F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE]
+_AGREED = slice(_F_MAGIC, _F_MODE + 1)  # the words every rank must have alike: the leading five
 
 _seq = itertools.count(1)
 _table_uids = itertools.count(1)

@@ -198,6 +198,11 @@ class SparseOptimizer(torch.optim.Optimizer):
     def _hyper(self, group_index: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """float32 ``[T, SOKPY_HYPER_FIELDS]``: :meth:`hyper` of each table, computed once per
         distinct (group, step count)."""
+        if group_index.size and (group_index == group_index[0]).all() and (steps == steps[0]).all():
+            # The usual case, one group whose tables stepped alike: one row for all (np.unique
+            # would cost more than the rest of this).
+            one = _fields([self.hyper(self.param_groups[int(group_index[0])], int(steps[0]))])
+            return np.repeat(one, group_index.size, axis=0)
         combo = group_index * (int(steps.max(initial=0)) + 1) + steps
         _, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
         rows = [self.hyper(self.param_groups[int(group_index[i])], int(steps[i])) for i in first.tolist()]

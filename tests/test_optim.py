@@ -98,24 +98,32 @@ def test_sgd_matches_torch(sokpy_host):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_adam_groups_and_step_counts_match_torch(sokpy_host):
-    """Two param groups with their own lr, and a table that gets a gradient only every other
-    step: each table's bias correction uses its own step count (SparseAdam's per-parameter
-    step), whatever step count and group the other tables have."""
+@pytest.mark.parametrize("groups", ["two groups", "one group"])
+def test_adam_groups_and_step_counts_match_torch(sokpy_host, groups):
+    """Two param groups with their own lr (or one group for both tables), and a table that
+    gets a gradient only every other step: each table's bias correction uses its own step
+    count (SparseAdam's per-parameter step), whatever step count and group the other tables
+    have."""
     sokpy = sokpy_host
     rows, dim = 20, 4
     # Named, so that the initial values (a function of seed and name) do not depend on how many
     # tables earlier tests created.
     uniform = sokpy.initializers.uniform(-1, 1)
-    tables = [sokpy.Variable(rows, dim, initializer=uniform, seed=s, name=f"adam_groups_{s}") for s in (1, 2)]
+    tables = [
+        sokpy.Variable(rows, dim, initializer=uniform, seed=s, name=f"adam_groups_{s}_{groups[:3]}") for s in (1, 2)
+    ]
     embs = [torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for _ in tables]
     with torch.no_grad():
         for e, v in zip(embs, tables):
             e.weight.copy_(sokpy.export(v)[1])
-    ours = sokpy.optim.Adam([{"params": [tables[0]], "lr": 0.05}, {"params": [tables[1]], "lr": 0.1}])
-    theirs = torch.optim.SparseAdam(
-        [{"params": embs[0].parameters(), "lr": 0.05}, {"params": embs[1].parameters(), "lr": 0.1}]
-    )
+    if groups == "two groups":
+        ours = sokpy.optim.Adam([{"params": [tables[0]], "lr": 0.05}, {"params": [tables[1]], "lr": 0.1}])
+        theirs = torch.optim.SparseAdam(
+            [{"params": embs[0].parameters(), "lr": 0.05}, {"params": embs[1].parameters(), "lr": 0.1}]
+        )
+    else:
+        ours = sokpy.optim.Adam(tables, lr=0.05)
+        theirs = torch.optim.SparseAdam([e.weight for e in embs], lr=0.05)
     rng = np.random.default_rng(3)
     for step in range(6):
         used = [0, 1] if step % 2 == 0 else [0]
