@@ -6,7 +6,9 @@ table, keys Zipf(1.05) over the rows scattered by a fixed random permutation. On
 forward + backward + Adagrad update (lr 0.01, eps 1e-10, accumulator starting at 0) for
 every contestant, with the same loss: sum_t sum(out_t * upstream_t) for fixed random
 upstream tensors. All contestants run in the same process on the same batches with the same
-thread count, interleaved in rounds so that drift in machine load hits them alike.
+thread count, interleaved in rounds so that drift in machine load hits them alike. A step is
+timed in four phases: the lookup ("fwd", the embedding forward alone), the loss's forward
+("loss"), the backward and the optimizer step.
 
     python benchmarks/bench_w1.py                       # full run, about 15 s here
     python benchmarks/bench_w1.py --rows 20000 --steps 8 --skip-fbgemm   # quick smoke run
@@ -143,14 +145,15 @@ class SokpyContestant:
         # FBGEMM's TBE returns and a model concatenates anyway (one autograd node, not T).
         t0 = time.perf_counter()
         (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
-        loss = (out * self.upstream).sum()
         t1 = time.perf_counter()
-        loss.backward()
+        loss = (out * self.upstream).sum()
         t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()
-        t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
 class DynamicSokpyContestant(SokpyContestant):
@@ -218,14 +221,16 @@ class TorchContestant:
     def step(self, i):
         t0 = time.perf_counter()
         batch = self.inputs[i % len(self.inputs)]
-        loss = sum((bag(ids, off) * u).sum() for bag, (ids, off), u in zip(self.bags, batch, self.upstream))
+        outs = [bag(ids, off) for bag, (ids, off) in zip(self.bags, batch)]
         t1 = time.perf_counter()
-        loss.backward()
+        loss = sum((out * u).sum() for out, u in zip(outs, self.upstream))
         t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
 def fbgemm_available():
@@ -291,11 +296,12 @@ class FbgemmContestant:
     def step(self, i):
         t0 = time.perf_counter()
         out = self.tbe(self.inputs[i % len(self.inputs)], self.offsets)
-        loss = (out * self.upstream).sum()
         t1 = time.perf_counter()
-        loss.backward()  # includes the fused Adagrad update
+        loss = (out * self.upstream).sum()
         t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, 0.0
+        loss.backward()  # includes the fused Adagrad update
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, 0.0
 
 
 # ---- run ---------------------------------------------------------------------------------------------
@@ -416,9 +422,9 @@ def run(args) -> dict:
         for c in order:
             timing.reset()
             for i in range(done, done + n):
-                f, b, o = c.step(i)
-                times[c.name].append(f + b + o)
-                phases[c.name].append((f, b, o))
+                phase = c.step(i)  # (lookup forward, loss forward, backward, optimizer)
+                times[c.name].append(sum(phase))
+                phases[c.name].append(phase)
             if c.name in split:
                 for k, v in timing.totals().items():
                     split[c.name][k] = split[c.name].get(k, 0.0) + v
@@ -444,7 +450,9 @@ def run(args) -> dict:
     for c in contestants:
         s = _common.summary(times[c.name])
         ph = np.median(np.array(phases[c.name]), axis=0) * 1e3
-        s.update(forward_ms=float(ph[0]), backward_ms=float(ph[1]), optimizer_ms=float(ph[2]))
+        s.update(
+            forward_ms=float(ph[0]), loss_forward_ms=float(ph[1]), backward_ms=float(ph[2]), optimizer_ms=float(ph[3])
+        )
         results[c.name] = s
     for name, tot in split.items():
         steps_sok = len(times[name])
@@ -475,7 +483,9 @@ def run(args) -> dict:
     report["steps_timed"] = args.steps
     report["notes"] = (
         "ratio columns are this contestant's median ms / the other's median ms (< 1: faster). "
-        "fbgemm's optimizer is fused into its backward (optimizer_ms = 0)."
+        "fbgemm's optimizer is fused into its backward (optimizer_ms = 0). forward_ms is the lookup "
+        "alone; loss_forward_ms the loss's forward, (out * upstream).sum(), which every contestant runs "
+        "(torch per table, on its per-table outputs; sokpy and fbgemm on the keyed [B, T*dim] output)."
     )
     print_table(report)
     return report
@@ -486,13 +496,14 @@ def print_table(report) -> None:
     fb = "fbgemm" in res
     print()
     print(
-        f"{'contestant':<10} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'bwd':>7} {'opt':>7} "
+        f"{'contestant':<10} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7} "
         f"{'vs torch':>9} {'vs fbgemm':>10} {'GB/s':>6} {'roof':>6}"
     )
     for name, r in res.items():
         vf = f"{r['vs_fbgemm']:.2f}" if fb else "-"
         print(
             f"{name:<10} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['forward_ms']:>7.2f} "
+            f"{r['loss_forward_ms']:>6.2f} "
             f"{r['backward_ms']:>7.2f} {r['optimizer_ms']:>7.2f} {r['vs_torch']:>9.2f} {vf:>10} "
             f"{r['achieved_GBps']:>6.2f} {100 * r['roofline_fraction']:>5.1f}%"
         )
@@ -520,7 +531,7 @@ def print_table(report) -> None:
         f"machine load while timing: {ld.get('busy_cores')} cores busy, of which other processes "
         f"{ld.get('others_cores')} (this one {ld.get('own_cores')}); nproc {report['machine']['nproc']}"
     )
-    print(f"ratio = median / other median (< 1 is faster). {report['notes'].split('. ')[1]}")
+    print(f"ratio = median / other median (< 1 is faster). {report['notes'].split('. ', 1)[1]}")
 
 
 def plot(report, path) -> None:
@@ -550,7 +561,8 @@ def plot(report, path) -> None:
     )
     bottom = np.zeros(len(names))
     for key, label, col in (
-        ("forward_ms", "forward", "#9ecae1"),
+        ("forward_ms", "forward (lookup)", "#9ecae1"),
+        ("loss_forward_ms", "loss forward", "#c6dbef"),
         ("backward_ms", "backward", "#3182bd"),
         ("optimizer_ms", "optimizer", "#08519c"),
     ):

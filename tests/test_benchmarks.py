@@ -42,6 +42,10 @@ def test_w1_with_dynamic_tables_agrees_with_the_peers(tmp_path):
     assert report["correctness"]["passed"]
     assert report["correctness"]["sokpy_vs_sokpy_dynamic_max_abs_diff"] < 1e-6
     assert {"sokpy", "sokpy_dynamic", "torch"} <= set(report["results"])
+    for r in report["results"].values():  # the four phases of a step, each timed
+        assert min(r["forward_ms"], r["loss_forward_ms"], r["backward_ms"], r["optimizer_ms"]) > 0
+    sp = report["results"]["sokpy"]["split_ms"]  # the loss inside steps and alone
+    assert sp["loss"] > 0 and sp["loss_alone"] > 0 and sp["own_overhead"] == sp["overhead"] - sp["loss"]
 
 
 def test_storage_benchmark_runs(tmp_path):
