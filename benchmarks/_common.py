@@ -61,6 +61,13 @@ class Workload:
         # A fixed random upstream gradient per table: loss = sum_t sum(out_t * upstream_t).
         self.upstream = [rng.standard_normal((batch, dim)).astype(np.float32) for _ in range(tables)]
 
+    @classmethod
+    def from_args(cls, args) -> Workload:
+        """The workload a benchmark's command line asks for (its --tables, --rows, --dim,
+        --batch, --hotness, --alpha, --nbatches and --seed)."""
+        names = ("tables", "rows", "dim", "batch", "hotness", "alpha", "nbatches", "seed")
+        return cls(**{n: getattr(args, n) for n in names})
+
     def describe(self) -> dict:
         return dict(
             tables=self.tables,

@@ -90,16 +90,7 @@ def run(args) -> dict | None:
     rank, world = sokpy.rank(), sokpy.world_size()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} is not divisible by {world} ranks")
-    wl = _common.Workload(
-        tables=args.tables,
-        rows=args.rows,
-        dim=args.dim,
-        batch=args.batch,
-        hotness=args.hotness,
-        alpha=args.alpha,
-        nbatches=args.nbatches,
-        seed=args.seed,
-    )
+    wl = _common.Workload.from_args(args)
     per = args.batch // world
     lo, hi = rank * per, (rank + 1) * per
     offsets = torch.from_numpy(np.arange(0, per * args.hotness + 1, args.hotness, dtype=np.int64))

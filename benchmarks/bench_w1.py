@@ -342,16 +342,7 @@ def run(args) -> dict:
     )
 
     t = time.perf_counter()
-    wl = _common.Workload(
-        tables=args.tables,
-        rows=args.rows,
-        dim=args.dim,
-        batch=args.batch,
-        hotness=args.hotness,
-        alpha=args.alpha,
-        nbatches=args.nbatches,
-        seed=args.seed,
-    )
+    wl = _common.Workload.from_args(args)
     uniq = wl.unique_stats()
     report["data"] = dict(wl.describe(), **uniq)
     print(
