@@ -124,23 +124,17 @@ class SokpyContestant:
 
     def loss_in_step_seconds(self, i) -> float:
         """The loss's part of a whole step as :meth:`step` runs it, with the caches as the
-        lookup leaves them: its forward timed inline, and the backward from its start until
-        the output's gradient is ready (a hook on the output, which runs just before sokpy's
-        backward). The alone measure (:meth:`loss_seconds`) runs on warm caches and, on W1,
-        finds about a third of this."""
-        ready = []
-        (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
-        t0 = time.perf_counter()
-        loss = (out * self.upstream).sum()
-        t1 = time.perf_counter()
-        out.register_hook(lambda g: ready.append(time.perf_counter()))
-        t2 = time.perf_counter()
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return (t1 - t0) + (ready[0] - t2)
+        lookup leaves them: its forward (the step's own phase), and the backward from its start
+        until the output's gradient is ready (a hook on the output, which runs just before
+        sokpy's backward). The alone measure (:meth:`loss_seconds`) runs on warm caches and, on
+        W1, finds about a third of this."""
+        marks = []
+        phases = self.step(i, marks)
+        return phases[1] + (marks[1] - marks[0])
 
-    def step(self, i):
+    def step(self, i, marks=None):
+        """One step; returns the seconds of its four phases. ``marks``, when given (a list),
+        gets the clock at the start of the backward and when the output's gradient is ready."""
         # Keyed output: every table's bags side by side in one [B, T*dim] tensor, the layout
         # FBGEMM's TBE returns and a model concatenates anyway (one autograd node, not T).
         t0 = time.perf_counter()
@@ -148,6 +142,9 @@ class SokpyContestant:
         t1 = time.perf_counter()
         loss = (out * self.upstream).sum()
         t2 = time.perf_counter()
+        if marks is not None:
+            out.register_hook(lambda g: marks.append(time.perf_counter()))
+            marks.append(time.perf_counter())
         loss.backward()
         t3 = time.perf_counter()
         self.opt.step()

@@ -85,13 +85,13 @@ def test_names_cupy_lacks_fail_as_on_a_gpu():
 # The most host synchronisations a call may make on the device code path (forward, backward,
 # optimizer step), whatever its number of tables. One rank: the range check of the keys
 # (forward); the count of unique keys, the finite check of the gradient rows and, with mixed
-# dimensions, the size of the gradient buffer (backward); nothing at the step. Several ranks: one read in the forward, the range
-# check with the unique keys per (rank, table) (the owners learn what they must send back from
-# the header, and the counts that arrive with the keys stay on the device); the peers' used
-# flags (backward); the count of unique rows and the finite check (step). A dynamic table adds
-# the row counters after its inserts (one read for all tables), the check for keys that share
-# a hashed sort value (one rank) and, on several ranks, the key counts that arrive, by which
-# its table grows first.
+# dimensions, the size of the gradient buffer (backward); nothing at the step. Several ranks:
+# one read in the forward, the range check with the unique keys per (rank, table) (the owners
+# learn what they must send back from the header, and the counts that arrive with the keys
+# stay on the device); the peers' used flags (backward); the count of unique rows and the
+# finite check (step). A dynamic table adds the row counters after its inserts (one read for
+# all tables), the check for keys that share a hashed sort value (one rank) and, on several
+# ranks, the key counts that arrive, by which its table grows first.
 HOST_SYNCS = {
     (1, "one_dim"): (1, 2, 0),
     (1, "mixed_dims"): (1, 3, 0),
