@@ -209,6 +209,7 @@ def _optimizer_spec(optimizer, variables) -> dict:
     return {"type": type(optimizer).__name__, "slots": list(optimizer.slots), "param_groups": groups, "steps": steps}
 
 
+@runtime.entry
 def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     """Saves ``variables`` (and ``optimizer``'s state: its slots, step counts and
     hyper-parameters) to the folder ``path``; collective, atomic (see the module's docs).
@@ -371,6 +372,7 @@ def _check_tables(m: dict, variables, optimizer) -> str | None:
     return None
 
 
+@runtime.entry
 def load(path, variables, optimizer=None):
     """Loads ``variables`` (and ``optimizer``'s state) from the checkpoint at ``path``, saved at
     any world size; collective. Everything is checked before anything changes: a fault raises
@@ -489,6 +491,7 @@ def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, com
 STATE_FORMAT = "sokpy.table/1"
 
 
+@runtime.entry
 def gather_state(variables) -> list:
     """Every table of ``variables`` whole on rank 0: per table a dict (format, name, kind,
     rows, dim, placement, the world size it was gathered at, sorted int64 ``keys`` ``[n]``,
@@ -573,6 +576,7 @@ def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray] | None:
     return keys, rows
 
 
+@runtime.entry
 def load_state(variables, entries, missing_ok: bool = False) -> list:
     """Puts the tables' states (as :func:`gather_state` made them, at any world size) back;
     collective. Each rank passes what it holds: the same entries on every rank (every rank

@@ -21,7 +21,7 @@ import numpy as np
 from . import hostpool
 from .timing import count_traffic, timed
 
-__all__ = ["Communicator", "MpiComm", "max_count"]
+__all__ = ["Communicator", "MpiComm", "SoloComm", "max_count"]
 
 _SPLIT_TAG = 7301
 
@@ -100,6 +100,63 @@ class Communicator:
         """Releases the communicator (``sokpy.shutdown``)."""
         raise NotImplementedError
 
+    def abort(self, code: int) -> None:
+        """Ends every process of the job with exit code ``code``."""
+        raise NotImplementedError
+
+
+class SoloComm(Communicator):
+    """The communicator of a job of one process where no MPI library is loaded (one GPU
+    checked where only torch and CuPy are installed): every collective is a local copy, of
+    host or device arrays alike (``xp`` is the backend's array module)."""
+
+    rank, size = 0, 1
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    def free(self) -> None:
+        pass
+
+    def abort(self, code: int) -> None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def alltoall_counts(self, counts):
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if counts.shape[0] != 1:
+            raise ValueError(f"alltoall_counts: need one row per rank (1), got {counts.shape[0]}")
+        return counts.copy()
+
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
+        send_counts = np.asarray(send_counts, dtype=np.int64)
+        if send_counts.shape != (1,) or int(send_counts[0]) != int(send.shape[0]):
+            raise ValueError(f"alltoallv: send_counts {send_counts.tolist()} do not fit {send.shape[0]} rows")
+        recv = receive_buffer(out, tuple(send.shape), send.dtype, self.xp.empty)
+        if not skip_self:
+            recv[...] = send
+        return recv, send_counts.copy()
+
+    def allreduce(self, arr, op: str = "sum"):
+        return arr.copy() if hasattr(arr, "copy") else np.array(arr)
+
+    def allgather(self, arr):
+        return arr[None].copy() if hasattr(arr, "copy") else np.array([arr])
+
+    def allgather_object(self, obj) -> list:
+        count_traffic("other", 0)
+        return [obj]
+
+    def bcast(self, obj, root: int = 0):
+        count_traffic("other", 0)
+        return obj
+
+    def barrier(self) -> None:
+        count_traffic("other", 0)
+
 
 class MpiComm(Communicator):
     """Communicator over an mpi4py communicator, for host (numpy) arrays."""
@@ -117,6 +174,9 @@ class MpiComm(Communicator):
         if self._comm is not None and self._comm != self._MPI.COMM_WORLD:
             self._comm.Free()
         self._comm = None
+
+    def abort(self, code: int) -> None:
+        self._MPI.COMM_WORLD.Abort(code)
 
     def alltoall_counts(self, counts):
         """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)

@@ -1,31 +1,35 @@
 """Loads the kernels of ``cuda_src/*.cu`` for the backend in use.
 
-Every kernel is written once, as plain ``extern "C" __global__`` CUDA C. On the device
-backend CuPy compiles it with NVRTC (``cupy.RawModule``); on the host backend g++ compiles
-the same file through ``cuda_src/host_shim.h`` into a shared library, with one generated
-launcher per kernel that runs the grid with OpenMP. Both are called the same way, with
-CuPy's RawKernel shape::
+Every kernel is written once, as plain ``extern "C" __global__`` CUDA C. For a GPU,
+:class:`DeviceKernels` compiles it with NVRTC (through ``cupy.cuda.nvrtc``, with the options
+of :data:`DEVICE_OPTIONS`: no flush of subnormals, no fused multiply-add, IEEE division and
+square root) and loads the binary with ``cupy.RawModule``; for the CPU, :class:`HostKernels`
+compiles the same file with g++ through ``cuda_src/host_shim.h`` into a shared library, with
+one generated launcher per kernel that runs the grid with OpenMP. Both are called the same
+way, with CuPy's RawKernel shape::
 
-    fn = sokpy.kernels.get("copy_rows")
+    fn = sokpy.kernels.get("copy_rows")            # the host build
     fn((grid,), (block,), (src, None, dst, None, n, dim))
 
 Arrays are numpy/cupy arrays or torch tensors (contiguous, of the dtype the kernel's
 signature names); ``None`` passes a null pointer; Python numbers are converted to the
-scalar type of the signature. ``launch_shape(n, dim)`` gives the backend's grid and block
-for a kernel with ``n`` rows of ``dim`` columns: rows over the grid and ``threadIdx.y``,
-the dimension over ``threadIdx.x``; the host runs one thread per block, so a host launch
-takes block ``(1, 1)``.
+scalar type of the signature. ``launch_shape(n, dim, shapes)`` gives the grid and block for
+a kernel with ``n`` rows of ``dim`` columns: rows over the grid and ``threadIdx.y``, the
+dimension over ``threadIdx.x``; the host's shapes run one thread per block (block ``(1,
+1)``), the device's a warp or more.
 
-``SOKPY_EMULATE_DEVICE_SHAPES=1`` (read at import) builds the host library so that it runs
-the device's launch shapes: every block runs its threads one after another (``threadIdx``
-and ``blockDim`` become variables) and rows are walked grid-stride as on a GPU;
-``launch_shape`` then returns the device shape on the host too. A kernel that only works
-with one thread per row gives different results there; ``tests/test_launch_shapes.py``
-runs the lookup and optimizer paths both ways and requires identical results.
+``HostKernels(emulate_blocks=True)`` builds the host library so that it runs the device's
+launch shapes: every block runs its threads one after another (``threadIdx`` and
+``blockDim`` become variables) and rows are walked grid-stride as on a GPU. A kernel that
+only works with one thread per row gives different results there;
+``tests/test_launch_shapes.py`` runs the lookup and optimizer paths both ways and requires
+identical results. Which loader and which shapes a process uses is the backend's choice
+(``sokpy/backends.py``); this module reads no setting of its own.
 
-The host library is cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed
-by a hash of the sources, flags and compiler; ranks that build at once serialise on a file
-lock and the library is written under a temporary name and renamed into place.
+Both builds are cached under ``$SOKPY_CACHE_DIR`` (default ``~/.cache/sokpy``), keyed by a
+hash of the sources with their headers, the flags and the compiler (g++'s version, or
+NVRTC's and the GPU architecture); ranks that build at once serialise on a file lock and
+a build is written under a temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -43,17 +47,25 @@ from pathlib import Path
 
 import numpy as np
 
+from . import arrays
 from .timing import timed
 
 __all__ = [
     "KernelError",
+    "UnsafeCacheError",
+    "DEVICE_OPTIONS",
+    "HostKernels",
+    "DeviceKernels",
+    "HostModule",
     "get",
     "launch_shape",
+    "chunk_count",
     "source_dir",
     "kernel_sources",
     "signatures",
+    "constants",
     "nvrtc_compile",
-    "HostModule",
+    "device_binary",
 ]
 
 
@@ -143,73 +155,14 @@ def constants() -> dict[str, int]:
     return out
 
 
-# ---- argument conversion (shared by both backends) --------------------------------------
-
-_torch_dtypes: dict = {}
-
-
-def _numpy_dtype_of_torch(dtype) -> np.dtype:
-    if dtype not in _torch_dtypes:
-        import torch
-
-        _torch_dtypes[dtype] = torch.empty((), dtype=dtype).numpy().dtype
-    return _torch_dtypes[dtype]
-
-
-def _numpy_address(x: np.ndarray) -> int:
-    """The data address of a numpy array. ``x.ctypes.data`` builds a ctypes helper object
-    (about 1 us, and a launch passes several arrays); a ctypes view of a writable contiguous
-    buffer gives the same address in a fifth of that. Read-only, empty or strided arrays take
-    the general path."""
-    try:
-        return _addressof(_byte_view(x))
-    except (TypeError, ValueError, BufferError):
-        return x.ctypes.data
-
-
-_addressof, _byte_view = ctypes.addressof, ctypes.c_char.from_buffer
-
-
-def _array_info(x):
-    """(data pointer, dtype, contiguous) of a numpy/cupy array or torch tensor, else None."""
-    if type(x) is np.ndarray:  # the common case, first
-        contiguous = x.flags.c_contiguous
-        return (_numpy_address(x) if contiguous else x.ctypes.data), x.dtype, contiguous
-    if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # torch.Tensor
-        return x.data_ptr(), _numpy_dtype_of_torch(x.dtype), x.is_contiguous()
-    if hasattr(x, "__array_interface__") or hasattr(x, "__cuda_array_interface__"):
-        iface = getattr(x, "__cuda_array_interface__", None) or x.__array_interface__
-        return iface["data"][0], np.dtype(x.dtype), x.flags.c_contiguous
-    return None
-
-
-def address_of(x) -> int:
-    """The data address of a numpy/cupy array or torch tensor (for tables of pointers that a
-    table-batched kernel reads, e.g. one row buffer per table)."""
-    _refuse_host_array("address_of", "a pointer table", x)
-    info = _array_info(x)
-    if info is None:
-        raise KernelError(f"sokpy kernels: cannot take the address of a {type(x).__name__}")
-    return int(info[0])
-
-
-def _refuse_host_array(kernel: str, what: str, x) -> None:
-    """Under SOKPY_EMULATE_DEVICE=1 arrays of the device code path are emulated device arrays
-    (sokpy.cupy_double); a numpy array reaching a kernel there is a host pointer, which a
-    GPU kernel cannot read."""
-    if EMULATE_DEVICE_ARRAYS and type(x) is np.ndarray:
-        raise KernelError(
-            f"sokpy kernel {kernel}: {what} is a host (numpy) array; the device backend passes "
-            f"device arrays only (move it with runtime.xp().asarray)"
-        )
+# ---- argument conversion (shared by both builds) ------------------------------------------
 
 
 def _check_array(kernel: str, p: _Param, x):
-    _refuse_host_array(kernel, f"argument {p.name}", x)
-    info = _array_info(x)
-    if info is None:
+    found = arrays.info(x)
+    if found is None:
         raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be an array, got {type(x).__name__}")
-    ptr, dtype, contiguous = info
+    ptr, dtype, contiguous = found
     if dtype != p.dtype:
         raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be {p.dtype}, got {dtype}")
     if not contiguous:
@@ -217,20 +170,27 @@ def _check_array(kernel: str, p: _Param, x):
     return ptr
 
 
-# ---- host backend ---------------------------------------------------------------------------
+def address_of(x) -> int:
+    """The data address of a numpy/cupy array or torch tensor (``sokpy.arrays.address_of``,
+    raising KernelError for anything else)."""
+    try:
+        return arrays.address_of(x)
+    except TypeError as e:
+        raise KernelError(str(e)) from None
+
+
+# ---- host build -----------------------------------------------------------------------------
+
+# NVRTC options of every device build, the device's side of the host build's IEEE arithmetic:
+# --fmad=false: NVRTC fuses a*b+c into one rounding by default, the host build does not
+# (-ffp-contract=off below); -ftz=false: float32 subnormals are kept, not flushed to zero (the
+# NVRTC default, spelt out: CuPy's own RawModule(code=...) adds -ftz=true); -prec-div and
+# -prec-sqrt: division and square root correctly rounded, as on the CPU.
+DEVICE_OPTIONS = ("-std=c++14", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
-EMULATE_DEVICE_SHAPES = "1" in (os.environ.get("SOKPY_EMULATE_DEVICE_SHAPES"), os.environ.get("SOKPY_EMULATE_DEVICE"))
-EMULATE_DEVICE_ARRAYS = os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
-
-# NVRTC options of every device build. --fmad=false: NVRTC fuses a*b+c into one rounding by
-# default, the host build does not (-ffp-contract=off below), so both round each product
-# and each sum on their own and give the same bits.
-DEVICE_OPTIONS = ("-std=c++14", "--fmad=false")
-
 _HOST_FLAGS = [
-    *(["-DSOKPY_EMULATE_BLOCKS"] if EMULATE_DEVICE_SHAPES else []),
     "-O3",
     "-std=c++17",
     "-fopenmp",
@@ -242,9 +202,9 @@ _HOST_FLAGS = [
     "-ffp-contract=off",
     "-w",
 ]
+_EMULATE_BLOCKS_FLAG = "-DSOKPY_EMULATE_BLOCKS"
 
 
-@functools.cache
 def _cpu_signature() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -330,89 +290,131 @@ def _launcher_source(cu: Path, sigs: dict[str, list[_Param]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _build_host_library(cu: Path) -> tuple[Path, dict[str, list[_Param]]]:
+def _cached_build(name: str, key_parts, build) -> Path:
+    """The cached file ``<name>-<hash of key_parts>`` in the kernel cache, made by
+    ``build(out_path)`` when it is not there yet: one builder per node (the others wait on a
+    file lock, then find it), written under a temporary name and renamed into place, so a
+    reader sees no file or a whole one."""
+    h = hashlib.sha256()
+    for part in key_parts:
+        h.update(part if isinstance(part, bytes) else str(part).encode())
+        h.update(b"\0")
+    cache = _cache_dir()
+    stem, _, suffix = name.partition(".")
+    path = cache / f"{stem}-{h.hexdigest()[:20]}.{suffix}"
+    if path.exists():
+        return path
+    with open(cache / (path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / path.name
+            build(Path(tmp), out)
+            os.chmod(out, 0o700)
+            os.replace(out, path)
+    return path
+
+
+def _build_host_library(cu: Path, emulate_blocks: bool) -> tuple[Path, dict[str, list[_Param]]]:
     src_dir = cu.parent
     source = cu.read_text()
     sigs = signatures(source)
     launcher = _launcher_source(cu, sigs)
     cxx = _compiler()
-    version = _compiler_version(cxx)
-    h = hashlib.sha256()
-    for part in [
-        source,
-        launcher,
-        (src_dir / "host_shim.h").read_text(),
-        *_headers(src_dir).values(),
-        " ".join(_HOST_FLAGS),
-        version,
-        _cpu_signature(),
-    ]:
-        h.update(part.encode())
-        h.update(b"\0")
-    cache = _cache_dir()
-    lib = cache / f"{cu.stem}-{h.hexdigest()[:20]}.so"
-    if lib.exists():
-        return lib, sigs
-    with open(cache / (lib.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per node; the others wait, then load
-        if lib.exists():
-            return lib, sigs
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            tu = Path(tmp) / f"{cu.stem}_host.cpp"
-            tu.write_text(launcher)
-            out = Path(tmp) / lib.name
-            cmd = [cxx, *_HOST_FLAGS, "-I", str(src_dir), str(tu), "-o", str(out)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise KernelError(
-                    f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n{res.stderr}{res.stdout}"
-                )
-            os.chmod(out, 0o700)
-            os.replace(out, lib)  # atomic: a reader sees no library or a whole one
-    return lib, sigs
+    flags = [*([_EMULATE_BLOCKS_FLAG] if emulate_blocks else []), *_HOST_FLAGS]
+
+    def build(tmp: Path, out: Path) -> None:
+        tu = tmp / f"{cu.stem}_host.cpp"
+        tu.write_text(launcher)
+        cmd = [cxx, *flags, "-I", str(src_dir), str(tu), "-o", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelError(
+                f"sokpy: compiling {cu.name} for the host failed:\n$ {' '.join(cmd)}\n{res.stderr}{res.stdout}"
+            )
+
+    key = [source, launcher, (src_dir / "host_shim.h").read_text(), *_headers(src_dir).values()]
+    key += [" ".join(flags), _compiler_version(cxx), _cpu_signature()]
+    return _cached_build(f"{cu.stem}.so", key, build), sigs
 
 
 class _HostKernel:
-    def __init__(self, name: str, fn, params: list[_Param]):
+    def __init__(self, name: str, fn, params: list[_Param], emulate_blocks: bool):
         self.name, self.params = name, params
         fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p if p.pointer else p.ctype for p in params]
         fn.restype = None
         self._fn = fn
+        self._emulate_blocks = emulate_blocks
 
-    def __call__(self, grid, block, args):
+    def convert(self, args) -> list:
+        """The launch arguments as the compiled launcher takes them (checked)."""
         if len(args) != len(self.params):
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
-        g = (tuple(grid) + (1, 1))[:3]
-        blk = (tuple(block) + (1, 1))[:3]
-        if blk != (1, 1, 1) and not EMULATE_DEVICE_SHAPES:
-            raise KernelError(
-                f"sokpy kernel {self.name}: the host backend runs one thread per block; "
-                f"launch with block (1, 1), not {tuple(block)} (see launch_shape)"
-            )
         conv = []
         for p, x in zip(self.params, args):
             if p.pointer:
                 conv.append(None if x is None else _check_array(self.name, p, x))
             else:
                 conv.append(x)
+        return conv
+
+    def __call__(self, grid, block, args):
+        conv = self.convert(args)
+        g = (tuple(grid) + (1, 1))[:3]
+        blk = (tuple(block) + (1, 1))[:3]
+        if blk != (1, 1, 1) and not self._emulate_blocks:
+            raise KernelError(
+                f"sokpy kernel {self.name}: the host build runs one thread per block; "
+                f"launch with block (1, 1), not {tuple(block)} (see launch_shape)"
+            )
         if min(g) <= 0:
             return
         with timed("kernels"):
             self._fn(*g, *blk, *conv)
 
+    def run_converted(self, grid, block, conv) -> None:
+        """Runs a launch whose arguments :meth:`convert` already checked (a queued launch)."""
+        g = (tuple(grid) + (1, 1))[:3]
+        blk = (tuple(block) + (1, 1))[:3]
+        if min(g) > 0:
+            self._fn(*g, *blk, *conv)
+
 
 class HostModule:
-    """The kernels of one ``.cu`` file compiled for the host."""
+    """The kernels of one ``.cu`` file compiled for the host (``emulate_blocks``: each block
+    runs the device launch shape's threads one after another)."""
 
-    def __init__(self, cu: Path):
-        path, sigs = _build_host_library(cu)
+    def __init__(self, cu: Path, emulate_blocks: bool = False):
+        path, sigs = _build_host_library(cu, emulate_blocks)
         check_private(path, "kernel library")  # loading a library runs its code
         self.path = path
         self._lib = ctypes.CDLL(str(path))
-        self.kernels = {n: _HostKernel(n, getattr(self._lib, f"sokpy_launch_{n}"), ps) for n, ps in sigs.items()}
+        self.kernels = {
+            n: _HostKernel(n, getattr(self._lib, f"sokpy_launch_{n}"), ps, emulate_blocks) for n, ps in sigs.items()
+        }
 
 
-# ---- device backend -------------------------------------------------------------------------
+class HostKernels:
+    """Every kernel of ``cuda_src/`` built for the host, loaded on first use."""
+
+    def __init__(self, emulate_blocks: bool = False):
+        self.emulate_blocks = emulate_blocks
+        self._kernels: dict | None = None
+
+    def get(self, name: str):
+        if self._kernels is None:
+            loaded = {}
+            for cu in kernel_sources():
+                loaded.update(HostModule(cu, self.emulate_blocks).kernels)
+            self._kernels = loaded
+        try:
+            return self._kernels[name]
+        except KeyError:
+            raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
+
+
+# ---- device build -------------------------------------------------------------------------
 
 
 class _DeviceKernel:
@@ -431,25 +433,27 @@ class _DeviceKernel:
         if min(grid) <= 0:
             return
         with timed("kernels"):
-            self._fn(tuple(grid), tuple(block), tuple(conv))
+            self._fn(tuple(grid), tuple(block), tuple(conv))  # on CuPy's current stream
 
 
-def _device_module(cu: Path):
+def _nvrtc():
     import cupy
 
-    src_dir = cu.parent
-    mod = cupy.RawModule(code=cu.read_text(), options=(*DEVICE_OPTIONS, f"-I{src_dir}"))
-    sigs = signatures(cu.read_text())
-    return {n: _DeviceKernel(n, mod.get_function(n), ps) for n, ps in sigs.items()}
+    return cupy.cuda.nvrtc
 
 
-def nvrtc_compile(cu: Path, arch: str) -> bytes:
-    """Compiles one kernel source with NVRTC for ``arch`` (e.g. ``"compute_80"``) and returns
-    the PTX. Needs no GPU: it goes through ``cupy.cuda.nvrtc`` directly. Raises KernelError
-    with the NVRTC log when compilation fails."""
-    import cupy
+def nvrtc_version() -> tuple[int, int]:
+    """The version of the NVRTC library CuPy loads."""
+    return tuple(_nvrtc().getVersion())
 
-    nvrtc = cupy.cuda.nvrtc
+
+def nvrtc_compile(cu: Path, arch: str, binary: bool = False) -> bytes:
+    """Compiles one kernel source with NVRTC for ``arch`` with :data:`DEVICE_OPTIONS` and
+    returns the PTX (``arch`` a virtual architecture such as ``"compute_90"``) or, with
+    ``binary``, the CUBIN (``arch`` a real one such as ``"sm_90"``). Needs no GPU: it goes
+    through ``cupy.cuda.nvrtc`` directly. Raises KernelError with the NVRTC log when the
+    compilation fails."""
+    nvrtc = _nvrtc()
     headers = _headers(cu.parent)
     prog = nvrtc.createProgram(
         cu.read_text(), cu.name, [h.encode() for h in headers.values()], [n.encode() for n in headers]
@@ -459,40 +463,65 @@ def nvrtc_compile(cu: Path, arch: str) -> bytes:
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *DEVICE_OPTIONS])
         except nvrtc.NVRTCError as e:
             raise KernelError(f"sokpy: NVRTC failed on {cu.name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
-        return nvrtc.getPTX(prog)
+        return nvrtc.getCUBIN(prog) if binary else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
 
-# ---- registry ---------------------------------------------------------------------------------
+def device_binary(cu: Path, arch: str) -> Path:
+    """The CUBIN of ``cu`` for ``arch`` (e.g. ``"sm_90"``) in the kernel cache, compiled on
+    first use. The key covers the source and its headers, :data:`DEVICE_OPTIONS`, the
+    architecture and NVRTC's version, so an edit of any header or an upgrade rebuilds."""
+
+    def build(tmp: Path, out: Path) -> None:
+        out.write_bytes(nvrtc_compile(cu, arch, binary=True))
+
+    key = [cu.read_text(), *_headers(cu.parent).values(), " ".join(DEVICE_OPTIONS), arch, nvrtc_version()]
+    return _cached_build(f"{cu.stem}-{arch}.cubin", key, build)
 
 
-def _load(backend: str):
-    kernels = {}
-    for cu in kernel_sources():
-        if backend == "host":
-            kernels.update(HostModule(cu).kernels)
-        else:
-            kernels.update(_device_module(cu))
-    return kernels
+class DeviceKernels:
+    """Every kernel of ``cuda_src/`` built by NVRTC for the current GPU (``arch``, e.g.
+    ``"sm_90"``) and loaded with ``cupy.RawModule``, on first use."""
+
+    def __init__(self, arch: str):
+        self.arch = arch
+        self._kernels: dict | None = None
+
+    def get(self, name: str):
+        if self._kernels is None:
+            import cupy
+
+            loaded = {}
+            for cu in kernel_sources():
+                path = device_binary(cu, self.arch)
+                check_private(path, "kernel binary")
+                mod = cupy.RawModule(path=str(path))
+                for n, ps in signatures(cu.read_text()).items():
+                    loaded[n] = _DeviceKernel(n, mod.get_function(n), ps)
+            self._kernels = loaded
+        try:
+            return self._kernels[name]
+        except KeyError:
+            raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
 
 
-_loaded: dict[str, dict] = {}
+_host_builds: dict[bool, HostKernels] = {}
 
 
-def get(name: str, backend: str | None = None):
-    """The kernel ``name`` compiled for ``backend`` (default: the backend sokpy runs on)."""
-    if backend is None:
-        from . import runtime
+def get(name: str, backend: str = "host"):
+    """The kernel ``name`` of the host build (``backend="host"``) or of the host build that
+    runs the device's launch shapes (``"device_shapes"``), for use outside a running sokpy
+    (tests, tools). A running sokpy launches through its backend (``runtime.launch``)."""
+    if backend not in ("host", "device_shapes"):
+        raise ValueError(f"kernels.get: backend must be 'host' or 'device_shapes', not {backend!r}")
+    emulate = backend == "device_shapes"
+    if emulate not in _host_builds:
+        _host_builds[emulate] = HostKernels(emulate)
+    return _host_builds[emulate].get(name)
 
-        backend = runtime.backend()
-    if backend not in _loaded:
-        _loaded[backend] = _load(backend)
-    try:
-        return _loaded[backend][name]
-    except KeyError:
-        raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
 
+# ---- launch shapes ----------------------------------------------------------------------------
 
 # Host launches: each block (one emulated thread) takes a contiguous run of rows; a few hundred
 # blocks keep every OpenMP thread busy and spread uneven rows, while the set-up of a block is
@@ -500,44 +529,27 @@ def get(name: str, backend: str | None = None):
 _HOST_BLOCKS = 256
 
 
-def launch(name: str, n: int, dim: int, args) -> None:
-    """Runs kernel ``name`` over ``n`` rows of ``dim`` columns with the backend's launch shape
-    (:func:`launch_shape`); nothing when ``n`` is 0."""
-    if n > 0:
-        grid, block = launch_shape(n, dim)
-        get(name)(grid, block, args)
-
-
-def _host_shapes(backend: str | None) -> bool:
-    """Whether launches on ``backend`` (default: the one sokpy runs on) take the host's shapes
-    (one thread per block), not the device's (also on the host under
-    SOKPY_EMULATE_DEVICE_SHAPES)."""
-    if backend is None:
-        from . import runtime
-
-        backend = runtime.backend()
-    return backend == "host" and not EMULATE_DEVICE_SHAPES
-
-
-def chunk_count(n: int, backend: str | None = None) -> int:
+def chunk_count(n: int, shapes: str = "host") -> int:
     """How many contiguous chunks a kernel that walks each chunk on one thread (the radix
-    sort's passes, ``cuda_src/sort.cu``) cuts ``n`` items into: on the host one per 2^20
-    items (one for a call's usual size; a chunk keeps counters of its own, and with one the
-    pass is a plain loop), on the device one per 512 (thousands of threads)."""
-    if _host_shapes(backend):
+    sort's passes, ``cuda_src/sort.cu``) cuts ``n`` items into: with the host's shapes one
+    per 2^20 items (one for a call's usual size; a chunk keeps counters of its own, and with
+    one the pass is a plain loop), with the device's one per 512 (thousands of threads)."""
+    if shapes == "host":
         return max(1, int(n) >> 20)
     return max(1, -(-int(n) // 512))
 
 
-def launch_shape(n: int, dim: int, backend: str | None = None):
-    """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns on ``backend``.
+def launch_shape(n: int, dim: int, shapes: str = "host"):
+    """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns, in the host's
+    (``shapes="host"``) or the device's launch shapes (``"device"``).
 
     Kernels put rows over the grid and ``threadIdx.y`` and the dimension over ``threadIdx.x``
     (``SOKPY_FOR_ROWS`` / ``SOKPY_FOR_COLS`` in ``sokpy_common.cuh``). The host runs one
     emulated thread per block (block ``(1, 1)``) and at most 256 blocks, each taking a run of
-    rows, so g++ vectorises each row's dimension loop. A GPU block has 128 threads: ``block.x`` covers the dimension (up to a warp) and
-    ``block.y = 128 // block.x`` rows share the block, so small dims do not leave lanes idle."""
-    if _host_shapes(backend):
+    rows, so g++ vectorises each row's dimension loop. A GPU block has 128 threads:
+    ``block.x`` covers the dimension (up to a warp) and ``block.y = 128 // block.x`` rows
+    share the block, so small dims do not leave lanes idle."""
+    if shapes == "host":
         return (max(1, min(int(n), _HOST_BLOCKS)),), (1, 1)
     bx = 1
     while bx < min(int(dim), 32):

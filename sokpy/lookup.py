@@ -28,6 +28,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from . import runtime
 from .plan import COMBINERS, LookupPlan
 from .sparse import BatchError, to_batch
 from .variable import _Table
@@ -57,6 +58,7 @@ class _LookupFunction(torch.autograd.Function):
 
 
 @torch.compiler.disable  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
+@runtime.entry  # on the stream autograd runs this backward on
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
     needed = [g for g in weight_grads if g is not None][:nweights]
@@ -95,6 +97,7 @@ def _prepare(params, sp_ids, sp_weights, combiners):
 # numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
 # after it (dynamo then marks that dimension dynamic).
 @torch.compiler.disable
+@runtime.entry
 def lookup(
     params,
     sp_ids,

@@ -9,16 +9,16 @@ MPI: they live on the host, and sending them over NCCL would cost a copy to the 
 a synchronisation back.
 
 NCCL is reached only through the object passed as ``nccl`` (default ``cupy.cuda.nccl``).
-``sokpy.nccl_double.MpiBackedNccl`` is a test double with the same calls that moves host
-buffers over MPI: with it, every line of this module runs on a machine without a GPU
-(``tests/test_nccl_comm.py``; ``SOKPY_EMULATE_DEVICE=1`` runs sokpy's whole exchange
-through it).
+``sokpy.testing.nccl_double.MpiBackedNccl`` is a test double with the same calls that
+moves host buffers over MPI: with it, every line of this module runs on a machine without a
+GPU (``tests/test_nccl_comm.py``; ``SOKPY_EMULATE_DEVICE=1`` runs sokpy's whole exchange
+through it, queued on the device double's streams).
 
 Example (host buffers through the test double, under ``sokrun -np 2``)::
 
     import numpy as np, sokpy
     from sokpy.nccl_comm import NcclComm
-    from sokpy.nccl_double import MpiBackedNccl
+    from sokpy.testing.nccl_double import MpiBackedNccl
     sokpy.init()
     c = NcclComm(sokpy.comm(), MpiBackedNccl(), is_device=lambda a: True)
     recv, counts = c.alltoallv(np.arange(4.0), np.full(sokpy.world_size(), 4 // sokpy.world_size()))
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .arrays import address_of
 from .comm import Communicator, MpiComm, receive_buffer
-from .kernels import address_of
 from .timing import count_traffic, timed
 
 __all__ = ["NcclComm", "NCCL_TYPES", "NCCL_OPS"]
@@ -91,6 +91,9 @@ class NcclComm(Communicator):
             self._comm.destroy()
             self._comm = None
         self.mpi.free()
+
+    def abort(self, code: int) -> None:
+        self.mpi.abort(code)
 
     # ---- host values: over MPI ---------------------------------------------------------------
     def alltoall_counts(self, counts):

@@ -137,6 +137,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
 
     # ---- param groups --------------------------------------------------------------------------
+    @runtime.entry
     def add_param_group(self, param_group: dict) -> None:
         """Adds a group of tables (torch.optim's convention); their optimizer state is created
         now, in their storage."""
@@ -209,6 +210,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         return _fields(rows)[inverse.reshape(-1)]
 
     @torch.no_grad()
+    @runtime.entry
     def step(self, closure=None):
         """Applies the gradients the tables hold (``var.grad``): collective, one merge and one
         fused update for all tables."""
@@ -237,7 +239,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         n = int(otab.shape[0])
         steps = self._steps.values[layout.counts]
         hyper = self._hyper(layout.group_index, steps)
-        kernels.launch(
+        runtime.launch(
             self.kernel,
             n,
             int(ts.dims.max(initial=1)),
@@ -347,7 +349,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         bad = xp.zeros(max(nuniq, 1), np.int32)
         first = perm[starts]
         uotab, urows, ukeys = otab[first], rows[first], keys[first]
-        kernels.launch(
+        runtime.launch(
             "merge_grads",
             nuniq,
             int(ts.dims.max(initial=1)),
@@ -372,6 +374,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             var.zero_grad()
 
     # ---- state ----------------------------------------------------------------------------------
+    @runtime.entry
     def state_dict(self) -> dict:
         """Hyper-parameters, and per table its step count and this rank's slots with their keys
         (``keys`` int64 [n], one ``[n, dim]`` tensor per slot): a per-rank ``torch.save`` of it
@@ -391,6 +394,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             state[index[id(var.handle)]] = entry
         return {"state": state, "param_groups": groups}
 
+    @runtime.entry
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores hyper-parameters, step counts and slots (by key: load the tables' rows first;
         a dynamic table creates the rows of keys it does not hold). Checks everything before it

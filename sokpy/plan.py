@@ -158,7 +158,7 @@ def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bi
     n = int(keys.shape[0])
     packed = runtime.scratch(n, np.int64)
     bad = xp.full(1, n, np.int64)
-    kernels.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
+    runtime.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
     return packed, bad
 
 
@@ -204,7 +204,7 @@ class _Dedup:
         self.collided_flag = xp.zeros(1, np.int32)
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
         args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.brk, self.collided_flag)
-        kernels.launch("mark_unique_keys", n, 1, args)
+        runtime.launch("mark_unique_keys", n, 1, args)
         self.before = None
 
     def counts(self, ngroups: int):
@@ -236,7 +236,7 @@ class _Dedup:
         ntab, world = int(self.tabs.shape[0]), runtime.world_size()
         count = self.n if starts is None else nuniq
         args = (self.s, starts, self.brk, self.before, count, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
-        kernels.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
         self.s = self.brk = self.before = None  # sort buffers: back to the pool
 
     def finish_alone(self) -> None:
@@ -303,7 +303,7 @@ class LookupPlan:
         self.out = runtime.scratch(self.out_size, np.float32)
         self.den = runtime.scratch(max(nbags, 1), np.float32)
         self.bag_of = runtime.scratch(max(int(b.keys.shape[0]), 1), np.int64) if self.grad_mode else None
-        kernels.launch(
+        runtime.launch(
             "combine_forward",
             nbags,
             int(self.dims.max(initial=1)),
@@ -430,7 +430,7 @@ class LookupPlan:
         n = int(keys.shape[0])
         rows = runtime.scratch(n, np.int64)
         args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows)
-        kernels.launch("find_rows", n, 1, (*args, seg_of))
+        runtime.launch("find_rows", n, 1, (*args, seg_of))
         if ts.dynamic and self.insert:
             finish_inserts([self.tables[i].storage for i in ts.dynamic])
         return rows
@@ -507,7 +507,7 @@ class LookupPlan:
         rows_out = both[recv_total:]
         rows_out[xp.asarray((pstart[:, None] + np.arange(hdr)).reshape(-1))] = 0.0
         nkeys = int(self.okeys.shape[0])
-        kernels.launch(
+        runtime.launch(
             "gather_rows",
             nkeys,
             int(self.dims.max(initial=1)),
@@ -541,10 +541,10 @@ class LookupPlan:
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = runtime.scratch(max(n, 1), np.int64)
-        kernels.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, urow, d.nuniq, self.val_off))
+        runtime.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, urow, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
         self.d_tabs = xp.asarray(self.tabs)
-        self.src = xp.full(ntab, kernels.address_of(rows_in), np.uint64)
+        self.src = xp.full(ntab, runtime.current().address_of(rows_in), np.uint64)
         self.src_keep = rows_in  # the pooled rows, for the weights' gradient
 
     # ---- backward ----------------------------------------------------------------------------
@@ -608,7 +608,7 @@ class LookupPlan:
             # rank); several ranks deduplicate before it, and segment_sum reads bag_of there.
             args = (gptr, self.bag_of, d.kbag, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group)
             args += (ntab, self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
-            kernels.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
+            runtime.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
             if self.world == 1:
                 bad = bad[: d.nuniq] if bool(bad.any()) else None
                 used_flags = None if used.all() else used[None, :]
@@ -659,13 +659,13 @@ class LookupPlan:
             if g is not None:
                 g = g.detach().to(torch.float32).contiguous()
                 keep.append(g)
-                addr[:] = kernels.address_of(g) + 4 * self.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
+                addr[:] = runtime.current().address_of(g) + 4 * self.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
         else:
             used = np.fromiter((g is not None for g in grads), bool, ntab)
             for t in np.flatnonzero(used):
                 g = grads[t].detach().to(torch.float32).contiguous()
                 keep.append(g)
-                addr[t] = kernels.address_of(g)
+                addr[t] = runtime.current().address_of(g)
         return used, xp.asarray(addr), keep
 
     def _owner_chunk(self, grecv, own: int) -> GradChunk:
@@ -711,7 +711,7 @@ class LookupPlan:
         if self.world == 1:  # the tables' own rows: take their addresses now (a table may have grown)
             self._sync_tables()
             src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
-        kernels.launch(
+        runtime.launch(
             "weight_grad",
             n,
             1,

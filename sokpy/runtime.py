@@ -9,7 +9,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
+
+import numpy as np
 
 __all__ = [
     "init",
@@ -21,9 +24,13 @@ __all__ = [
     "device_index",
     "backend",
     "comm",
+    "current",
     "xp",
     "scratch",
     "empty_rows",
+    "launch",
+    "entry",
+    "abort",
     "NotInitializedError",
     "LaunchError",
 ]
@@ -39,10 +46,8 @@ class LaunchError(RuntimeError):
 
 class _State:
     comm = None
-    backend = None
+    backend = None  # the Backend object (sokpy/backends.py)
     local_rank = 0
-    device = None  # the CUDA device index this rank uses (device backend only)
-    emulated = False  # SOKPY_EMULATE_DEVICE=1: device code path, host memory (cupy_double)
 
 
 _state = _State()
@@ -50,11 +55,14 @@ _state = _State()
 # Launchers that set a world size of their own. Under them, every process may see an MPI
 # world of 1 and would silently train its own model.
 _LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
+# Variables by which MPI launchers tell a process the size of its world; used only when no
+# MPI library can be loaded, to tell a one-process run from a broken multi-process launch.
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
 
-# Whether "auto" picks the device backend when CuPy sees a GPU. The device path is proven
-# without a GPU (emulated launch shapes, NcclComm over a test double, NVRTC builds) but has
-# not yet run on one, so "auto" stays on the host until the GPU-gated tests have passed on a
-# GPU; backend="device" (or SOKPY_BACKEND=device) asks for it explicitly.
+# Whether "auto" picks the device backend when a GPU is usable. The device path is proven
+# without a GPU (an asynchronous device double, NcclComm over a test double, NVRTC builds)
+# but has not yet run on one, so "auto" stays on the host until `make gpu-check` has passed
+# on a GPU; backend="device" (or SOKPY_BACKEND=device) asks for it explicitly.
 # SOKPY_BACKEND=host|device|auto in the environment sets what "auto" means, so a job moves
 # between backends without editing the script.
 AUTO_PICKS_DEVICE = False
@@ -83,16 +91,44 @@ def _check_launch(mpi_size: int) -> None:
             )
 
 
+def _mpi_world():
+    """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
+    single process where no MPI library can be loaded (one GPU checked where only torch and
+    CuPy are installed); a launch that asked for several processes then fails clearly."""
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # noqa: BLE001 - mpi4py missing, or no MPI library for it to load
+        sizes = {v: os.environ[v] for v in _MPI_SIZE_VARS if os.environ.get(v, "").strip() not in ("", "1")}
+        if sizes:
+            raise LaunchError(
+                f"sokpy.init: the launcher started several processes ({sizes}) but MPI cannot be loaded here "
+                f"({type(e).__name__}: {e}); install mpi4py with an MPI library (pip install "
+                f'"sokpy-embeddings[mpi]")'
+            ) from e
+        return None, 0
+    from .comm import MpiComm
+
+    world = MPI.COMM_WORLD
+    _check_launch(world.Get_size())
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    local_rank = local.Get_rank()
+    local.Free()
+    return MpiComm(world.Dup()), local_rank
+
+
 def init(backend: str = "auto", timeout: float | None = None) -> str:
     """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
 
     ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
     exchange) or ``"device"`` (CuPy arrays on this rank's GPU, kernels compiled by NVRTC,
-    NCCL exchange). ``"auto"`` reads ``SOKPY_BACKEND`` from the environment and otherwise
-    picks the host (the device backend has not yet run on a GPU: ask for it by name). On the device backend the rank binds GPU
-    ``local_rank % device_count`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible) for
-    CuPy and torch before anything is allocated. Idempotent: a second call with the same or
-    ``"auto"`` backend returns the first one's choice.
+    NCCL exchange, all work on torch's current stream). ``"auto"`` reads ``SOKPY_BACKEND``
+    from the environment and otherwise picks the host (the device backend has not yet run
+    on a GPU: ask for it by name). On the device backend the rank binds GPU ``local_rank %
+    device_count`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible) for CuPy and torch
+    before anything is allocated; if torch's CUDA, CuPy, NVRTC or (on several ranks) NCCL is
+    missing, one error names them all and the pip line that installs them. A single process
+    runs without an MPI library. Idempotent: a second call with the same or ``"auto"``
+    backend returns the first one's choice.
 
     A failed rank then ends the whole job (``sokpy.watchdog``): an uncaught exception aborts
     the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
@@ -109,46 +145,62 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"sokpy.init: timeout must be >= 0 seconds (0: none), not {timeout!r}")
     if _state.comm is not None:
-        if backend not in ("auto", _state.backend):
+        if backend not in ("auto", _state.backend.name):
             raise RuntimeError(
-                f"sokpy.init: already initialised with backend {_state.backend!r}, cannot switch to {backend!r}"
+                f"sokpy.init: already initialised with backend {_state.backend.name!r}, cannot switch to {backend!r}"
             )
-        return _state.backend
+        return _state.backend.name
     if backend == "auto":
         backend = os.environ.get("SOKPY_BACKEND", "auto").strip().lower() or "auto"
         if backend not in ("auto", "host", "device"):
             raise ValueError(f"sokpy.init: SOKPY_BACKEND must be 'auto', 'host' or 'device', not {backend!r}")
     if backend == "auto":
         backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
-    if backend == "device":
-        if not _gpu_usable():
-            raise RuntimeError(
-                "sokpy.init(backend='device'): no usable GPU is visible to CuPy "
-                "(install sokpy[cuda] and check CUDA_VISIBLE_DEVICES), or use backend='host'"
-            )
-    from mpi4py import MPI
+    if backend == "device" and not _gpu_usable():
+        from .backends import check_device
 
-    from .comm import MpiComm
-
-    world = MPI.COMM_WORLD
-    _check_launch(world.Get_size())
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    local_rank = local.Get_rank()
-    local.Free()
-    mpi = MpiComm(world.Dup())
-    _state.emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
-    if backend == "device":
-        _state.device = _bind_device(local_rank)
-        comm = _device_comm(mpi)
-    elif _state.emulated:
-        comm = _emulated_device_comm(mpi)
-    else:
-        comm = mpi
-    _state.comm, _state.local_rank, _state.backend = comm, local_rank, backend
+        check_device(1)  # names what is missing
+    mpi, local_rank = _mpi_world()
+    world = 1 if mpi is None else mpi.size
+    emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
+    try:
+        be, comm = _make_backend(backend, emulated, mpi, local_rank, world)
+    except BaseException:
+        if mpi is not None:
+            mpi.free()
+        raise
+    _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
     from . import watchdog
 
-    watchdog.install(timeout)
-    return backend
+    watchdog.install(timeout, comm)
+    return be.name
+
+
+def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int):
+    """The backend object and its communicator."""
+    from .comm import SoloComm
+
+    if backend == "device":
+        from .backends import DeviceBackend, check_device
+
+        check_device(world)
+        import cupy
+
+        be = DeviceBackend(device_index(local_rank, cupy.cuda.runtime.getDeviceCount()))
+        if mpi is None:
+            return be, SoloComm(be.xp)
+        from .nccl_comm import NcclComm
+
+        return be, NcclComm(mpi, stream=be.stream_handle)
+    if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
+        from .testing.emulated import EmulatedDeviceBackend
+
+        be = EmulatedDeviceBackend()
+        return be, be.communicator(mpi)
+    from .backends import HostBackend, device_shapes_requested
+
+    be = HostBackend(device_shapes=device_shapes_requested())
+    return be, mpi if mpi is not None else SoloComm(np)
 
 
 def device_index(local_rank: int, device_count: int) -> int:
@@ -160,42 +212,6 @@ def device_index(local_rank: int, device_count: int) -> int:
     return int(local_rank) % int(device_count)
 
 
-def _bind_device(local_rank: int) -> int:
-    """Makes this rank's GPU current for CuPy and torch, before either allocates on it."""
-    import cupy
-    import torch
-
-    index = device_index(local_rank, cupy.cuda.runtime.getDeviceCount())
-    cupy.cuda.Device(index).use()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(index)
-    return index
-
-
-def _device_comm(mpi):
-    """The device backend's communicator: NCCL (through CuPy) on torch's current stream."""
-    import cupy
-
-    from . import handoff, timing
-    from .nccl_comm import NcclComm
-
-    timing.set_synchronize(lambda: cupy.cuda.get_current_stream().synchronize())
-    return NcclComm(mpi, stream=handoff.stream_handle)
-
-
-def _emulated_device_comm(mpi):
-    """``SOKPY_EMULATE_DEVICE=1``: the device backend's code path on host memory. Arrays come
-    from ``sokpy.cupy_double`` (numpy behind CuPy's rules: no implicit conversion to numpy,
-    no numpy operands), the communicator is NcclComm over the MPI-backed NCCL test double,
-    and the kernels run the device's launch shapes and refuse host (numpy) pointers
-    (sokpy/kernels.py). Proves the device path's Python code without a GPU."""
-    from . import cupy_double
-    from .nccl_comm import NcclComm
-    from .nccl_double import MpiBackedNccl
-
-    return NcclComm(mpi, MpiBackedNccl(), xp=cupy_double, is_device=lambda a: isinstance(a, cupy_double.ndarray))
-
-
 def shutdown() -> None:
     """Releases the communicator; ``init`` may be called again afterwards."""
     if _state.comm is not None:
@@ -203,11 +219,9 @@ def shutdown() -> None:
     _state.comm = None
     _state.backend = None
     _state.local_rank = 0
-    _state.device = None
-    _state.emulated = False
     from . import timing
 
-    timing.set_synchronize(None)
+    timing.set_clock(None)
 
 
 def is_initialized() -> bool:
@@ -241,48 +255,54 @@ def local_rank() -> int:
 
 def backend() -> str:
     """``"host"`` or ``"device"``."""
+    return current().name
+
+
+def current():
+    """The backend object of the initialised runtime (``sokpy/backends.py``)."""
     comm()
     return _state.backend
 
 
 def xp():
     """The array module of the backend: numpy on the host, cupy on the device."""
-    if backend() == "device":
-        import cupy
-
-        return cupy
-    if _state.emulated:
-        from . import cupy_double
-
-        return cupy_double
-    import numpy
-
-    return numpy
-
-
-def _host_memory() -> bool:
-    """Whether arrays are numpy arrays in host memory (the host backend, not the emulated device)."""
-    return backend() == "host" and not _state.emulated
+    return current().xp
 
 
 def empty_rows(shape, dtype):
-    """An uninitialised array for a table's rows and slots, which live as long as the table:
-    ``xp().empty`` on the device (CuPy aligns to 256 bytes or more), on the host an array
-    that starts on a cache line (``hostpool.aligned_empty``), so that a row whose size is a
-    multiple of 64 bytes is read and updated in whole lines."""
-    if _host_memory():
-        from . import hostpool
-
-        return hostpool.aligned_empty(shape, dtype)
-    return xp().empty(shape, dtype)
+    """An uninitialised array for a table's rows and slots (``Backend.empty_rows``)."""
+    return current().empty_rows(shape, dtype)
 
 
 def scratch(shape, dtype):
-    """An uninitialised array for one call's work, from the backend's memory pool: CuPy's on
-    the device, ``hostpool``'s on the host (so that a step's large arrays are not page-faulted
-    in anew every step). Not for tables: their memory is sized exactly."""
-    if _host_memory():
-        from . import hostpool
+    """An uninitialised array for one call's work, from the backend's memory pool (not for
+    tables: their memory is sized exactly)."""
+    return _state.backend.scratch(shape, dtype)
 
-        return hostpool.empty(shape, dtype)
-    return xp().empty(shape, dtype)
+
+def launch(name: str, n: int, dim: int, args) -> None:
+    """Runs kernel ``name`` over ``n`` rows of ``dim`` columns on the backend
+    (``Backend.launch``)."""
+    current().launch(name, n, dim, args)
+
+
+def abort(code: int) -> None:
+    """Ends every process of the job with exit code ``code`` (after flushing this one's output)."""
+    if _state.comm is not None:
+        _state.comm.abort(code)
+    os._exit(code)
+
+
+def entry(fn):
+    """Decorates a public entry of sokpy: its work runs in the backend's stream scope (on a
+    GPU, queued on torch's current stream of the moment it is called, in the calling thread)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        be = _state.backend
+        if be is None:
+            return fn(*args, **kwargs)
+        with be.stream_scope():
+            return fn(*args, **kwargs)
+
+    return run

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels, runtime
+from . import runtime
 
 __all__ = ["sort_by_bits"]
 
@@ -72,17 +72,18 @@ def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
     (an owner's gradient entries, one run per rank that sent them). Two runs are merged by the
     array module's stable sort instead (numpy's is a timsort, which finds the runs and merges
     them in one pass); from three runs on, the radix passes were as fast or faster."""
-    xp = runtime.xp()
+    be = runtime.current()
+    xp = be.xp
     n = int(values.shape[0])
     if hi <= lo or n < 2:
         return values
-    if n < _RADIX_FROM:
+    if be.library_sort or n < _RADIX_FROM:  # the device's own (CUB's radix sort), or few values
         values.sort()
         return values
     if ascending_runs == _MERGED_RUNS:
         values.sort(kind="stable")  # CuPy's sort is a stable radix sort whatever the kind
         return values
-    nchunks = kernels.chunk_count(n)
+    nchunks = be.chunk_count(n)
     by_run = runs is not None and int(runs[0].shape[0]) - 1 >= nchunks
     if by_run:  # chunk-major counts: every run sorted in its place
         bounds, hi = runs
@@ -104,9 +105,9 @@ def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
         size = (1 << bits) * nchunks
         strides = (1, 1 << bits) if by_run else (nchunks, 1)  # (digit, chunk) strides of the counts
         args = (src, bounds, nchunks, shift, bits, *strides)
-        kernels.launch("radix_count_digits", nchunks, 1, (*args, counts[1:]))
+        runtime.launch("radix_count_digits", nchunks, 1, (*args, counts[1:]))
         counts[0] = 0  # (the scatter advanced the previous pass's offsets in place)
         xp.cumsum(counts[1 : size + 1], out=counts[1 : size + 1])
-        kernels.launch("radix_scatter_digits", nchunks, 1, (*args, counts, dst))
+        runtime.launch("radix_scatter_digits", nchunks, 1, (*args, counts, dst))
         src, dst = dst, src
     return src

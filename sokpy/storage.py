@@ -131,7 +131,7 @@ class Storage:
         tab[c["SOKPY_TAB_DIM"]] = self.dim
         tab[c["SOKPY_TAB_WIDTH"]] = self.width
         tab[c["SOKPY_TAB_KIND"]] = self.kind
-        ptr[c["SOKPY_PTR_DATA"]] = kernels.address_of(self.data)
+        ptr[c["SOKPY_PTR_DATA"]] = runtime.current().address_of(self.data)
 
     def reserve(self, incoming: int) -> None:
         """Makes room for ``incoming`` new keys before a lookup that may insert them."""
@@ -227,10 +227,10 @@ class HashStorage(Storage):
         super().descriptor(tab, ptr)
         c = kernels.constants()
         tab[c["SOKPY_TAB_INDEX_MASK"]] = self.slots - 1
-        ptr[c["SOKPY_PTR_INDEX_KEYS"]] = kernels.address_of(self.index_keys)
-        ptr[c["SOKPY_PTR_INDEX_ROWS"]] = kernels.address_of(self.index_rows)
-        ptr[c["SOKPY_PTR_ROW_KEYS"]] = kernels.address_of(self.row_keys)
-        ptr[c["SOKPY_PTR_COUNTER"]] = kernels.address_of(self.counter)
+        ptr[c["SOKPY_PTR_INDEX_KEYS"]] = runtime.current().address_of(self.index_keys)
+        ptr[c["SOKPY_PTR_INDEX_ROWS"]] = runtime.current().address_of(self.index_rows)
+        ptr[c["SOKPY_PTR_ROW_KEYS"]] = runtime.current().address_of(self.row_keys)
+        ptr[c["SOKPY_PTR_COUNTER"]] = runtime.current().address_of(self.counter)
 
     def reserve(self, incoming: int) -> None:
         """Grows the index (rehash of keys only) and the row store (one copy of the rows) so
@@ -245,7 +245,7 @@ class HashStorage(Storage):
         old_keys, old_rows = self.index_keys, self.index_rows
         self._new_index(slots)
         n = int(old_rows.shape[0])
-        kernels.launch("rehash_index", n, 1, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
+        runtime.launch("rehash_index", n, 1, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
         self.growths += 1
         _bump()
 
@@ -273,7 +273,7 @@ class HashStorage(Storage):
             self.reserve(n)
         tab, ptr = self._single_descriptor()
         rows = xp.empty(n, np.int64)
-        kernels.launch(
+        runtime.launch(
             "find_rows",
             n,
             1,
@@ -318,12 +318,12 @@ def init_rows(segments) -> None:
         info[i, c["SOKPY_INIT_SLOTS"]] = len(s.slot_init)
         param[i, :2] = (s.init.a, s.init.b)
         param[i, 2 : 2 + len(s.slot_init)] = s.slot_init
-        addr[i, 0] = kernels.address_of(s.data)
-        addr[i, 1] = kernels.address_of(s.row_keys) if isinstance(s, HashStorage) else 0
+        addr[i, 0] = runtime.current().address_of(s.data)
+        addr[i, 1] = runtime.current().address_of(s.row_keys) if isinstance(s, HashStorage) else 0
         start[i + 1] = start[i] + stop - first
     xp = runtime.xp()
     n = int(start[-1])
-    kernels.launch(
+    runtime.launch(
         "init_rows",
         n,
         max(s.dim for s, _, _ in segments),

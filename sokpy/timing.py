@@ -1,13 +1,20 @@
 """Where a step's time goes: seconds spent in exchanges and in kernels, and the bytes this
 rank sent to other ranks, accumulated per process.
 
-The rest of a step (array bookkeeping in numpy, autograd, Python) is its wall time minus
-these. Benchmarks read and reset the totals::
+The rest of a step (array bookkeeping, autograd, Python) is its wall time minus these.
+Benchmarks read and reset the totals::
 
     sokpy.timing.reset()
     ...  # lookups, backward, optimizer steps
     print(sokpy.timing.totals())   # {"exchange": 0.012, "kernels": 0.034}
     print(sokpy.timing.traffic())  # {"alltoall_bytes": 1048576, "alltoall_calls": 5, ...}
+
+On the host the clock is the CPU's (``time.perf_counter``), always on: the work runs while
+it is timed. On a GPU work is only queued, so the seconds are the device's own, measured
+with CUDA events on the stream the work runs on; that costs a few microseconds of host time
+per timed block, so it is off unless asked for (``enable()`` or ``SOKPY_TIMING=1``), and a
+default run never waits for the device to time it. ``totals()`` then waits for the events
+recorded so far.
 
 The communicators count the traffic as they run (counted, not estimated from the data):
 ``alltoall_bytes`` is the payload this rank's all-to-alls handed to other ranks (rows for
@@ -18,28 +25,58 @@ itself excluded), ``other_bytes`` the input arrays of its other array collective
 
 from __future__ import annotations
 
+import os
 import time
 
-__all__ = ["timed", "totals", "traffic", "count_traffic", "reset"]
+__all__ = ["timed", "totals", "traffic", "count_traffic", "reset", "enable", "enabled", "set_clock", "HostClock"]
 
 _totals = {"exchange": 0.0, "kernels": 0.0}
 _traffic = {"alltoall_bytes": 0, "alltoall_calls": 0, "other_bytes": 0, "other_calls": 0}
 
-# On the device backend work is queued on a stream: a timer that did not wait for it would
-# measure the launch only. ``set_synchronize(fn)`` installs the wait (the runtime does it
-# when the device backend starts); the host needs none.
-_synchronize = None
+
+class HostClock:
+    """The CPU's clock: a block's seconds are its wall time."""
+
+    def start(self):
+        return time.perf_counter()
+
+    def stop(self, category: str, start) -> None:
+        _totals[category] = _totals.get(category, 0.0) + time.perf_counter() - start
+
+    def settle(self) -> None:
+        """Adds what is still pending to the totals (nothing: the host's clock is read at once)."""
 
 
-def set_synchronize(fn) -> None:
-    """Installs ``fn()`` (or None) as the wait before each reading of the clock."""
-    global _synchronize
-    _synchronize = fn
+_host_clock = HostClock()
+# The clock in use (the backend sets it: the host's, or the device's events), and the one the
+# device would use when timing is off (kept, so that enable() can switch it on).
+_clock = _host_clock
+_device_clock = None
+_enabled = os.environ.get("SOKPY_TIMING", "") == "1"
+
+
+def set_clock(device_clock=None) -> None:
+    """Installs the backend's clock: None for the host's, or a device clock (``start()`` /
+    ``stop(category, start)`` / ``settle()``), which runs only while timing is enabled."""
+    global _clock, _device_clock
+    _device_clock = device_clock
+    _clock = _host_clock if device_clock is None else (device_clock if _enabled else None)
+
+
+def enable(on: bool = True) -> None:
+    """Times the device's work from now on (or stops); the host's clock always runs."""
+    global _enabled
+    _enabled = bool(on)
+    set_clock(_device_clock)
+
+
+def enabled() -> bool:
+    """Whether kernels and exchanges are being timed."""
+    return _clock is not None
 
 
 class timed:
-    """``with timed("kernels"): ...`` adds the block's seconds to the category (waiting for the
-    device before each reading of the clock when a wait is installed). A class, not a
+    """``with timed("kernels"): ...`` adds the block's seconds to the category. A class, not a
     generator-based context manager: kernels enter it at every launch, and an empty block
     costs 0.34 us this way against 0.9 us."""
 
@@ -49,18 +86,18 @@ class timed:
         self.category = category
 
     def __enter__(self) -> None:
-        if _synchronize is not None:
-            _synchronize()
-        self.start = time.perf_counter()
+        clock = _clock
+        self.start = None if clock is None else clock.start()
 
     def __exit__(self, *exc) -> None:
-        if _synchronize is not None:
-            _synchronize()
-        _totals[self.category] = _totals.get(self.category, 0.0) + time.perf_counter() - self.start
+        if self.start is not None and _clock is not None:
+            _clock.stop(self.category, self.start)
 
 
 def totals() -> dict:
-    """Seconds per category since the last ``reset``."""
+    """Seconds per category since the last ``reset`` (on a GPU this waits for the timed work)."""
+    if _clock is not None:
+        _clock.settle()
     return dict(_totals)
 
 
@@ -76,6 +113,8 @@ def traffic() -> dict:
 
 
 def reset() -> None:
+    if _clock is not None:
+        _clock.settle()
     for k in _totals:
         _totals[k] = 0.0
     for k in _traffic:

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import collective, handoff, kernels, runtime
+from . import collective, handoff, runtime
 from .gradients import SparseGrad, table_grad
 from .initializers import resolve
 from .storage import HashStorage, InitSpec, StaticStorage
@@ -103,6 +103,7 @@ class _Table:
         return handoff.to_torch(self.storage.data)[: self.storage.size, : self.dim]
 
     @property
+    @runtime.entry
     def grad(self) -> SparseGrad | None:
         """This rank's sparse gradient: unique global keys (sorted) and their gradient rows,
         summed over every rank and every backward since the last ``zero_grad``, or None."""
@@ -133,6 +134,7 @@ class Variable(_Table):
         print(item.local_rows, item.weight.shape)
     """
 
+    @runtime.entry
     def __init__(
         self, rows: int, dim: int, target_gpu: int = -1, initializer=None, seed: int = 0, name: str | None = None
     ):
@@ -188,6 +190,7 @@ class DynamicVariable(_Table):
 
     dynamic = True
 
+    @runtime.entry
     def __init__(
         self,
         dim: int,
@@ -210,6 +213,7 @@ class DynamicVariable(_Table):
         """Rows held on this rank."""
         return self.storage.size
 
+    @runtime.entry
     def __len__(self) -> int:
         """The global number of rows (collective)."""
         with collective.Call("DynamicVariable.len", [self]) as call:
@@ -217,6 +221,7 @@ class DynamicVariable(_Table):
         return int(runtime.comm().allreduce(np.array([self.storage.size], np.int64))[0])
 
 
+@runtime.entry
 def export(var: _Table):
     """This rank's rows of ``var``: ``(keys, values)``, global int64 keys ``[n]`` and a float32
     copy ``[n, dim]`` (``[0, dim]`` on a rank that holds no rows). A dynamic table's rows come
@@ -245,6 +250,7 @@ def _last_of_equal(keys: np.ndarray) -> np.ndarray:
     return order[last]
 
 
+@runtime.entry
 def assign(var: _Table, keys, values) -> None:
     """Sets rows of ``var``: collective; each rank may pass any keys (any count, none too)
     and they reach their owners; a dynamic table creates rows for new keys (their optimizer
@@ -286,4 +292,4 @@ def assign(var: _Table, keys, values) -> None:
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
     rows = plan.rows_of(var, recv_keys, insert=True)
     n = rows.size
-    kernels.launch("copy_rows", n, var.dim, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim))
+    runtime.launch("copy_rows", n, var.dim, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim))

@@ -47,6 +47,7 @@ _current: list[tuple] = []
 _timeout_s = 0.0
 _thread: threading.Thread | None = None
 _installed_hook = None
+_comm = None  # the job's communicator: who this rank is, and how to end the job
 
 
 def _abort(code: int) -> None:
@@ -54,26 +55,21 @@ def _abort(code: int) -> None:
     sys.stdout.flush()
     # MPI_Abort makes the launcher kill every rank at once, and MPICH's Hydra (under mpiexec
     # and horovodrun) may act on it before it has forwarded what this rank just wrote, so the
-    # report and traceback are lost (seen about once in 25 jobs). A short pause lets the
-    # launcher's output forwarding run first.
+    # report and traceback are lost. A short pause lets the launcher's output forwarding run first.
     time.sleep(ABORT_GRACE_S)
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
+    if _comm is not None:
+        _comm.abort(code)
+    os._exit(code)
 
 
 def _where() -> str:
-    from mpi4py import MPI
-
-    w = MPI.COMM_WORLD
-    return f"rank {w.Get_rank()} of {w.Get_size()} (host {socket.gethostname()}, pid {os.getpid()})"
+    rank, size = (0, 1) if _comm is None else (_comm.rank, _comm.size)
+    return f"rank {rank} of {size} (host {socket.gethostname()}, pid {os.getpid()})"
 
 
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() <= 1 or issubclass(exc_type, SystemExit):
+        if _comm is None or _comm.size <= 1 or issubclass(exc_type, SystemExit):
             return previous(exc_type, exc, tb)
         sys.stderr.write(f"sokpy: uncaught exception on {_where()}; ending the whole job:\n")
         previous(exc_type, exc, tb)
@@ -87,10 +83,13 @@ def timeout() -> float:
     return _timeout_s
 
 
-def install(timeout_s: float | None = None) -> None:
+def install(timeout_s: float | None = None, comm=None) -> None:
     """Installs the exception hook and starts the timeout thread (idempotent); ``timeout_s``
-    overrides ``SOKPY_COLLECTIVE_TIMEOUT``."""
-    global _timeout_s, _thread, _installed_hook
+    overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator (its rank and
+    size for reports, its ``abort`` to end the job)."""
+    global _timeout_s, _thread, _installed_hook, _comm
+    if comm is not None:
+        _comm = comm
     if timeout_s is None:
         raw = os.environ.get("SOKPY_COLLECTIVE_TIMEOUT", "").strip()
         try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import runtime
 
 __all__ = ["WIRE_DTYPES", "check_wire_dtype", "from_wire", "to_wire"]
 
@@ -51,7 +51,7 @@ def to_wire(rows, wire_dtype: str, empty=np.empty):
             return rows.astype(np.float16)
     n = int(rows.shape[0])
     half = empty(n, np.uint16)
-    kernels.launch("round_to_bfloat16", n, 1, (rows, n, half))
+    runtime.launch("round_to_bfloat16", n, 1, (rows, n, half))
     return half.view(np.float16)
 
 
@@ -63,5 +63,5 @@ def from_wire(wire, wire_dtype: str, empty=np.empty):
         return wire.astype(np.float32)
     n = int(wire.shape[0])
     rows = empty(n, np.float32)
-    kernels.launch("widen_bfloat16", n, 1, (wire.view(np.uint16), n, rows))
+    runtime.launch("widen_bfloat16", n, 1, (wire.view(np.uint16), n, rows))
     return rows

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from sokpy import kernels
+from sokpy import arrays, kernels
 from sokpy.kernels import KernelError
 
 SOURCES = kernels.kernel_sources()
@@ -80,7 +80,7 @@ def copy_case(mode, n, dim, seed=0):
 def run_copy(copy_rows, case, n, dim, grid=None):
     src, src_off, dst, dst_off, want = case
     if grid is None:
-        grid, block = kernels.launch_shape(n, dim, backend="host")
+        grid, block = kernels.launch_shape(n, dim, "host")
     else:
         block = (1,)
     as_i64 = lambda off: None if off is None else np.ascontiguousarray(off, dtype=np.int64)  # noqa: E731
@@ -107,7 +107,7 @@ def test_copy_rows_any_grid(copy_rows, grid):
 def test_copy_rows_takes_torch_tensors(copy_rows):
     src, src_off, dst, dst_off, want = copy_case("gather", 100, 8, seed=2)
     t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst.copy())
-    grid, block = kernels.launch_shape(100, 8, backend="host")
+    grid, block = kernels.launch_shape(100, 8, "host")
     copy_rows(grid, block, (t_src, torch.from_numpy(src_off.astype(np.int64)), t_dst, None, 100, 8))
     np.testing.assert_array_equal(t_dst.numpy(), want)
 
@@ -132,7 +132,7 @@ def test_numpy_address_is_the_data_address(case):
     """The launch path's quick address (a ctypes view, with ctypes.data as the fallback) is
     numpy's own data address for every kind of array a launch may pass."""
     x = _address_cases()[case]
-    ptr, dtype, contiguous = kernels._array_info(x)
+    ptr, dtype, contiguous = arrays.info(x)
     assert (ptr, dtype, contiguous) == (x.ctypes.data, x.dtype, x.flags.c_contiguous)
 
 
@@ -146,7 +146,7 @@ def test_copy_rows_reads_read_only_and_offset_views(copy_rows):
     view.flags.writeable = False
     out = np.full((len(dst) + 10, 8), -1.0, np.float32)
     out[10:] = dst
-    grid, block = kernels.launch_shape(100, 8, backend="host")
+    grid, block = kernels.launch_shape(100, 8, "host")
     copy_rows(grid, block, (view, src_off.astype(np.int64), out[10:], None, 100, 8))
     np.testing.assert_array_equal(out[10:], want)
     assert (out[:10] == -1.0).all(), "the destination view's address was not its own"
@@ -155,7 +155,7 @@ def test_copy_rows_reads_read_only_and_offset_views(copy_rows):
 @pytest.mark.parametrize("n", [0, 1, 5, 2**20])
 @pytest.mark.parametrize("dim", [1, 129])
 def test_launch_shape_host(n, dim):
-    grid, block = kernels.launch_shape(n, dim, backend="host")
+    grid, block = kernels.launch_shape(n, dim, "host")
     assert tuple(block) == (1, 1), "the host runs one emulated thread per row"
     assert tuple(grid) == (max(1, min(n, 256)),), "a few hundred blocks at most, each a run of rows"
 
@@ -203,7 +203,7 @@ BUILD_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import numpy as np
-from sokpy import kernels
+from sokpy import arrays, kernels
 
 sync, me, nprocs = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 (sync / f"ready-{me}").touch()

@@ -43,7 +43,9 @@ def test_host_and_device_launch_shapes_give_identical_results(tmp_path, nranks, 
         assert set(a.files) == set(b.files)
         differ = [k for k in a.files if k != "launched" and not np.array_equal(a[k], b[k])]
         assert not differ, f"results differ between the launch shapes: {differ[:10]}"
-        assert set(a["launched"]) == set(b["launched"])
+        # The device path sorts with the array module's library sort, not the radix kernels.
+        library_sorted = {"radix_count_digits", "radix_scatter_digits"} if mode == "emulated_device" else set()
+        assert set(a["launched"]) - library_sorted == set(b["launched"])
         assert int(a["r0_growths"][0]) >= 1  # the dynamic table grew during the run
         launched = {str(n) for n in a["launched"]}
     if nranks > 1:  # an exchange at 2+ ranks launches every kernel there is

@@ -1,5 +1,5 @@
 """NcclComm (the device backend's communicator) without a GPU: its own code runs over
-``sokpy.nccl_double.MpiBackedNccl`` (the NCCL calls it makes, moving host buffers over MPI)
+``sokpy.testing.nccl_double.MpiBackedNccl`` (the NCCL calls it makes, moving host buffers over MPI)
 and must agree with MpiComm on the same data at 2-4 ranks. The whole lookup and optimizer
 path through it (SOKPY_EMULATE_DEVICE=1) is checked in tests/test_launch_shapes.py."""
 

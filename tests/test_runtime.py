@@ -67,7 +67,8 @@ UNINITIALISED_CALLS = {
     "runtime.comm": "sokpy.runtime.comm()",
     "xp": "sokpy.runtime.xp()",
     "Variable": "sokpy.Variable(10, 4)",
-    "kernels.get": "sokpy.kernels.get('copy_rows')",
+    "launch": "sokpy.runtime.launch('copy_rows', 1, 1, ())",
+    "current": "sokpy.runtime.current()",
 }
 
 UNINITIALISED_SCRIPT = """
@@ -194,7 +195,10 @@ def test_device_backend_without_gpu_is_refused_clearly():
     if runtime._gpu_usable():
         pytest.skip("a GPU is visible: the device backend starts here (tests/test_gpu.py)")
     out = json_from(run_python(BACKEND_SCRIPT, {"SOKPY_BACKEND": "device"}), "backend")[0]
-    assert out["error"] == "RuntimeError" and "no usable GPU" in out["message"], out
+    # One error names everything missing (torch's CUDA, CuPy's GPU) and the pip line that fixes it.
+    assert out["error"] == "DeviceUnavailableError" and "no usable GPU" in out["message"], out
+    assert "torch cannot use a GPU" in out["message"] and "CuPy" in out["message"], out["message"]
+    assert 'pip install "sokpy-embeddings[cuda' in out["message"], out["message"]
     assert out["initialized"] is False
 
 

@@ -96,13 +96,12 @@ def test_runs_are_sorted_in_place_as_a_whole_sort_would(sizes, mid_width, monkey
 def test_device_launch_shapes_sort_alike():
     code = """
 import numpy as np, sokpy
-from sokpy.kernels import chunk_count
 from sokpy.sorting import sort_by_bits
 sokpy.init(backend="host")
 for n, width in [(4096, 22), (100_000, 17), (300_000, 30)]:
     lo = (n - 1).bit_length()
     v = (np.random.default_rng(n).integers(0, 1 << width, n) << lo) | np.arange(n)
-    assert chunk_count(n) > 1
+    assert sokpy.runtime.current().chunk_count(n) > 1
     np.testing.assert_array_equal(sort_by_bits(v.copy(), lo, lo + width), np.sort(v))
 # Runs: 400 runs of 250 values are enough chunks for the device's shape (100,000 / 512 = 196).
 n, lo, mid = 100_000, 17, 17 + 12

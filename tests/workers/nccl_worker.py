@@ -5,7 +5,7 @@ import numpy as np
 
 import sokpy
 from sokpy.nccl_comm import NcclComm
-from sokpy.nccl_double import MpiBackedNccl
+from sokpy.testing.nccl_double import MpiBackedNccl
 
 sokpy.init()
 mpi = sokpy.comm()

@@ -13,15 +13,15 @@ import sokpy
 from sokpy import handoff, kernels
 
 launched = set()
-_call = kernels._HostKernel.__call__
+_convert = kernels._HostKernel.convert  # every launch converts its arguments, queued or not
 
 
-def recording_call(self, grid, block, args):
+def recording_convert(self, args):
     launched.add(self.name)
-    return _call(self, grid, block, args)
+    return _convert(self, args)
 
 
-kernels._HostKernel.__call__ = recording_call
+kernels._HostKernel.convert = recording_convert
 
 sokpy.init()
 rank, world = sokpy.rank(), sokpy.world_size()

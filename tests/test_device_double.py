@@ -1,13 +1,15 @@
-"""sokpy.cupy_double, the test double of CuPy's array module that SOKPY_EMULATE_DEVICE=1 runs
+"""sokpy.testing.device_double, the asynchronous test double of a GPU and of CuPy's array module that SOKPY_EMULATE_DEVICE=1 runs
 the device path on: it must refuse what CuPy refuses (else the emulation proves nothing) and
 allow what CuPy allows (else it flags correct code)."""
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 from conftest import run_mpi, run_python
 
-from sokpy import cupy_double as xp
+from sokpy.testing import device_double as xp
 
 
 @pytest.mark.parametrize(
@@ -61,15 +63,91 @@ def test_what_cupy_allows():
 def test_kernels_refuse_host_pointers_under_emulation():
     code = (
         "import numpy as np, sokpy\n"
-        "from sokpy import kernels, cupy_double as xp\n"
-        "try:\n"
-        "    kernels.address_of(np.zeros(2))\n"
-        "except kernels.KernelError as e:\n"
-        "    print('refused', 'host (numpy) array' in str(e))\n"
-        "print('device', kernels.address_of(xp.zeros(2)) > 0)\n"
+        "from sokpy import kernels, runtime\n"
+        "from sokpy.testing import device_double as xp\n"
+        "sokpy.init()\n"
+        "be = runtime.current()\n"
+        "for what, call in [('table', lambda: be.address_of(np.zeros(2))),\n"
+        "                   ('launch', lambda: runtime.launch('copy_rows', 2, 1, (np.zeros(2, np.float32), None,\n"
+        "                                                    xp.zeros(2, np.float32), None, 2, 1)))]:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except kernels.KernelError as e:\n"
+        "        print('refused', what, 'host (numpy) array' in str(e))\n"
+        "print('device', be.address_of(xp.zeros(2)) > 0)\n"
     )
     res = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"})
-    assert res.stdout.split() == ["refused", "True", "device", "True"], res.stdout + res.stderr
+    assert res.stdout.split() == "refused table True refused launch True device True".split(), res.stdout + res.stderr
+
+
+# ---- the asynchronous part: work runs when something waits for it --------------------------------
+
+
+def _peek(a) -> np.ndarray:
+    """The buffer's contents now, without running anything (what a racing reader would see)."""
+    return a._a.copy()
+
+
+def test_work_is_queued_until_a_read_and_memory_starts_poisoned():
+    a = xp.arange(6, dtype=np.float32)
+    assert np.isnan(_peek(a)).all(), "the fill ran before anything waited for it"
+    before = xp.host_reads()
+    assert a.get().tolist() == [0, 1, 2, 3, 4, 5]  # a read runs the current stream first
+    assert xp.host_reads() == before + 1
+    i = xp.empty(3, np.int64)
+    assert (_peek(i) == np.int64(0x5A5A5A5A5A5A5A5A)).all()  # integers: far out of any range
+
+
+def test_a_read_on_another_stream_without_an_event_sees_poison():
+    side = xp.Stream("side")
+    a = xp.arange(4, dtype=np.float32) + 1  # queued on the default stream
+    with xp.use(side):
+        b = a * 2  # queued on the side stream: reads a when the side stream runs
+        got = b.get()  # runs the side stream only
+    assert np.isnan(got).all(), f"the side stream saw the default stream's unfinished work: {got}"
+    a.get()  # the default stream runs now; b was computed already, from poison
+    with xp.use(side):
+        assert np.isnan(b.get()).all()
+
+
+def test_an_event_orders_two_streams():
+    side = xp.Stream("side")
+    a = xp.arange(4, dtype=np.float32) + 1
+    ev = xp.Event()
+    ev.record()  # after a's work on the default stream
+    side.wait_event(ev)
+    with xp.use(side):
+        b = a * 2
+        assert b.get().tolist() == [2, 4, 6, 8]
+    c = xp.zeros(2, np.float32) + 5
+    ev2 = xp.Event()
+    ev2.record()
+    ev2.synchronize()  # the host waits for the default stream up to the event
+    assert _peek(c).tolist() == [5, 5]
+
+
+def test_views_share_queued_memory_and_assignments_queue():
+    a = xp.zeros(6, np.int64)
+    v = a[2:4]  # a view: made at once, filled when the stream runs
+    v[...] = 7
+    a[xp.asarray(np.array([0]))] = 3
+    assert a.get().tolist() == [3, 0, 7, 7, 0, 0]
+
+
+def test_torch_current_stream_is_per_thread():
+    side = xp.Stream("side")
+    seen = {}
+
+    def other():
+        seen["thread"] = xp.torch_current_stream()
+
+    with xp.torch_stream(side):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        seen["main"] = xp.torch_current_stream()
+    assert seen["main"] is side and seen["thread"] is xp.DEFAULT_STREAM
+    assert xp.torch_current_stream() is xp.DEFAULT_STREAM
 
 
 def test_names_cupy_lacks_fail_as_on_a_gpu():

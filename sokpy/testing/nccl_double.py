@@ -8,14 +8,16 @@ it exists so that NcclComm's own logic (grouped per-peer sends and receives, ele
 byte offsets, counts, dtypes) runs and is checked on machines without a GPU. What it cannot
 show: NCCL's own behaviour, device memory, and stream ordering on a GPU.
 
-Like NCCL, sends and receives between ``groupStart()`` and ``groupEnd()`` are queued and
-run together at ``groupEnd()`` (so every rank may post its sends first); outside a group
-they run at once.
+Like NCCL, sends and receives between ``groupStart()`` and ``groupEnd()`` are collected and
+run together (so every rank may post its sends first). Given ``enqueue(stream, fn, what)``
+(``sokpy.testing.emulated`` passes the device double's), every call is queued on the
+stream it names and runs when that stream runs, reading its send buffer then, as NCCL's
+kernels do on a GPU; without it a call runs at once.
 
 Example::
 
     import numpy as np, sokpy
-    from sokpy.nccl_double import MpiBackedNccl
+    from sokpy.testing.nccl_double import MpiBackedNccl
     sokpy.init()
     nccl = MpiBackedNccl()
     c = nccl.NcclCommunicator(sokpy.world_size(), nccl.get_unique_id(), sokpy.rank())
@@ -64,41 +66,47 @@ class _Communicator:
             self._comm.Free()
             self._comm = None
 
-    def _post(self, kind: str, address: int, count: int, datatype: int, peer: int) -> None:
+    def _post(self, kind: str, address: int, count: int, datatype: int, peer: int, stream: int) -> None:
         view = _view(address, count, datatype)
         if self._owner._group is not None:
-            self._owner._group.append((self, kind, view, peer))
+            self._owner._group.append((self, kind, view, peer, stream))
         else:
-            _run([(self, kind, view, peer)])
+            self._owner._submit(stream, lambda: _run([(self, kind, view, peer, stream)]), f"NCCL {kind}")
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("send", sendbuf, count, datatype, peer)
+        self._post("send", sendbuf, count, datatype, peer, stream)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("recv", recvbuf, count, datatype, peer)
+        self._post("recv", recvbuf, count, datatype, peer, stream)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
         send, recv = _view(sendbuf, count, datatype), _view(recvbuf, count, datatype)
-        self._comm.Allreduce(send.copy(), recv, op=self._ops[op])
+        self._owner._submit(stream, lambda: self._comm.Allreduce(send.copy(), recv, op=self._ops[op]), "NCCL allReduce")
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
-        send = _view(sendbuf, count, datatype).copy()
-        self._comm.Allgather(send, _view(recvbuf, count * self._comm.Get_size(), datatype))
+        send = _view(sendbuf, count, datatype)
+        recv = _view(recvbuf, count * self._comm.Get_size(), datatype)
+        self._owner._submit(stream, lambda: self._comm.Allgather(send.copy(), recv), "NCCL allGather")
 
     def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int) -> None:
         recv = _view(recvbuf, count, datatype)
-        if self._comm.Get_rank() == root and sendbuf != recvbuf:
-            recv[...] = _view(sendbuf, count, datatype)
-        self._comm.Bcast(recv, root=root)
+        send = _view(sendbuf, count, datatype)
+
+        def run():
+            if self._comm.Get_rank() == root and sendbuf != recvbuf:
+                recv[...] = send
+            self._comm.Bcast(recv, root=root)
+
+        self._owner._submit(stream, run, "NCCL broadcast")
 
 
 def _run(ops) -> None:
     """Runs queued sends and receives together (nonblocking, then wait for all)."""
     requests = []
-    for comm, kind, view, peer in ops:
+    for comm, kind, view, peer, _ in ops:
         if kind == "recv":
             requests.append(comm._comm.Irecv(view, source=peer, tag=_TAG))
-    for comm, kind, view, peer in ops:
+    for comm, kind, view, peer, _ in ops:
         if kind == "send":
             requests.append(comm._comm.Isend(view, dest=peer, tag=_TAG))
     if requests:
@@ -108,9 +116,16 @@ def _run(ops) -> None:
 class MpiBackedNccl:
     """The module-like test double (see the module's docs)."""
 
-    def __init__(self):
+    def __init__(self, enqueue=None):
         self._group: list | None = None
         self.calls: list[str] = []  # the names of the calls made, for tests
+        self._enqueue = enqueue
+
+    def _submit(self, stream: int, fn, what: str) -> None:
+        if self._enqueue is None:
+            fn()
+        else:
+            self._enqueue(stream, fn, what)
 
     def get_unique_id(self) -> tuple:
         return tuple(range(128))  # NCCL's ids are 128 bytes; any fixed value identifies this double
@@ -124,7 +139,8 @@ class MpiBackedNccl:
     def groupEnd(self) -> None:
         self.calls.append("groupEnd")
         ops, self._group = self._group or [], None
-        _run(ops)
+        if ops:
+            self._submit(ops[0][4], lambda: _run(ops), "NCCL group")
 
     def NcclCommunicator(self, ndev: int, uid, rank: int) -> _Communicator:
         return _Communicator(self, ndev, uid, rank)

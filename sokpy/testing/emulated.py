@@ -1,0 +1,192 @@
+"""The emulated device: sokpy's device code path on a machine without a GPU.
+
+``SOKPY_EMULATE_DEVICE=1`` makes ``sokpy.init`` build an :class:`EmulatedDeviceBackend`
+instead of the host backend. It runs exactly the code the device backend runs, against
+doubles of what a GPU provides:
+
+* the array module is ``sokpy.testing.device_double`` (CuPy's rules, work queued on streams
+  that run only when something waits for them, poisoned memory, counted host reads);
+* kernels are the host build that runs the device's launch shapes, and each launch is queued
+  on the current stream like a GPU launch; a host (numpy) pointer among a kernel's arguments
+  is refused, as a GPU kernel could not read it;
+* the communicator is ``NcclComm`` over ``sokpy.testing.nccl_double`` (NCCL's calls moving
+  buffers over MPI), its calls queued on the stream they name;
+* torch's side: the double's ``torch_current_stream()`` stands for
+  ``torch.cuda.current_stream()`` (a current stream per thread, changed with
+  ``device_double.torch_stream(s)``), tensors in emulated device memory
+  (``device_double.to_device``) stand for ``cuda`` tensors, and torch's reads of them
+  (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``, ``int()``, ``float()``, ``bool()``)
+  are counted as host reads.
+
+Torch's own operations run at once on the host, so a hand-off to torch (``to_torch``) and the
+end of every public entry run the work queued on torch's current stream first: torch's next
+operation on a GPU would be queued after it on that stream. Work that sokpy wrongly put on
+another stream stays queued, and whatever read its results read poison.
+
+This module is imported only when asked for (``SOKPY_EMULATE_DEVICE=1``, or a test).
+
+Example (``SOKPY_EMULATE_DEVICE=1 python ...``)::
+
+    import sokpy
+    from sokpy.testing import device_double
+    sokpy.init()
+    side = device_double.Stream("side")
+    with device_double.torch_stream(side):     # the double's torch.cuda.stream(side)
+        ...                                    # sokpy's work is queued on `side`
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ..backends import Backend
+from ..kernels import HostKernels, KernelError
+from . import device_double
+
+__all__ = ["EmulatedDeviceBackend"]
+
+
+class _QueuedKernel:
+    """A host-built kernel whose launches are queued on the current stream of the double."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self.name = kernel.name
+        self.params = kernel.params
+
+    def __call__(self, grid, block, args):
+        for p, x in zip(self.params, args):
+            if p.pointer and type(x) is np.ndarray:
+                raise KernelError(
+                    f"sokpy kernel {self.name}: argument {p.name} is a host (numpy) array; the device backend "
+                    "passes device arrays only (move it with runtime.xp().asarray)"
+                )
+        conv = self._kernel.convert(args)
+        run = self._kernel.run_converted
+        # The arguments stay referenced until the launch has run (their memory must live).
+        device_double.enqueue(lambda args=args: run(grid, block, conv), f"kernel {self.name}")
+
+
+class _QueuedKernels:
+    def __init__(self, kernels: HostKernels):
+        self._kernels = kernels
+        self._queued: dict = {}
+
+    def get(self, name: str):
+        k = self._queued.get(name)
+        if k is None:
+            k = self._queued[name] = _QueuedKernel(self._kernels.get(name))
+        return k
+
+
+class _Scope:
+    """A public entry's stream scope: its array work and kernels go to torch's current stream
+    (of this thread, now); on leaving, that stream's queue runs (torch's later operations,
+    which run at once here, would follow it on that stream)."""
+
+    __slots__ = ("stream",)
+
+    def __enter__(self):
+        self.stream = device_double.torch_current_stream()
+        self.stream.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        self.stream.__exit__(*exc)
+        self.stream.synchronize()
+
+
+def _enqueue_on(handle: int, fn, what: str) -> None:
+    stream = device_double.stream_of(handle)
+    if stream is None:
+        raise RuntimeError(f"emulated NCCL: no emulated stream has the handle {handle:#x}")
+    stream.enqueue(fn, what)
+
+
+_READS = ("cpu", "numpy", "item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+_patched = False
+
+
+def _count_torch_reads() -> None:
+    """Makes torch's reads of tensors in emulated device memory count as host reads (each
+    runs torch's current stream first, as a device-to-host copy on it would)."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    for name in _READS:
+        original = getattr(torch.Tensor, name)
+
+        @functools.wraps(original)
+        def read(self, *args, __original=original, **kwargs):
+            if self.numel() and device_double.is_device_address(self.data_ptr()):
+                device_double.host_read(device_double.torch_current_stream())
+            return __original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, read)
+
+
+class EmulatedDeviceBackend(Backend):
+    """The device backend's code path on host memory (see the module's docs). Its name is
+    "host": that is the backend a script asked for, and where its tensors live."""
+
+    name = "host"
+    shapes = "device"
+    library_sort = True
+
+    def __init__(self):
+        self.xp = device_double
+        self.kernels = _QueuedKernels(HostKernels(emulate_blocks=True))
+        _count_torch_reads()
+
+    def communicator(self, mpi):
+        """NcclComm over the NCCL double (its calls queued on the stream they name), or a
+        one-process communicator without MPI."""
+        if mpi is None:
+            from ..comm import SoloComm
+
+            return SoloComm(device_double)
+        from ..nccl_comm import NcclComm
+        from .nccl_double import MpiBackedNccl
+
+        return NcclComm(
+            mpi,
+            MpiBackedNccl(enqueue=_enqueue_on),
+            xp=device_double,
+            is_device=lambda a: isinstance(a, device_double.ndarray),
+            stream=self.stream_handle,
+        )
+
+    def stream_scope(self):
+        return _Scope()
+
+    def stream_handle(self) -> int:
+        return device_double.current_stream().handle
+
+    def synchronize(self) -> None:
+        device_double.current_stream().synchronize()
+
+    def address_of(self, x) -> int:
+        if type(x) is np.ndarray:
+            raise KernelError(
+                "sokpy: a pointer table got a host (numpy) array; the device backend passes device arrays only"
+            )
+        return super().address_of(x)
+
+    def on_device(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() > 0 and device_double.is_device_address(t.data_ptr())
+
+    def from_torch(self, x, dtype=None):
+        xp = self.xp
+        if isinstance(x, torch.Tensor):
+            x = xp.from_dlpack(x.detach().contiguous())
+        return xp.ascontiguousarray(xp.asarray(x, dtype=None if dtype is None else np.dtype(dtype)))
+
+    def to_torch(self, a) -> torch.Tensor:
+        return torch.from_dlpack(a)  # (the double runs torch's current stream first)
+
+    def to_host(self, a) -> np.ndarray:
+        return a if isinstance(a, np.ndarray) else a.get()
