@@ -1,6 +1,7 @@
 // embedding.cu -- initial values, the key routing, row gathering and pooling of lookup_sparse
 // and their transposes. Every kernel is table-batched: one launch covers all tables of a call
 // (sokpy_tables.cuh). Flat kernels: rows over the grid, the dimension over threadIdx.x.
+#include "sokpy_math.cuh"
 #include "sokpy_tables.cuh"
 
 // ---- initial values ----------------------------------------------------------------------
@@ -25,8 +26,9 @@
 
 // Initial values of stored rows, a pure function of (seed, key, column): constant a,
 // uniform [a, b), or normal with mean a and standard deviation b (Box-Muller on two
-// counter-based streams); each optimizer slot column takes its constant. Entry i lies in
-// segment s (seg_start[s] <= i < seg_start[s+1]) and is stored row FIRST_ROW + i - seg_start[s].
+// counter-based streams, with sokpy_math.cuh's log and cos, which give the same bits on host
+// and device); each optimizer slot column takes its constant. Entry i lies in segment s
+// (seg_start[s] <= i < seg_start[s+1]) and is stored row FIRST_ROW + i - seg_start[s].
 extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* info, const float* param,
                                      const u64* addr, i64 n) {
     int s = -1;
@@ -49,7 +51,7 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
             } else if (kind == SOKPY_INIT_NORMAL) {
                 const double u1 = sokpy_uniform01(h0, (u64)d);
                 const double u2 = sokpy_uniform01(h1, (u64)d);
-                v = a + b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+                v = a + b * sqrt(-2.0 * sokpy_log(u1)) * sokpy_cos(6.283185307179586 * u2);
             } else {
                 v = a;
             }

@@ -12,6 +12,7 @@
 //   grad      gradient rows; row u's summed gradient starts at element goff[u]
 //   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
 // A stored row holds the values (dim floats), then each optimizer slot (dim floats each).
+#include "sokpy_math.cuh"
 #include "sokpy_tables.cuh"
 
 #define SOKPY_HYPER_FIELDS 8
@@ -95,6 +96,8 @@ extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, cons
 // already includes Keras's beta / (2 lr)).  hyper: lr, lr_power, l1, l2, l2_shrinkage.
 //   g2 = g + 2 l2_shrinkage w;  n_new = n + g^2;  z += g2 - (n_new^p - n^p) / lr * w;  n = n_new
 //   w = |z| <= l1 ? 0 : (sign(z) l1 - z) / (n_new^p / lr + 2 l2)
+// n^p is sqrtf(n) for p = 0.5, else sokpy_powf (sokpy_math.cuh): glibc's powf, which TensorFlow
+// uses, with the same bits on host and device.
 template <int DIM>
 __device__ __forceinline__ void ftrl_row(float* __restrict__ w, float* __restrict__ acc, float* __restrict__ z,
                                          const float* __restrict__ g, const float* h, int dim) {
@@ -105,8 +108,8 @@ __device__ __forceinline__ void ftrl_row(float* __restrict__ w, float* __restric
         const float g2 = gd + 2.0f * l2_shrinkage * w[d];
         const float n_old = acc[d];
         const float n_new = n_old + gd * gd;
-        const float pow_new = use_sqrt ? sqrtf(n_new) : powf(n_new, p);
-        const float pow_old = use_sqrt ? sqrtf(n_old) : powf(n_old, p);
+        const float pow_new = use_sqrt ? sqrtf(n_new) : sokpy_powf(n_new, p);
+        const float pow_old = use_sqrt ? sqrtf(n_old) : sokpy_powf(n_old, p);
         const float zd = z[d] + (g2 - (pow_new - pow_old) / lr * w[d]);
         z[d] = zd;
         acc[d] = n_new;

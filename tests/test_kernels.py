@@ -357,18 +357,16 @@ def test_nvrtc_compiles_every_kernel(cu, arch):
     for name in names:
         assert f".entry {name}(" in ptx, f"{name} missing from the PTX of {cu.name} for {arch}"
     # The device build rounds every product and sum on its own, as the host build
-    # (-ffp-contract=off) does: no fused multiply-add in our own arithmetic (NVRTC's default
-    # makes them in weight_grad, segment_sum, combine_forward, adagrad and adam). Only the
-    # math library's functions keep theirs: log and cos (init_rows' normal initializer) and
-    # powf (FTRL with a learning-rate power other than -0.5), whose device and host
-    # implementations differ anyway (docs/numerics.md).
+    # (-ffp-contract=off) does: no fused multiply-add anywhere (NVRTC's default makes them in
+    # weight_grad, segment_sum, combine_forward, adagrad and adam; log, cos and powf are
+    # sokpy_math.cuh's, not libdevice's, whose implementations fuse), and no flushing of
+    # subnormals to zero (.ftz, which the host does not do).
     parts = re.split(r"\.entry (\w+)\(", ptx)
-    fused = {parts[i]: len(re.findall(r"\bfma\.rn\.f(?:32|64)\b", parts[i + 1])) for i in range(1, len(parts), 2)}
-    unexpected = {k: v for k, v in fused.items() if v and k not in LIBRARY_MATH}
-    assert not unexpected, f"fused multiply-adds in the PTX of {cu.name} for {arch}: {unexpected}"
-
-
-LIBRARY_MATH = {"init_rows", "ftrl_update"}  # kernels that call log / cos / powf
+    bodies = {"(before the first kernel)": parts[0], **{parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}}
+    fused = {k: n for k, body in bodies.items() if (n := len(re.findall(r"\bfma\.rn\.f(?:32|64)\b", body)))}
+    assert not fused, f"fused multiply-adds in the PTX of {cu.name} for {arch}: {fused}"
+    ftz = {k: n for k, body in bodies.items() if (n := body.count(".ftz"))}
+    assert not ftz, f"flush-to-zero (.ftz) instructions in the PTX of {cu.name} for {arch}: {ftz}"
 
 
 def test_unwritable_cache_folder_falls_back_to_temp(tmp_path, monkeypatch):
