@@ -373,11 +373,14 @@ __device__ __forceinline__ i64 sokpy_sorted_bag(const i64* kbag, const i64* bag_
 // chain from a position to its gradient row (one rank, t500: the backward 41.5 -> 39 ms).
 // grad[t] is the address of dL/d(output of table t), laid out as the output was (OUT_STRIDE);
 // 0 means the output got no gradient: a zero row. When bad is not null (zeroed by the
-// caller), bad[u] = 1 marks a row that is not finite.
+// caller), bad[u] = 1 marks a row that is not finite. The unique keys are the first nuniq,
+// or, when count is not null, the first *count (a number the device knows and the host does
+// not: the launch covers nuniq, an upper bound).
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
-                                       const i64* group, int ntables, const i64* tabs, i64 nuniq, float* dst,
-                                       const i64* dst_off, float scale, int* bad) {
+                                       const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,
+                                       float* dst, const i64* dst_off, float scale, int* bad) {
+    if (count) nuniq = *count;
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
     i64 cur = -1, stride = 0, first_bag = 0;

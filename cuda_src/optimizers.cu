@@ -20,9 +20,11 @@
 // For unique row u, the gradient rows that arrived for it start at elements off[perm[k]] of
 // grad, k in [seg[u], seg[u+1]) (arrival order). Adds them, in that order, into the first,
 // writes that row's offset to goff[u] and sets bad[u] = 1 when the sum is not finite (bad
-// starts zeroed). The row's table otab[u] gives its dimension.
+// starts zeroed). The row's table otab[u] gives its dimension. The unique rows are the first
+// n, or, when count is not null, the first *count (counted on the device; n bounds it).
 extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* perm, const i64* seg, const i64* otab,
-                                       const i64* tabs, i64 n, i64* goff, int* bad) {
+                                       const i64* tabs, i64 n, const i64* count, i64* goff, int* bad) {
+    if (count) n = *count;
     SOKPY_FOR_ROWS(u, n) {
         const int dim = (int)SOKPY_TAB(tabs, otab[u], SOKPY_TAB_DIM);
         const i64 first = off[perm[seg[u]]];

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from . import handoff, runtime
+from .sorting import sort_by_bits
 
-__all__ = ["GradChunk", "SparseGrad", "table_grad", "used_anywhere"]
+__all__ = ["GradChunk", "SparseGrad", "Merge", "merge_rows", "table_grad", "nonfinite_message"]
 
 
 class SparseGrad(NamedTuple):
@@ -38,6 +39,14 @@ class SparseGrad(NamedTuple):
     values: torch.Tensor
 
 
+def nonfinite_message(var, key: int) -> str:
+    """The refusal of a step whose summed gradient of ``key`` in table ``var`` is not finite."""
+    return (
+        f"table {var.name!r}: the gradient of key {key}, summed on its owner rank {runtime.rank()}, is not "
+        "finite; no row or optimizer state was changed"
+    )
+
+
 class GradChunk:
     """Gradient rows of several tables in one flat float32 ``buffer``.
 
@@ -45,17 +54,19 @@ class GradChunk:
     rank (``rows[i]``; -1 for a key the table does not hold) and the element ``offsets[i]``
     where its gradient starts in ``buffer``. ``group[i] // ntables`` is the rank it came from.
     ``used`` (bool ``[W, ntables]`` or None for all) says which rank's outputs of which table
-    received a gradient at all: entries of unused ones are skipped.
+    received a gradient at all: entries of unused ones are skipped. ``tables_used`` (bool
+    ``[ntables]``), when given, says which tables got a gradient on some rank where the
+    entries are already filtered (``used`` is then None).
 
     ``merged``: no (table, row) appears twice and every row is the whole gradient of its row
-    (one rank, or after an optimizer step), so a step needs no merge; ``bad`` then marks the
-    entries whose row is not finite (int32 [n], or None when all are finite). ``uids``: the
-    tables' uids (int64, as ``table.uid``; the caller's TableSet has them). ``by_table``: every
-    group is a table index (one rank's chunk, an optimizer's merged chunk). ``rows_found``:
-    no row is -1 (static tables, or rows kept by a step), so :meth:`entries` need not look.
-    ``runs``: the entries come as this many runs, each ascending by (table index, row) (the
-    blocks of the ranks that sent them, when every table's keys were sorted by row); 0: no
-    known order."""
+    (one rank, the owner's merge in a backward on several ranks, or after an optimizer step),
+    so a step needs no merge; ``error`` is then the refusal of a row that is not finite, or
+    None (found on the device and read with the backward's one read). ``uids``: the tables'
+    uids (int64, as ``table.uid``; the caller's TableSet has them). ``by_table``: every group
+    is a table index. ``rows_found``: no row is -1 (static tables, or rows kept by a step),
+    so :meth:`entries` need not look. ``runs``: the entries come as this many runs, each
+    ascending by (table index, row) (the blocks of the ranks that sent them, when every
+    table's keys were sorted by row); 0: no known order."""
 
     def __init__(
         self,
@@ -69,46 +80,131 @@ class GradChunk:
         *,
         uids,
         merged=False,
-        bad=None,
+        error=None,
         by_table=False,
         rows_found=False,
         runs=0,
+        tables_used=None,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
         self.uids = uids
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
-        self.used = used
-        self.merged, self.bad, self.by_table, self.rows_found = merged, bad, by_table, rows_found
+        self.used, self.tables_used = used, tables_used
+        self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
         self.runs = runs
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every
         rank: every rank receives every rank's flags."""
+        if self.tables_used is not None:
+            return self.tables_used
         if self.used is None:
             return np.ones(self.ntables, bool)
         return self.used.any(axis=0)
 
     def entries(self, index: np.ndarray):
         """The entries of the tables that ``index`` maps (chunk table -> caller's index, -1 to
-        skip): ``(caller index, rows, offsets, keys, bad)``, skipping unused ones and rows < 0
-        (``bad`` as the chunk's, or None)."""
+        skip): ``(caller index, rows, offsets, keys)``, skipping unused ones and rows < 0."""
         xp = runtime.xp()
         index = np.asarray(index)
         every_entry = self.rows_found and (self.used is None or bool(self.used.all()))
         if every_entry and self.by_table and (index == np.arange(self.ntables)).all():
-            return self.group, self.rows, self.offsets, self.keys, self.bad  # all of them, as they are
+            return self.group, self.rows, self.offsets, self.keys  # all of them, as they are
         t = self.group if self.by_table else self.group % self.ntables  # (an int64 remainder is slow)
         mine = xp.asarray(index)[t]
         if every_entry and (index >= 0).all():  # every entry is kept: nothing to compact
-            return mine, self.rows, self.offsets, self.keys, self.bad
+            return mine, self.rows, self.offsets, self.keys
         keep = (mine >= 0) & (self.rows >= 0)
         if self.used is not None and not self.used.all():
             keep &= xp.asarray(self.used.reshape(-1))[self.group]
         if bool(keep.all()):
-            return mine, self.rows, self.offsets, self.keys, self.bad
-        bad = None if self.bad is None else self.bad[keep]
-        return mine[keep], self.rows[keep], self.offsets[keep], self.keys[keep], bad
+            return mine, self.rows, self.offsets, self.keys
+        return mine[keep], self.rows[keep], self.offsets[keep], self.keys[keep]
+
+
+class Merge(NamedTuple):
+    """Gradient entries merged on the device (:func:`merge_rows`): one row per unique
+    (table, row), the first ``count[0]`` entries of each array (arrays sized by the entries,
+    an upper bound, so that nothing is read from the device to size them)."""
+
+    table: object  # int64: the caller's table index of each unique row
+    rows: object  # int64: its stored row
+    offsets: object  # int64: where its summed gradient starts in the buffer
+    keys: object  # int64: its key
+    count: object  # int64 [1]: how many unique rows (on the device)
+    bad: object  # int32: 1 where a summed row is not finite (0 elsewhere)
+
+    def flags(self):
+        """``[count, any row not finite]`` as one int64 device array, to read beside others."""
+        xp = runtime.xp()
+        return xp.concatenate([self.count, self.bad.any().astype(np.int64).reshape(1)])
+
+    def take(self, count: int, any_bad: bool, tables) -> tuple:
+        """``(table, rows, offsets, keys, error)`` of the ``count`` unique rows (views), with
+        the refusal of the first row that is not finite (None when ``any_bad`` is false)."""
+        error = None
+        if any_bad:  # the error path: reads the first bad row's table and key
+            u = int(runtime.xp().flatnonzero(self.bad[:count])[0])
+            error = nonfinite_message(tables[int(self.table[u])], int(self.keys[u]))
+        return self.table[:count], self.rows[:count], self.offsets[:count], self.keys[:count], error
+
+
+def _bits(n: int) -> int:
+    return max(1, (max(int(n), 1) - 1).bit_length())
+
+
+def merge_rows(table, rows, offsets, keys, buffer, tabs, ntables: int, capacity: int, dim: int, valid=None, runs=0):
+    """Sums the gradient rows of equal (table, row), in arrival order, on the device and checks
+    that every sum is finite, without reading anything back: returns a :class:`Merge`, whose
+    count and verdict the caller reads with whatever else it reads.
+
+    ``table``/``rows``/``keys`` (int64) and ``offsets`` (element offset of each entry's row in
+    ``buffer``, float32, summed in place) describe the entries; ``tabs`` is the device table
+    descriptor (the dimension of each table), ``capacity`` bounds every stored row, ``dim`` the
+    largest dimension. ``valid`` (bool, optional): entries to leave out (rows of outputs that
+    got no gradient, keys a table does not hold). ``runs``: the entries come as that many runs
+    ascending by (table, row) (0: unknown), which picks the sort."""
+    xp = runtime.xp()
+    n = int(table.shape[0])
+    tb, rb, ab = _bits(ntables), _bits(capacity), _bits(n)
+    invalid = None if valid is None else (~valid).astype(np.int64)
+    if valid is not None:
+        rows = xp.where(valid, rows, 0)  # a row left out may be -1 (a key the table does not hold)
+    if 1 + tb + rb + ab <= 63:  # one sort value per entry: (left out, table, row, position)
+        packed = (table << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
+        if invalid is not None:
+            packed |= invalid << (tb + rb + ab)
+        packed = sort_by_bits(packed, ab, tb + rb + ab + (invalid is not None), ascending_runs=runs)
+        perm = packed & ((1 << ab) - 1)
+        key = packed >> ab
+        brk = runtime.scratch(n, bool)
+        if n:
+            brk[:1] = True
+            xp.not_equal(key[1:], key[:-1], out=brk[1:])
+    else:  # too many bits for one value: sort by (left out, table, row), arrival order within
+        columns = [xp.arange(n, dtype=np.int64), rows, table] + ([] if invalid is None else [invalid])
+        perm = xp.lexsort(xp.stack(columns))
+        brk = xp.zeros(n, bool)
+        if n:
+            brk[:1] = True
+            for c in columns[1:]:
+                s = c[perm]
+                brk[1:] |= s[1:] != s[:-1]
+    # Unique row u starts at sorted position seg[u]; the unique rows of the entries left out
+    # come last and are not counted.
+    before = xp.cumsum(brk, dtype=np.int64)  # unique rows up to and including each position
+    nvalid = xp.full(1, n, np.int64) if valid is None else valid.sum(dtype=np.int64).reshape(1)
+    count = xp.where(nvalid > 0, before[xp.maximum(nvalid - 1, 0)], 0) if n else xp.zeros(1, np.int64)
+    seg = xp.zeros(n + 2, np.int64)  # slot n + 1 takes the positions that start no row
+    if n:
+        seg[xp.where(brk, before - 1, n + 1)] = xp.arange(n, dtype=np.int64)
+    first = perm[seg[:n]]  # (past the count: position 0's)
+    seg[count] = nvalid
+    goff = runtime.scratch(max(n, 1), np.int64)
+    bad = xp.zeros(max(n, 1), np.int32)
+    runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, goff, bad))
+    return Merge(table[first], rows[first], goff, keys[first], count, bad)
 
 
 def _index_of(chunk: GradChunk, table) -> np.ndarray:
@@ -127,29 +223,18 @@ def table_grad(table) -> SparseGrad | None:
     xp = runtime.xp()
     keys, rows = [], []
     for chunk in {id(c): c for c in table._grad_refs}.values():
-        _, _, offsets, k, _ = chunk.entries(_index_of(chunk, table))
+        _, _, offsets, k = chunk.entries(_index_of(chunk, table))
         if k.size:
             idx = offsets[:, None] + xp.arange(table.dim, dtype=np.int64)[None, :]
             keys.append(k)
             rows.append(chunk.buffer[idx])
     if not keys:  # its outputs got no gradient: none, as torch leaves .grad None
         return None
-    else:
-        keys, rows = xp.concatenate(keys), xp.concatenate(rows)
-        order = xp.argsort(keys, kind="stable")  # rows of equal keys summed in arrival order
-        keys, rows = keys[order], rows[order]
-        first = xp.concatenate([xp.ones(1, bool), keys[1:] != keys[:-1]]) if keys.size else xp.ones(0, bool)
-        starts = xp.flatnonzero(first)
-        values = xp.add.reduceat(rows, starts, axis=0) if keys.size else rows
-        keys = keys[starts]
+    keys, rows = xp.concatenate(keys), xp.concatenate(rows)
+    order = xp.argsort(keys, kind="stable")  # rows of equal keys summed in arrival order
+    keys, rows = keys[order], rows[order]
+    first = xp.concatenate([xp.ones(1, bool), keys[1:] != keys[:-1]]) if keys.size else xp.ones(0, bool)
+    starts = xp.flatnonzero(first)
+    values = xp.add.reduceat(rows, starts, axis=0) if keys.size else rows
+    keys = keys[starts]
     return SparseGrad(handoff.to_torch(keys), handoff.to_torch(xp.ascontiguousarray(values)))
-
-
-def used_anywhere(table) -> bool:
-    """Whether any chunk ``table`` references says its outputs received a gradient on some
-    rank (the same answer on every rank)."""
-    for chunk in table._grad_refs:
-        for i, t in enumerate(chunk.tables):
-            if t is table and chunk.table_used()[i]:
-                return True
-    return False

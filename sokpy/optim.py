@@ -33,9 +33,8 @@ import numpy as np
 import torch
 
 from . import collective, handoff, kernels, runtime
-from .gradients import GradChunk
+from .gradients import GradChunk, merge_rows
 from .plan import rows_of, table_set
-from .sorting import sort_by_bits
 from .variable import _Table
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
@@ -223,19 +222,15 @@ class SparseOptimizer(torch.optim.Optimizer):
         tables = layout.tables
         used = np.zeros(len(tables), bool)
         entries = self._entries(layout, used)
-        error = None
-        merged = None
-        if entries is not None:
-            merged = self._merge(tables, *entries)
-            if self.check_finite and merged[-1] is not None:
-                error = merged[-1]
         ts = table_set(tables)
+        error = None
+        if entries is not None:
+            otab, rows, goff, keys, buffer, error = self._merged(ts, *entries)
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
-            call.agree(error)
+            call.agree(error if self.check_finite else None)
         self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
-        if merged is None:
+        if entries is None:
             return loss
-        otab, rows, goff, keys, buffer, _ = merged
         n = int(otab.shape[0])
         steps = self._steps.values[layout.counts]
         hyper = self._hyper(layout.group_index, steps)
@@ -247,7 +242,6 @@ class SparseOptimizer(torch.optim.Optimizer):
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
-        used_flags = None if used.all() else used[None, :]
         chunk = GradChunk(
             tables,
             buffer,
@@ -255,11 +249,11 @@ class SparseOptimizer(torch.optim.Optimizer):
             rows,
             otab,
             goff,
-            used_flags,
-            merged=True,
             uids=ts.uids,
+            merged=True,
             by_table=True,
             rows_found=True,
+            tables_used=used,
         )
         held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:
@@ -269,8 +263,9 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     def _entries(self, layout: _Layout, used: np.ndarray):
         """Every gradient entry of this optimizer's tables, from all chunks they reference:
-        ``(table index, stored row, element offset, key, buffer)`` or None when there is none.
-        Sets ``used[i]`` for the tables whose outputs received a gradient on some rank."""
+        ``(table index, stored row, element offset, key, buffer, merged, error, runs)`` or None
+        when there is none. Sets ``used[i]`` for the tables whose outputs received a gradient
+        on some rank."""
         xp = runtime.xp()
         ntab = len(layout.tables)
         refs = [v._grad_refs for v in layout.tables]
@@ -299,74 +294,38 @@ class SparseOptimizer(torch.optim.Optimizer):
             imap[(layout.sorted_uids[at] != chunk.uids) | ~held[imap]] = -1
             mine = imap >= 0
             used[imap[mine]] |= chunk.table_used()[mine]
-            otab, rows, offsets, keys, bad = chunk.entries(imap)
+            otab, rows, offsets, keys = chunk.entries(imap)
             kept = imap[mine]
             ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
             runs += chunk.runs
-            parts.append((otab, rows, offsets + base if base else offsets, keys, bad))
+            parts.append((otab, rows, offsets + base if base else offsets, keys))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
         runs = runs if ordered else 0  # 0: some chunk's order is unknown
+        # Merged chunks of tables that each hold one chunk (one backward since zero_grad, over
+        # one lookup call or several) need no merge together: no (table, row) is in two.
+        merged = all(c.merged for c in chunks.values()) and all(len(held) <= 1 for held in refs)
+        error = next((c.error for c in chunks.values() if c.error is not None), None)
         if len(parts) == 1:
-            merged = next(iter(chunks.values())).merged
-            return (*parts[0][:4], buffers[0], merged, parts[0][4], runs)
+            return (*parts[0], buffers[0], merged, error, runs)
         cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return (*cat, xp.concatenate(buffers), False, None, runs)
+        return (*cat, xp.concatenate(buffers), merged, error, runs)
 
-    def _merge(self, tables, otab, rows, offsets, keys, buffer, merged: bool, bad, runs: int = 0):
-        """Sums the gradient rows of equal (table, row) in arrival order (one launch) and checks
-        them. Returns ``(table, row, gradient offset, key, buffer, error or None)`` per unique row.
-        A chunk that is ``merged`` already (one rank, or a previous step) is taken as it is.
-        ``runs``: the entries come as that many runs ascending by (table, row) (0: unknown)."""
-        xp = runtime.xp()
+    def _merged(self, ts, otab, rows, offsets, keys, buffer, merged: bool, error, runs: int = 0):
+        """``(table, row, gradient offset, key, buffer, error or None)`` per unique row. A
+        chunk that is ``merged`` already (every step after a single backward: its owner merged
+        it) is taken as it is, with its verdict; otherwise (gradients of several backward
+        passes) the rows of equal (table, row) are summed here, and the count and the verdict
+        read (one read)."""
         if merged:
-            error = None
-            if bad is not None and bool(bad.any()):
-                u = int(xp.flatnonzero(bad)[0])
-                error = self._nonfinite(tables[int(otab[u])], int(keys[u]))
             return otab, rows, offsets, keys, buffer, error
-        n = int(otab.shape[0])
-        ts = table_set(tables)
-        tb = max(1, (len(tables) - 1).bit_length())
-        rb = max(1, (max(ts.capacity, 1) - 1).bit_length())  # stored rows are below the capacity: no read of rows
-        ab = max(1, (n - 1).bit_length())
-        if tb + rb + ab <= 63:
-            packed = (otab << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
-            packed = sort_by_bits(packed, ab, tb + rb + ab, ascending_runs=runs)
-            perm = packed & ((1 << ab) - 1)
-            key = packed >> ab
-        else:  # too many bits for one sort value: sort by (table, row) keeping arrival order
-            perm = xp.lexsort((xp.arange(n), rows, otab))
-            key = otab[perm] * (int(rows.max(initial=0)) + 1) + rows[perm]
-        brk = runtime.scratch(n, bool)
-        if n:
-            brk[0] = True
-            xp.not_equal(key[1:], key[:-1], out=brk[1:])
-        starts = xp.flatnonzero(brk)
-        nuniq = int(starts.shape[0])
-        seg = xp.concatenate([starts, xp.full(1, n, np.int64)])
-        goff = runtime.scratch(nuniq, np.int64)
-        bad = xp.zeros(max(nuniq, 1), np.int32)
-        first = perm[starts]
-        uotab, urows, ukeys = otab[first], rows[first], keys[first]
-        runtime.launch(
-            "merge_grads",
-            nuniq,
-            int(ts.dims.max(initial=1)),
-            (buffer, offsets, perm, seg, uotab, xp.asarray(ts.tabs), nuniq, goff, bad),
-        )
-        error = None
-        if nuniq and bool(bad[:nuniq].any()):
-            u = int(xp.flatnonzero(bad[:nuniq])[0])
-            error = self._nonfinite(tables[int(uotab[u])], int(ukeys[u]))
-        return uotab, urows, goff, ukeys, buffer, error
-
-    @staticmethod
-    def _nonfinite(var, key: int) -> str:
-        return (
-            f"table {var.name!r}: the gradient of key {key}, summed on its owner rank {runtime.rank()}, is not "
-            "finite; no row or optimizer state was changed"
-        )
+        tables = self._layout().tables
+        dim = int(ts.dims.max(initial=1))
+        tabs = runtime.xp().asarray(ts.tabs)
+        m = merge_rows(otab, rows, offsets, keys, buffer, tabs, len(tables), ts.capacity, dim, runs=runs)
+        count, any_bad = handoff.to_host(m.flags()).tolist()
+        otab, rows, goff, keys, error = m.take(count, bool(any_bad), tables)
+        return otab, rows, goff, keys, buffer, error
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 
 from . import collective, handoff, kernels, runtime
-from .gradients import GradChunk
+from .gradients import GradChunk, merge_rows, nonfinite_message
 from .sorting import sort_by_bits
-from .sparse import Batch
+from .sparse import N_FAULTS, Batch, BatchError, raise_fault
 from .storage import epoch, finish_inserts
 from .wire import from_wire, to_wire
 
@@ -189,9 +189,8 @@ class _Dedup:
     Built in two steps: the constructor sorts and marks where unique keys start, then
     :meth:`finish` lays them out. Several ranks first need the unique keys per (owner, table)
     (:meth:`counts`, from a running count, on the device), and read them with the rest of the
-    call's header; ``finish`` then takes their total. One rank reads nothing else, and
-    :meth:`finish_alone` takes the unique keys' starts as the host's read (a compaction of the
-    marks, which costs the host less than the running count)."""
+    call's header; ``finish`` then takes their total. One rank reads nothing here: its
+    layout is sized by the key count and the unique keys' number stays on the device."""
 
     def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None, bag_of=None):
         xp = runtime.xp()
@@ -222,28 +221,36 @@ class _Dedup:
         edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
         return xp.diff(self.before[edges])
 
-    def finish(self, nuniq: int, collided: bool, starts=None) -> None:
-        """Lays out the ``nuniq`` unique keys; ``collided``: the read of the flag
-        ``mark_unique_keys`` set. Without ``starts`` (their sorted positions), after
-        :meth:`counts`: the layout kernel walks all sorted positions."""
-        self.collided = bool(collided)
-        self.nuniq = nuniq
-        self.seg = runtime.scratch(nuniq + 1, np.int64)
-        self.seg[nuniq:] = self.n
-        self.first = runtime.scratch(nuniq, np.int64)  # position of each unique key's first use
-        self.ukeys = runtime.scratch(nuniq, np.int64)
-        self.group = runtime.scratch(nuniq, np.int64)
-        ntab, world = int(self.tabs.shape[0]), runtime.world_size()
-        count = self.n if starts is None else nuniq
-        args = (self.s, starts, self.brk, self.before, count, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
-        runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
-        self.s = self.brk = self.before = None  # sort buffers: back to the pool
-
-    def finish_alone(self) -> None:
-        """:meth:`finish` with the host's own reads (one rank, where no counts travel)."""
+    def finish(self, nuniq: int | None, collided: bool = False) -> None:
+        """Lays out the unique keys: the layout kernel walks all sorted positions and numbers
+        each unique key from the running count. Several ranks pass ``nuniq`` (read with the
+        call's header, after :meth:`counts`) and ``collided`` (the read of the flag
+        ``mark_unique_keys`` set). One rank passes None: nothing is read, the layout is sized
+        for every key (an upper bound; the entries past the unique keys are table 0) and
+        ``count`` (int64 ``[1]``) holds the number of unique keys on the device, for the
+        backward's one read together with its verdict."""
         xp = runtime.xp()
-        starts = xp.flatnonzero(self.brk.view(bool))
-        self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)
+        n = self.n
+        if self.before is None:  # the running count (several ranks made it in counts())
+            self.before = runtime.scratch(n + 1, np.int64)
+            self.before[:1] = 0
+            xp.cumsum(self.brk, dtype=np.int64, out=self.before[1:])
+        self.count = self.before[n:]
+        self.collided = bool(collided)
+        size = n if nuniq is None else nuniq
+        self.nuniq = size
+        self.seg = runtime.scratch(size + 1, np.int64)
+        if nuniq is None:
+            self.seg[self.count] = n
+        else:
+            self.seg[size:] = n
+        self.first = runtime.scratch(size, np.int64)  # position of each unique key's first use
+        self.ukeys = runtime.scratch(size, np.int64)
+        self.group = runtime.scratch(size, np.int64) if nuniq is not None else xp.zeros(size, np.int64)
+        ntab, world = int(self.tabs.shape[0]), runtime.world_size()
+        args = (self.s, None, self.brk, self.before, n, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
+        runtime.launch("unique_key_heads", n, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        self.s = self.brk = self.before = None  # sort buffers: back to the pool
 
 
 class LookupPlan:
@@ -285,6 +292,8 @@ class LookupPlan:
         if error is None:
             try:
                 counts, volume = self._prepare(world)
+            except BatchError as e:  # a fault the device found in ids that arrived there
+                error = f"table {self.tables[e.table].name!r} (index {e.table}): {e}"
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = f"{type(e).__name__}: {e}"
         uids = self.ts.key if error is None else None
@@ -380,16 +389,23 @@ class LookupPlan:
         packed, bad = _route(self.d_tabs, self.keys, self.d_key_start, ntab, world, self.pos_bits, self.sv_bits)
         self.packed = packed
         self.dedup = None
+        # The call's one read from the device: the verdict on its ids (the range check, and the
+        # faults the device found in ids that arrived there) and, on several ranks, whether
+        # hashed keys collided and the unique keys per (owner, table).
+        faults = [] if b.faults is None else [b.faults.vector]
         if world == 1:
-            self._check_range(int(bad[0]))
+            head = handoff.to_host(xp.concatenate([bad, *faults]))
+            if faults:
+                raise_fault(b, head[1:])
+            self._check_range(int(head[0]))
             return np.zeros(1, np.int64), 0
         d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
         self.packed = None
-        # The call's one read from the device: the range check's verdict, whether hashed keys
-        # collided, and the unique keys per (owner, table).
-        head = handoff.to_host(xp.concatenate([bad, d.collided_flag.astype(np.int64), d.counts(world * ntab)]))
+        head = handoff.to_host(xp.concatenate([bad, d.collided_flag.astype(np.int64), *faults, d.counts(world * ntab)]))
+        if faults:
+            raise_fault(b, head[2 : 2 + N_FAULTS])
         self._check_range(int(head[0]))
-        per = head[2:].reshape(world, ntab)
+        per = head[2 + len(faults) * N_FAULTS :].reshape(world, ntab)
         d.finish(int(per.sum()), bool(head[1]))
         self.counts = per
         self.ucut = _exclusive(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
@@ -408,12 +424,14 @@ class LookupPlan:
     def _check_range(self, bad: int) -> None:
         """Raises for route_keys' first key out of range (at position ``bad``; n: none)."""
         b = self.batch
-        if bad < int(b.keys.shape[0]):
-            t = int(np.searchsorted(b.key_start, bad, side="right")) - 1
+        if bad < int(b.keys.shape[0]):  # the error path: reads the key and the tables' starts
+            key_start = b.host_key_start()
+            t = int(np.searchsorted(key_start, bad, side="right")) - 1
             var = self.tables[t]
+            key = int(handoff.to_host(b.keys[bad : bad + 1])[0])
             raise ValueError(
-                f"table {var.name!r} (index {t}): key {int(b.keys[bad])} at position "
-                f"{bad - int(b.key_start[t])} is out of range [0, {var.rows})"
+                f"table {var.name!r} (index {t}): key {key} at position "
+                f"{bad - int(key_start[t])} is out of range [0, {var.rows})"
             )
 
     def _find_rows(self, keys, seg_start, nseg: int, incoming, seg_of=None):
@@ -450,8 +468,7 @@ class LookupPlan:
         xp, c = runtime.xp(), _c()
         b = self.batch
         if self.ts.dynamic:
-            incoming = np.diff(b.key_start)
-            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, lambda: incoming)
+            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, lambda: np.diff(b.host_key_start()))
         else:  # static tables on one rank: key k is stored row k (route_keys checked the range)
             self._sync_tables()
             self.rows = self.keys
@@ -578,17 +595,14 @@ class LookupPlan:
                     runs,
                     bag_of=self.bag_of,
                 )
-                d.finish_alone()
+                d.finish(None)  # sized for every key: nothing is read before the verdict below
                 self.packed = None
                 if self.one_dim:  # row u at hdr + u * dim
                     dim = self.one_dim
                     self.urow = xp.arange(hdr, hdr + d.nuniq * dim, dim, dtype=np.int64)
-                    total = d.nuniq * dim
-                else:
-                    udim = xp.asarray(self.dims)[d.group]
-                    self.urow = _exclusive(udim, xp)[:-1] + hdr
-                    total = int(udim.sum())
-                self.recv_elems = np.array([hdr + total], np.int64)
+                else:  # the entries past the unique keys are table 0: their rows lie past the rest
+                    self.urow = _exclusive(xp.asarray(self.dims)[d.group], xp)[:-1] + hdr
+                self.recv_elems = np.array([hdr + d.nuniq * int(self.dims.max(initial=1))], np.int64)
             d = self.dedup
             # float32 on the wire with other ranks: one buffer holds what arrives and then
             # what is sent, so that the owner reads its own block where segment_sum wrote it.
@@ -604,34 +618,14 @@ class LookupPlan:
             # One rank: these rows are the whole gradients (no other rank adds to them), so the
             # kernel checks them as it writes them and the optimizer step needs no merge pass.
             bad = xp.zeros(max(d.nuniq, 1), np.int32) if self.world == 1 else None
+            count = d.count if self.world == 1 else None  # one rank: known on the device only
             # kbag: the bags in sorted order, where the deduplication ran after the forward (one
             # rank); several ranks deduplicate before it, and segment_sum reads bag_of there.
             args = (gptr, self.bag_of, d.kbag, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group)
-            args += (ntab, self.d_tabs, d.nuniq, buf, self.urow, scale, bad)
+            args += (ntab, self.d_tabs, d.nuniq, count, buf, self.urow, scale, bad)
             runtime.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
             if self.world == 1:
-                bad = bad[: d.nuniq] if bool(bad.any()) else None
-                used_flags = None if used.all() else used[None, :]
-                rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
-                rows = d.ukeys if rows_are_keys else self.rows[d.first]
-                # A table passed twice (two features sharing it) has rows under both of its
-                # table slots, and keys sharing a hashed sort value may have several rows
-                # each: both are summed at the step, like gradients from other ranks.
-                merged = self.ts.distinct and not d.collided
-                chunk = GradChunk(
-                    self.tables,
-                    buf,
-                    d.ukeys,
-                    rows,
-                    d.group,
-                    self.urow,
-                    used_flags,
-                    merged=merged,
-                    by_table=True,  # one rank: a key's group is its table
-                    bad=bad,
-                    uids=self.ts.uids,
-                    rows_found=rows_are_keys,  # every key has its row
-                )
+                chunk = self._local_chunk(d, buf, bad, used)
             elif in_place:
                 large = agreement.large
                 comm.alltoallv(buf, self.recv_elems, self.send_elems, large, out=both[:recv_total], skip_self=True)
@@ -668,16 +662,53 @@ class LookupPlan:
                 addr[t] = runtime.current().address_of(g)
         return used, xp.asarray(addr), keep
 
+    def _local_chunk(self, d: _Dedup, buf, bad, used) -> GradChunk:
+        """One rank: the rows segment_sum wrote are the whole gradients. The backward's one
+        read: the number of unique keys, whether any row is not finite, and whether hashed
+        keys shared a sort value."""
+        xp = runtime.xp()
+        head = xp.concatenate([d.count, bad.any().astype(np.int64).reshape(1), d.collided_flag.astype(np.int64)])
+        nuniq, any_bad, collided = handoff.to_host(head).tolist()
+        d.nuniq, d.collided = nuniq, not self.exact and bool(collided)
+        ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
+        rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
+        rows = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
+        found = rows_are_keys or self.insert  # no row is -1: every key has or got one
+        error = None
+        if any_bad:  # the error path: the first row that is not finite names its table and key
+            u = int(xp.flatnonzero(bad[:nuniq])[0])
+            error = nonfinite_message(self.tables[int(group[u])], int(ukeys[u]))
+        # A table passed twice (two features sharing it) has rows under both of its table
+        # slots, and keys sharing a hashed sort value may have several rows each: both are
+        # summed at the step, like gradients of several backward passes.
+        return GradChunk(
+            self.tables,
+            buf,
+            ukeys,
+            rows,
+            group,
+            self.urow[:nuniq],
+            None if used.all() else used[None, :],
+            merged=self.ts.distinct and not d.collided,
+            by_table=True,  # one rank: a key's group is its table
+            error=error,
+            uids=self.ts.uids,
+            rows_found=found,
+        )
+
     def _owner_chunk(self, grecv, own: int) -> GradChunk:
-        """The owner's view of the gradient rows that arrived: per received key, its table and
-        where its row starts (the same places its forward row left from). The block from this
-        rank itself is ``own`` elements further on (where it was written, not received)."""
+        """The owner's gradient rows, merged: per received key, its table and where its row
+        starts (the same places its forward row left from; the block from this rank itself is
+        ``own`` elements further on, where it was written, not received), then the rows of
+        equal (table, row) summed on the device, leaving out those of outputs that got no
+        gradient (each sender's flags lead its block) and of keys a table does not hold. The
+        backward's one read: the flags, the number of unique rows and whether any sum is not
+        finite; the optimizer step then reads nothing."""
         xp, me = runtime.xp(), runtime.comm().rank
         world, ntab = self.world, self.ntables
         starts = _exclusive(self.send_elems)[:-1]
         starts[me] += own
-        flags = handoff.to_host(grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))])
-        used = flags.reshape(world, ntab) != 0
+        flags = grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] != 0
         seg = self.oseg
         if self.one_dim:  # peer p's keys have their rows one after another after its header
             offsets = _rows_after_headers(_exclusive(self.peer_keys), starts, self.hdr, self.one_dim, xp)
@@ -686,18 +717,40 @@ class LookupPlan:
             seg_elem[me * ntab : (me + 1) * ntab] += own
             dims = xp.asarray(np.tile(self.dims, world))
             offsets = seg_elem[seg] + (xp.arange(seg.size, dtype=np.int64) - self.d_seg_start[seg]) * dims[seg]
+        table = xp.asarray(np.tile(np.arange(ntab, dtype=np.int64), world))[seg]
+        valid = flags[seg]
+        if self.ts.dynamic:
+            valid &= self.orows >= 0  # insert=False: keys the table does not hold
+        # Exact sort values are the stored rows: each sender's block is sorted by (table, row).
+        m = merge_rows(
+            table,
+            self.orows,
+            offsets,
+            self.okeys,
+            grecv,
+            self.d_tabs,
+            ntab,
+            self.ts.capacity,
+            int(self.dims.max(initial=1)),
+            valid=valid,
+            runs=world if self.exact else 0,
+        )
+        head = handoff.to_host(xp.concatenate([flags.astype(np.int64), m.flags()]))
+        used = head[: world * ntab].reshape(world, ntab) != 0
+        table, rows, goff, keys, error = m.take(int(head[-2]), bool(head[-1]), self.tables)
         return GradChunk(
             self.tables,
             grecv,
-            self.okeys,
-            self.orows,
-            seg,
-            offsets,
-            None if used.all() else used,
+            keys,
+            rows,
+            table,
+            goff,
             uids=self.ts.uids,
-            rows_found=not self.ts.dynamic,  # a static table has the row of every key sent to it
-            # Exact sort values are the stored rows: each sender's block is sorted by (table, row).
-            runs=world if self.exact else 0,
+            merged=self.ts.distinct,  # a table passed twice has rows under both of its slots
+            error=error,
+            by_table=True,
+            rows_found=True,
+            tables_used=used.any(axis=0),
         )
 
     def _weight_grads(self, gptr, grads):
@@ -740,7 +793,8 @@ class LookupPlan:
             if kind == "keyed":
                 part = dw[:n]
             else:
-                part = dw[int(b.key_start[t]) : int(b.key_start[t + 1])]
+                lo, hi = b.host_key_start()[t : t + 2]
+                part = dw[int(lo) : int(hi)]
             g = handoff.to_torch(xp.ascontiguousarray(part)).to(w.dtype)
             if kind == "coo":
                 if info is not None:  # entries were put in row-major order: undo it

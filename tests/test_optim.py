@@ -29,11 +29,12 @@ def test_same_global_batch_same_table_at_1_and_4_ranks(tmp_path):
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_owner_merge_of_sorted_blocks_matches_the_reference(nranks):
-    # Each rank's gradient rows reach the owner sorted by (table, row). In the lookup's table
-    # order they are one run per rank: two runs are merged by a stable sort, three or more,
-    # and the reversed order, by the radix sort. Every way must give the reference's tables.
+    # Each rank's gradient rows reach the owner sorted by (table, row), and the owner merges
+    # them in the backward, in the lookup's table order: one run per rank, whatever order the
+    # optimizer holds the tables in. Two runs are merged by a stable sort, three by the radix
+    # sort. Every way must give the reference's tables.
     out = run_mpi(nranks, "optim_worker.py", "merge")
-    for order, runs in (("same", nranks), ("reversed", 0)):
+    for order, runs in (("same", nranks), ("reversed", nranks)):
         lines = [line for line in out.splitlines() if f"merge {order} ok" in line]
         assert len(lines) == nranks, out
         for line in lines:

@@ -16,7 +16,8 @@ doubles of what a GPU provides:
   ``device_double.torch_stream(s)``), tensors in emulated device memory
   (``device_double.to_device``) stand for ``cuda`` tensors, and torch's reads of them
   (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``, ``int()``, ``float()``, ``bool()``)
-  are counted as host reads.
+  are counted as host reads. ``SOKPY_EMULATE_DEVICE_IDS=1`` takes every tensor of ids for one
+  on the device, so that any script's ids are parsed the device's way.
 
 Torch's own operations run at once on the host, so a hand-off to torch (``to_torch``) and the
 end of every public entry run the work queued on torch's current stream first: torch's next
@@ -38,6 +39,7 @@ Example (``SOKPY_EMULATE_DEVICE=1 python ...``)::
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -140,6 +142,9 @@ class EmulatedDeviceBackend(Backend):
     def __init__(self):
         self.xp = device_double
         self.kernels = _QueuedKernels(HostKernels(emulate_blocks=True))
+        # SOKPY_EMULATE_DEVICE_IDS=1: every tensor of ids counts as one on the device, so that
+        # any script's ids take the device's parsing (tests run whole suites that way).
+        self._all_ids_on_device = os.environ.get("SOKPY_EMULATE_DEVICE_IDS") == "1"
         _count_torch_reads()
 
     def communicator(self, mpi):
@@ -177,7 +182,9 @@ class EmulatedDeviceBackend(Backend):
         return super().address_of(x)
 
     def on_device(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.numel() > 0 and device_double.is_device_address(t.data_ptr())
+        if not isinstance(t, torch.Tensor):
+            return False
+        return self._all_ids_on_device or (t.numel() > 0 and device_double.is_device_address(t.data_ptr()))
 
     def from_torch(self, x, dtype=None):
         xp = self.xp

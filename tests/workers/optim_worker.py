@@ -126,20 +126,21 @@ def check_nonfinite():
 
 
 def check_merge():
-    """The owner's merge of gradient rows from every rank, in both of its sorts: each rank's
-    block arrives sorted by (table, row), so with the optimizer's tables in the lookup's order
-    the entries are one ascending run per rank; reversed, they are not runs. Both must train
-    the tables as the reference does."""
-    from sokpy import optim
+    """The owner's merge of gradient rows from every rank (in the backward, in the lookup's
+    table order): each rank's block arrives sorted by (table, row), so the entries are one
+    ascending run per rank, merged by a stable sort at two ranks and by the radix sort from
+    three on. The optimizer's own order of the tables (the same, or reversed) does not change
+    that, and both must train the tables as the reference does."""
+    from sokpy import gradients
 
     seen = []
-    real_sort = optim.sort_by_bits
+    real_sort = gradients.sort_by_bits
 
     def spy(values, lo, hi, runs=None, ascending_runs=0):
         seen.append((int(values.shape[0]), ascending_runs))
         return real_sort(values, lo, hi, runs, ascending_runs)
 
-    optim.sort_by_bits = spy
+    gradients.sort_by_bits = spy
     specs = [(30_000, 8, -1), (9_000, 4, 0)]  # spread, and all on rank 0
     hp = dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)
     for order in ("same", "reversed"):
@@ -171,7 +172,7 @@ def check_merge():
         print(
             f"rank {RANK}: merge {order} ok; sorted {min(n for n, _ in seen)}+ entries; runs {sorted({r for _, r in seen})}"
         )
-    optim.sort_by_bits = real_sort
+    gradients.sort_by_bits = real_sort
 
 
 if __name__ == "__main__":

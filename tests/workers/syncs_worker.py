@@ -1,7 +1,9 @@
 """Counts the host synchronisations of a lookup, its backward and an optimizer step on the
-device code path (run with SOKPY_EMULATE_DEVICE=1: sokpy.testing.device_double counts every place
-where a GPU would make the host wait), for a few tables and for many, and prints one line
-per case: "syncs RANK CASE TABLES FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
+device code path (run with SOKPY_EMULATE_DEVICE=1: sokpy.testing.device_double counts every
+place where a GPU would make the host wait, torch's reads of device tensors included), for a
+few tables and for many, with ids on the host, ids on the device (one tensor per table) and
+one KeyedJaggedTensor on the device. Prints one line per case:
+"syncs RANK CASE TABLES FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
 
 import numpy as np
 import torch
@@ -13,10 +15,33 @@ sokpy.init()
 rank, world = sokpy.rank(), sokpy.world_size()
 
 
+class KJT:
+    """A KeyedJaggedTensor's interface (TorchRec's own needs fbgemm), its tensors on the device."""
+
+    def __init__(self, names, values, lengths, stride):
+        self._names, self._values, self._stride = names, values, stride
+        self._offsets = device_double.to_device(torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+
+    def keys(self):
+        return self._names
+
+    def values(self):
+        return self._values
+
+    def offsets(self):
+        return self._offsets
+
+    def weights_or_none(self):
+        return None
+
+    def stride(self):
+        return self._stride
+
+
 def tables(case: str, ntab: int):
     out = []
     for t in range(ntab):
-        dim = 8 if case == "one_dim" or t % 2 == 0 else 16
+        dim = 8 if case != "mixed_dims" or t % 2 == 0 else 16
         name = f"{case}_{ntab}_{t}"
         if case == "dynamic" and t % 2:
             out.append(sokpy.DynamicVariable(dim, name=name))
@@ -25,21 +50,33 @@ def tables(case: str, ntab: int):
     return out
 
 
-for case in ("one_dim", "mixed_dims", "dynamic"):
-    for ntab in (2, 40):
-        vs = tables(case, ntab)
-        opt = sokpy.optim.Adagrad(vs, lr=0.1)
-        rng = np.random.default_rng(rank)
-        for _ in range(3):  # the last step's counts: steady state (the first calls create state)
-            ids = [torch.from_numpy(rng.integers(0, 500, (16 + rank, 3))) for _ in range(ntab)]
-            r0 = device_double.host_reads()
-            outs = sokpy.lookup_sparse(vs, ids, combiners=["sum", "mean"] * (ntab // 2))
-            r1 = device_double.host_reads()
-            loss = sum(o.sum() for o in outs)
-            r2 = device_double.host_reads()
-            loss.backward()
-            r3 = device_double.host_reads()
-            opt.step()
-            opt.zero_grad()
-            r4 = device_double.host_reads()
-        print(f"syncs {rank} {case} {ntab} {r1 - r0} {r3 - r2} {r4 - r3}", flush=True)
+def inputs(case: str, ntab: int, rng):
+    batch = 16 + rank
+    ids = [torch.from_numpy(rng.integers(0, 500, (batch, 3))) for _ in range(ntab)]
+    if case == "kjt":
+        values = device_double.to_device(torch.cat([i.reshape(-1) for i in ids]))
+        return KJT([f"f{t}" for t in range(ntab)], values, torch.full((ntab * batch,), 3), batch)
+    if case == "device_ids":
+        return [device_double.to_device(i) for i in ids]
+    return ids
+
+
+CASES = [("one_dim", 2), ("one_dim", 40), ("mixed_dims", 2), ("mixed_dims", 40), ("dynamic", 2), ("dynamic", 40)]
+CASES += [("device_ids", 2), ("device_ids", 100), ("kjt", 2), ("kjt", 100)]
+for case, ntab in CASES:
+    vs = tables(case, ntab)
+    opt = sokpy.optim.Adagrad(vs, lr=0.1)
+    rng = np.random.default_rng(rank)
+    for _ in range(3):  # the last step's counts: steady state (the first calls create state)
+        ids = inputs(case, ntab, rng)
+        r0 = device_double.host_reads()
+        outs = sokpy.lookup_sparse(vs, ids, combiners=["sum", "mean"] * (ntab // 2))
+        r1 = device_double.host_reads()
+        loss = sum(o.sum() for o in outs)
+        r2 = device_double.host_reads()
+        loss.backward()
+        r3 = device_double.host_reads()
+        opt.step()
+        opt.zero_grad()
+        r4 = device_double.host_reads()
+    print(f"syncs {rank} {case} {ntab} {r1 - r0} {r3 - r2} {r4 - r3}", flush=True)

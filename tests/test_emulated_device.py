@@ -1,0 +1,36 @@
+"""The main suites' jobs on the device code path, without a GPU: SOKPY_EMULATE_DEVICE=1 runs
+them on the asynchronous device double (work queued per stream, poisoned memory, CuPy's
+rules, NcclComm over the NCCL double, kernels in the device's launch shapes), and
+SOKPY_EMULATE_DEVICE_IDS=1 makes every tensor of ids take the device's parsing. Each job
+checks itself against the same independent references as on the host backend."""
+
+import pytest
+from conftest import run_mpi
+
+ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
+
+JOBS = [
+    # (ranks, worker, arguments, the line every rank prints when its checks passed)
+    (1, "lookup_worker.py", ["values", 61], "values ok"),
+    (3, "lookup_worker.py", ["values", 63], "values ok"),
+    (2, "lookup_worker.py", ["errors"], "errors ok"),
+    (2, "lookup_worker.py", ["assign"], "assign ok"),
+    (1, "optim_worker.py", ["formula", "sgd,adagrad,ftrl,adam", 71], "adam ok"),
+    (2, "optim_worker.py", ["formula", "sgd,adagrad,ftrl,adam", 72], "adam ok"),
+    (3, "optim_worker.py", ["nonfinite"], "nonfinite ok"),
+    (1, "dynamic_worker.py", ["train", "adagrad", 81], "adagrad ok"),
+    (3, "dynamic_worker.py", ["train", "ftrl", 83], "ftrl ok"),
+    (2, "dynamic_worker.py", ["insert_false"], "insert_false ok"),
+    (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
+    (3, "contract_worker.py", ["resume", 8], "resume ok"),
+    (1, "nn_worker.py", ["compare"], "compare ok"),
+    (2, "nn_worker.py", ["compare"], "compare ok"),
+]
+
+
+@pytest.mark.parametrize(
+    "nranks,worker,args,ok", JOBS, ids=lambda x: str(x) if not isinstance(x, list) else "-".join(map(str, x))
+)
+def test_suite_job_on_the_emulated_device(nranks, worker, args, ok):
+    out = run_mpi(nranks, worker, *args, env=ENV, timeout=300)
+    assert out.count(ok) >= nranks, out[-3000:]
