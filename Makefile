@@ -3,11 +3,13 @@
 #   make test   lint and format check (ruff), then the whole test suite (its MPICH and
 #               horovodrun tests use the environment launch/install-horovod builds, once
 #               per machine, under ~/.cache/sokpy)
+# and, on a GPU node (torch with CUDA and CuPy installed; no network needed):
+#   make gpu-check   the device path's proof (launch/gpu-check), with the node's own python3
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
 
-.PHONY: demo test lint horovod-env clean
+.PHONY: demo test lint horovod-env gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +29,9 @@ horovod-env:
 
 test: lint horovod-env
 	$(VENV)/bin/python -m pytest -q -ra
+
+gpu-check:
+	$(PYTHON) launch/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -153,12 +153,15 @@ class HostBackend(Backend):
 
 # ---- the device --------------------------------------------------------------------------------
 
-_CUDA_EXTRA = "sokpy-embeddings[cuda13]"  # the extra for the CUDA of torch's build (cuda12 for CUDA 12)
+_CUDA_EXTRA = "sokpy-embeddings[cuda13]"
 
 
 def _pip_extra() -> str:
+    """The extra for the CUDA of torch's build: cuda12 up to CUDA 12, cuda13 from CUDA 13 on."""
     cuda = getattr(torch.version, "cuda", None) or ""
-    return f"sokpy-embeddings[cuda{cuda.split('.')[0]}]" if cuda else _CUDA_EXTRA
+    if not cuda:
+        return _CUDA_EXTRA
+    return "sokpy-embeddings[cuda12]" if int(cuda.split(".")[0]) <= 12 else _CUDA_EXTRA
 
 
 def device_requirements(world_size: int = 1) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 from . import hostpool
 from .timing import count_traffic, timed
 
-__all__ = ["Communicator", "MpiComm", "SoloComm", "max_count"]
+__all__ = ["Communicator", "MpiComm", "SoloComm", "MpiUnavailable", "mpi_world", "max_count"]
 
 _SPLIT_TAG = 7301
 
@@ -51,6 +51,24 @@ def receive_buffer(out, shape: tuple, dtype, empty):
             f"alltoallv: out must be C-contiguous {dtype} of shape {tuple(shape)}, got {out.dtype} {out.shape}"
         )
     return out
+
+
+class MpiUnavailable(RuntimeError):
+    """mpi4py, or the MPI library it loads, is not there."""
+
+
+def mpi_world():
+    """``(MpiComm over a duplicate of MPI's world, this process's rank on its node)``; raises
+    MpiUnavailable where MPI cannot be loaded."""
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # noqa: BLE001 - mpi4py missing, or no MPI library for it to load
+        raise MpiUnavailable(f"{type(e).__name__}: {e}") from e
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    local_rank = local.Get_rank()
+    local.Free()
+    return MpiComm(world.Dup()), local_rank
 
 
 class Communicator:

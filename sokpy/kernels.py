@@ -186,7 +186,7 @@ def address_of(x) -> int:
 # (-ffp-contract=off below); -ftz=false: float32 subnormals are kept, not flushed to zero (the
 # NVRTC default, spelt out: CuPy's own RawModule(code=...) adds -ftz=true); -prec-div and
 # -prec-sqrt: division and square root correctly rounded, as on the CPU.
-DEVICE_OPTIONS = ("-std=c++14", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+DEVICE_OPTIONS = ("-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
 # block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.

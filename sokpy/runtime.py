@@ -95,25 +95,25 @@ def _mpi_world():
     """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
     single process where no MPI library can be loaded (one GPU checked where only torch and
     CuPy are installed); a launch that asked for several processes then fails clearly."""
+    from .comm import MpiUnavailable, mpi_world
+
     try:
-        from mpi4py import MPI
-    except Exception as e:  # noqa: BLE001 - mpi4py missing, or no MPI library for it to load
+        mpi, local_rank = mpi_world()
+    except MpiUnavailable as e:
         sizes = {v: os.environ[v] for v in _MPI_SIZE_VARS if os.environ.get(v, "").strip() not in ("", "1")}
         if sizes:
             raise LaunchError(
                 f"sokpy.init: the launcher started several processes ({sizes}) but MPI cannot be loaded here "
-                f"({type(e).__name__}: {e}); install mpi4py with an MPI library (pip install "
+                f"({e}); install mpi4py with an MPI library (pip install "
                 f'"sokpy-embeddings[mpi]")'
             ) from e
         return None, 0
-    from .comm import MpiComm
-
-    world = MPI.COMM_WORLD
-    _check_launch(world.Get_size())
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    local_rank = local.Get_rank()
-    local.Free()
-    return MpiComm(world.Dup()), local_rank
+    try:
+        _check_launch(mpi.size)
+    except LaunchError:
+        mpi.free()
+        raise
+    return mpi, local_rank
 
 
 def init(backend: str = "auto", timeout: float | None = None) -> str:

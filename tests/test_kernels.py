@@ -278,6 +278,30 @@ def test_cache_is_reused_and_keyed_by_source(kernel_dir):
     assert edited != first and edited.exists(), "an edited source reused the old library"
 
 
+def test_device_binary_is_cached_and_keyed_by_source_headers_and_options(kernel_dir, monkeypatch):
+    """The CUBIN the device backend loads (NVRTC, no GPU needed to build it) is rebuilt when the
+    source, one of its headers or the options change, and reused otherwise."""
+    cu = kernel_dir / "sort.cu"
+    shutil.copy(SRC_DIR / "sort.cu", cu)
+    first = kernels.device_binary(cu, "sm_90")
+    assert first.read_bytes()[:4] == b"\x7fELF", "not a CUBIN"
+    assert kernels.device_binary(cu, "sm_90") == first
+    header = kernel_dir / "sokpy_common.cuh"
+    header.write_text(header.read_text() + "\n// an edit of a header\n")
+    after_header = kernels.device_binary(cu, "sm_90")
+    assert after_header != first, "an edited header reused the old binary"
+    monkeypatch.setattr(kernels, "DEVICE_OPTIONS", (*kernels.DEVICE_OPTIONS, "-DSOKPY_SOMETHING=1"))
+    assert kernels.device_binary(cu, "sm_90") not in (first, after_header), "other options reused the old binary"
+    assert kernels.device_binary(cu, "sm_80") != kernels.device_binary(cu, "sm_90")
+
+
+@pytest.mark.parametrize("cu", SOURCES, ids=lambda p: p.name)
+def test_every_kernel_builds_the_binary_the_device_loads(cu):
+    """What DeviceKernels loads on an H100: a CUBIN for sm_90 with the device options."""
+    path = kernels.device_binary(cu, "sm_90")
+    assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x7fELF"
+
+
 # ---- compile errors ---------------------------------------------------------------------------
 
 KERNEL_TEMPLATE = """\

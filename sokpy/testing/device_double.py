@@ -70,6 +70,7 @@ __all__ = [
     "from_dlpack",
     "get_array_module",
     "host_reads",
+    "work",
     "Stream",
     "Event",
     "DEFAULT_STREAM",
@@ -151,6 +152,8 @@ class Stream:
             self.pending.append((fn, what))
             self.enqueued += 1
             _queued += 1
+            kind = what.partition(" ")[0]
+            _work[kind if kind in ("kernel", "NCCL") else "array"] += 1
 
     def run_until(self, position: int) -> None:
         """Runs the queued work up to ``position`` (items counted from the stream's start)."""
@@ -327,6 +330,16 @@ def host_reads() -> int:
     """How many times so far the host would have waited for the device (see the module's
     docstring): read it before and after a call to count the call's host synchronisations."""
     return _host_reads
+
+
+_work = {"array": 0, "kernel": 0, "NCCL": 0}
+
+
+def work() -> dict:
+    """How much work was queued so far: ``{"array": routines and copies, "kernel": launches,
+    "NCCL": communication calls}`` (each one call of the host into CuPy, a kernel or NCCL on a
+    GPU), with ``"reads"``, the host reads."""
+    return dict(_work, reads=_host_reads)
 
 
 def host_read(stream: Stream | None = None) -> None:

@@ -47,7 +47,20 @@ elif on_gpu:
     def in_side():
         return torch.cuda.stream(side)
 
-    reads = None
+    # On a GPU, sokpy's own reads of device values (the backend's to_host); the double counts
+    # the rest (implicit conversions, torch's reads) on machines without one.
+    counted = [0]
+    to_host = be.to_host
+
+    def counting_to_host(a):
+        counted[0] += 1
+        return to_host(a)
+
+    be.to_host = counting_to_host
+
+    def reads():
+        return counted[0]
+
 else:
 
     def in_side():

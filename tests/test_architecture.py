@@ -1,0 +1,100 @@
+"""The package's shape holds its rules (docs/architecture.md): no import circle (imports
+inside functions included), MPI only in comm (and the test doubles), the test doubles
+imported only when asked for, and no module reading a backend setting at import."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "sokpy"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The sokpy modules ``name`` imports anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in MODULES else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_the_import_graph_has_no_circle():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(GRAPH[node] - {"sokpy"}):
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_mpi_only_in_comm_and_the_test_doubles():
+    users = {
+        name
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any("mpi4py" in (a.name if isinstance(node, ast.Import) else node.module or "") for a in node.names)
+    }
+    allowed = {"sokpy.comm"} | {m for m in MODULES if m.startswith("sokpy.testing")}
+    assert users and users <= allowed, f"mpi4py imported outside comm: {sorted(users - allowed)}"
+
+
+def test_the_test_doubles_are_imported_only_when_asked_for():
+    importers = {name for name, deps in GRAPH.items() if any(d.startswith("sokpy.testing") for d in deps)}
+    importers = {m for m in importers if not m.startswith("sokpy.testing")}
+    assert importers <= {"sokpy.runtime", "sokpy.nccl_comm"}, sorted(importers)
+    # runtime builds the emulated device only inside init, when SOKPY_EMULATE_DEVICE=1 asks
+    tree = ast.parse(MODULES["sokpy.runtime"].read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not any("testing" in (getattr(n, "module", "") or "") for n in top)
+
+
+def test_no_module_reads_a_backend_setting_at_import():
+    for name, path in MODULES.items():
+        if name.startswith("sokpy.testing"):
+            continue
+        tree = ast.parse(path.read_text())
+        for stmt in tree.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    assert not node.value.startswith(("SOKPY_EMULATE", "SOKPY_BACKEND")), (
+                        f"{name} reads {node.value} at import; the backend object decides at init"
+                    )
