@@ -216,3 +216,37 @@ def test_device_index_without_visible_gpus():
 
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
         runtime.device_index(0, 0)
+
+
+# ---- a single process without an MPI library ---------------------------------------------------
+
+NO_MPI_SCRIPT = """
+import sys
+sys.modules["mpi4py"] = None  # as where no MPI library can be loaded
+import json, torch, sokpy
+from sokpy.comm import SoloComm
+try:
+    sokpy.init()
+except sokpy.LaunchError as e:
+    print("no_mpi " + json.dumps({"error": str(e)}))
+    raise SystemExit(0)
+v = sokpy.Variable(10, 4, name="no_mpi")
+opt = sokpy.optim.Adagrad([v], lr=0.1)
+out = sokpy.lookup_sparse(v, [[1, 2], [3]], combiners="sum")
+out.sum().backward()
+opt.step()
+sokpy.assign(v, torch.tensor([5]), torch.ones(1, 4))
+keys, values = sokpy.export(v)
+print("no_mpi " + json.dumps({"comm": type(sokpy.comm()).__name__, "world": sokpy.world_size(),
+                               "row5": values[5].tolist(), "grad_keys": v.grad.keys.tolist()}))
+"""
+
+
+def test_one_process_runs_without_an_mpi_library():
+    out = json_from(run_python(NO_MPI_SCRIPT), "no_mpi")[0]
+    assert out == {"comm": "SoloComm", "world": 1, "row5": [1.0] * 4, "grad_keys": [1, 2, 3]}, out
+
+
+def test_several_processes_without_an_mpi_library_are_refused():
+    out = json_from(run_python(NO_MPI_SCRIPT, {"OMPI_COMM_WORLD_SIZE": "2"}), "no_mpi")[0]
+    assert "MPI cannot be loaded" in out["error"] and "sokpy-embeddings[mpi]" in out["error"], out
