@@ -289,14 +289,16 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("read", [True, False], ids=["count read", "count on the device"])
 @pytest.mark.parametrize("n", [200, 5000])  # numpy's sort below 4,096 values, the radix sort from there
 @pytest.mark.parametrize("exact", [True, False])
-def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n):
+def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n, read):
     """The deduplication behind every lookup, against a reference that walks the sorted values
     one by one. Not exact: sort values of one bit, so that different keys share them (as the
     hashed sort values of a dynamic table can). Exact: the sort value is the key's own row (one
     rank; static tables, spread and placed), runs split by value alone, and the unique keys are
-    taken from the sort values, not read from the keys."""
+    taken from the sort values, not read from the keys. Laid out with the count of unique keys
+    read (several ranks) or sized for every key with the count left on the device (one rank)."""
     from sokpy import kernels
     from sokpy.plan import _Dedup
 
@@ -319,7 +321,11 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     given = np.full(n, -7, np.int64) if exact else keys
     d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
     per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
-    d.finish_alone()
+    if read:
+        d.finish(sum(per_group), bool(d.collided_flag[0]))
+    else:
+        d.finish(None)
+    nuniq = int(d.count[0])
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
@@ -329,15 +335,15 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
             runs[-1][3].append(p)
         else:
             runs.append((head, p, keys[p], [p]))
-    assert d.nuniq == len(runs)
+    assert nuniq == len(runs) and d.nuniq == (nuniq if read else n)  # one rank: an upper bound
     assert per_group == [sum(r[0] >> sv_bits == g for r in runs) for g in range(3)]
-    assert d.group.tolist() == [r[0] >> sv_bits for r in runs]
-    assert d.first.tolist() == [r[1] for r in runs] and d.ukeys.tolist() == [r[2] for r in runs]
-    assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(d.nuniq)] == [r[3] for r in runs]
+    assert d.group[:nuniq].tolist() == [r[0] >> sv_bits for r in runs]
+    assert d.first[:nuniq].tolist() == [r[1] for r in runs] and d.ukeys[:nuniq].tolist() == [r[2] for r in runs]
+    assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(nuniq)] == [r[3] for r in runs]
     # the bag of each sorted position, for segment_sum (only when the bags are given)
     assert d.kbag is None if bag_of is None else d.kbag.tolist() == [bag_of[p] for r in runs for p in r[3]]
-    for u in range(d.nuniq):  # no unique entry mixes two keys
+    for u in range(nuniq):  # no unique entry mixes two keys
         assert (keys[d.pos[d.seg[u] : d.seg[u + 1]]] == d.ukeys[u]).all()
     # collided: some run of equal sort values holds two keys (so a key may appear twice)
     heads, pos = order >> pos_bits, order & (2**pos_bits - 1)
-    assert d.collided == (not exact and bool(((heads[1:] == heads[:-1]) & (keys[pos[1:]] != keys[pos[:-1]])).any()))
+    assert bool(d.collided_flag[0]) == bool(((heads[1:] == heads[:-1]) & (keys[pos[1:]] != keys[pos[:-1]])).any())

@@ -73,17 +73,17 @@ def runs_case(sizes, mid_width: int, seed: int):
     [([4096] * 500, 12), ([4096] * 26, 17), ([32768] * 4, 20), ([0, 5000, 1, 0, 7000, 3], 9), ([100_000], 1)],
 )
 def test_runs_are_sorted_in_place_as_a_whole_sort_would(sizes, mid_width, monkeypatch):
-    from sokpy import kernels
+    from sokpy import runtime
 
     launched = []  # (chunks, bits, digit stride) of each counting pass
-    real = kernels.launch
+    real = runtime.launch
 
     def recording(name, n, dim, args):
         if name == "radix_count_digits":
             launched.append((args[2], args[4], args[5]))
         real(name, n, dim, args)
 
-    monkeypatch.setattr(kernels, "launch", recording)
+    monkeypatch.setattr(runtime, "launch", recording)
     values, lo, mid, hi, bounds = runs_case(sizes, mid_width, 2)
     got = sort_by_bits(values.copy(), lo, hi, (bounds, mid))
     np.testing.assert_array_equal(got, np.sort(values))
