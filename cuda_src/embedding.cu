@@ -363,66 +363,193 @@ __device__ __forceinline__ i64 sokpy_sorted_bag(const i64* kbag, const i64* bag_
     return kbag ? kbag[k] : bag_of[perm[k]];
 }
 
+// A unique key with more than SOKPY_SEGMENT_PIECE positions (a hot key) has its gradient
+// summed in pieces of that many positions, counted from its first: piece j is its sorted
+// positions [seg[u] + j * PIECE, seg[u] + (j + 1) * PIECE), summed from 0 in order, and the
+// row is ((p0 + p1) + p2) + ... . The thread that writes the row (segment_sum) sums the first
+// `own` pieces itself; segment_piece_sums sums the others before it, one thread-row per piece,
+// so that on a GPU (own = 1) no thread walks a hot key's thousands of positions alone. The
+// bits are the same for every `own`, every launch shape and whatever the other keys of the
+// call: the pieces follow from the key's own positions. A key with at most PIECE positions is
+// one piece, summed as it always was. A thread walks at most `own` pieces and adds L / PIECE
+// partial sums for a key of L positions: 64 keeps both short for the hottest keys of a batch
+// of some 10^5 positions (thousands of positions each).
+#define SOKPY_SEGMENT_PIECE 64
+
+// What the gradient sums read of table t: the output's gradient (0: it got none), the keys'
+// weights (0: unweighted), where bag rows lie, and whether den is 1 (sum: not read).
+struct sokpy_grad_table {
+    const float* g;
+    const float* w;
+    i64 stride, first_bag;
+    int dim, sum;
+};
+__device__ __forceinline__ sokpy_grad_table sokpy_grad_table_of(const u64* grad, const i64* bag_start,
+                                                                const float* weights, const i64* tabs, int t) {
+    sokpy_grad_table tb;
+    tb.g = (const float*)grad[t];
+    tb.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+    tb.stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+    tb.first_bag = bag_start[t];
+    tb.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+    tb.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
+    return tb;
+}
+
+// How many positions ahead the gradient sums hint a gradient row: further with the bags in
+// sorted order (kbag), where the look-ahead is one read, not a chain of two.
+__device__ __forceinline__ i64 sokpy_positions_ahead(const i64* kbag) {
+    return kbag ? SOKPY_PREFETCH_SORTED_POSITIONS : SOKPY_PREFETCH_POSITIONS;
+}
+
+// Hints the gradient rows of sorted positions [k0, k1) (host only, as sokpy_prefetch_row):
+// where a thread's walk over positions jumps, the rows its look-ahead did not reach.
+__device__ __forceinline__ void sokpy_prefetch_positions(const sokpy_grad_table& tb, const i64* bag_of,
+                                                         const i64* kbag, const i64* perm, i64 k0, i64 k1) {
+#ifdef SOKPY_HOST
+    for (i64 k = k0; k < k1; ++k) {
+        sokpy_prefetch_row(tb.g + (sokpy_sorted_bag(kbag, bag_of, perm, k) - tb.first_bag) * tb.stride, tb.dim);
+    }
+#endif
+}
+
+// o += (grad_t[bag b_j] / den[b_j]) * w_j for sorted positions k in [k0, k1) in the order of
+// k (j = perm[k], b_j its bag; den 0 -> no term). n: the number of sorted positions, which
+// bounds the look-ahead.
+__device__ __forceinline__ void sokpy_add_positions(float* __restrict__ o, const sokpy_grad_table& tb,
+                                                    const i64* bag_of, const i64* kbag, const float* den,
+                                                    const i64* perm, i64 k0, i64 k1, i64 n) {
+    const int dim = tb.dim;
+    for (i64 k = k0; k < k1; ++k) {
+        // Look ahead over the next keys' positions too (most keys have one or two): the bag
+        // of a position twice the distance ahead (without kbag), the gradient row of one
+        // the distance ahead (across a table boundary this hints a wrong address, which is
+        // harmless).
+        const i64 ka = k + sokpy_positions_ahead(kbag);
+        if (!kbag && ka + SOKPY_PREFETCH_POSITIONS < n) {
+            sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
+        }
+        if (ka < n) {
+            sokpy_prefetch_row(tb.g + (sokpy_sorted_bag(kbag, bag_of, perm, ka) - tb.first_bag) * tb.stride, dim);
+        }
+        const i64 b = sokpy_sorted_bag(kbag, bag_of, perm, k);
+        const float dn = tb.sum ? 1.0f : den[b];
+        if (dn == 0.0f) continue;
+        const float wj = tb.w ? tb.w[perm[k]] : 1.0f;
+        const float* __restrict__ s = tb.g + (b - tb.first_bag) * tb.stride;
+        if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
+            sokpy_row_axpy(o, s, wj, dim, false);
+        } else {
+            SOKPY_FOR_COLS(d, dim) o[d] += (s[d] / dn) * wj;
+        }
+    }
+}
+
+// The partial sums of the hot keys' pieces numbered `own` and up, for segment_sum (the same
+// arguments up to own). Piece j >= 1 of key u starts at a sorted position s in chunk
+// q = s / PIECE (positions [q * PIECE, (q + 1) * PIECE)), and key u also holds position
+// q * PIECE (it holds s - PIECE < q * PIECE <= s), so a chunk holds the start of at most one
+// such piece: the one of the key that holds the chunk's first position. Entry i covers chunk
+// q = i + 1 (chunk 0 starts no later piece) and writes that piece's sum, from 0 in the order
+// of its positions, at element i * piece_stride of pieces, or nothing. npieces =
+// (n - 1) / PIECE for n sorted positions (seg[nuniq] = n: a bound of the pieces the host
+// knows without a read); piece_stride >= every table's dim. With count, the unique keys are
+// the first *count, as in segment_sum.
+extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of, const i64* kbag,
+                                              const i64* bag_start, const float* den, const float* weights,
+                                              const i64* perm, const i64* seg, const i64* group, int ntables,
+                                              const i64* tabs, i64 nuniq, const i64* count, float* pieces,
+                                              i64 piece_stride, i64 own, i64 npieces) {
+    if (count) nuniq = *count;
+    const i64 n = seg[nuniq];
+    // u: the key of the thread's previous chunk; done: where its previous piece ended.
+    i64 u = -1, cur = -1, done = -1;
+    sokpy_grad_table tb;
+    SOKPY_FOR_ROWS(i, npieces) {
+        const i64 q0 = (i + 1) * SOKPY_SEGMENT_PIECE;
+        // The key that holds q0, the last u with seg[u] <= q0: a thread's chunks come in
+        // increasing order, so the search gallops forward from its previous chunk's key.
+        i64 lo = 0, hi = nuniq;  // seg[lo] <= q0 < seg[hi]
+        if (u >= 0) {
+            lo = u;
+            i64 step = 1;
+            while (lo + step < nuniq && seg[lo + step] <= q0) {
+                lo += step;
+                step *= 2;
+            }
+            hi = min(nuniq, lo + step);
+        }
+        while (hi - lo > 1) {
+            const i64 mid = lo + (hi - lo) / 2;
+            if (seg[mid] <= q0) lo = mid; else hi = mid;
+        }
+        u = lo;
+        const i64 a = seg[u], b = seg[u + 1];
+        const i64 s = a + (q0 - a + SOKPY_SEGMENT_PIECE - 1) / SOKPY_SEGMENT_PIECE * SOKPY_SEGMENT_PIECE;
+        if ((s - a) / SOKPY_SEGMENT_PIECE < own || s >= b) continue;  // segment_sum's piece, or none here
+        if (group[u] != cur) {
+            cur = group[u];
+            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, (int)(cur % ntables));
+        }
+        if (!tb.g) continue;  // segment_sum writes a zero row without reading the pieces
+        const i64 end = min(s + (i64)SOKPY_SEGMENT_PIECE, b);
+        if (s != done) sokpy_prefetch_positions(tb, bag_of, kbag, perm, s, min(s + sokpy_positions_ahead(kbag), end));
+        done = end;
+        float* __restrict__ o = pieces + i * piece_stride;
+        SOKPY_FOR_COLS(d, tb.dim) o[d] = 0.0f;
+        sokpy_add_positions(o, tb, bag_of, kbag, den, perm, s, end, n);
+    }
+}
+
 // combine_forward's transpose, a deterministic segment reduction (no float atomics). The
 // keys of unique key u are positions perm[k] for k in [seg[u], seg[u+1]), in increasing
 // order; u belongs to table t = group[u] % ntables. Its gradient row, written at element
 // dst_off[u] of dst, is
 //   sum_k (grad_t[bag b_j] / den[b_j]) * w_j     (j = perm[k], b_j = bag_of[j]; den 0 -> term 0)
-// in the order of k, times scale. kbag, when not null, holds the same bags in the order of k
-// (kbag[k] = bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the
-// chain from a position to its gradient row (one rank, t500: the backward 41.5 -> 39 ms).
-// grad[t] is the address of dL/d(output of table t), laid out as the output was (OUT_STRIDE);
-// 0 means the output got no gradient: a zero row. When bad is not null (zeroed by the
-// caller), bad[u] = 1 marks a row that is not finite. The unique keys are the first nuniq,
-// or, when count is not null, the first *count (a number the device knows and the host does
-// not: the launch covers nuniq, an upper bound).
+// in the order of k, times scale; a key with more than SOKPY_SEGMENT_PIECE positions is summed
+// in pieces (above): this kernel sums the first `own` of them, each piece after the first in
+// its slot of pieces, where segment_piece_sums (launched first, with the same arguments up to
+// own) left the others. kbag, when not null, holds the same bags in the order of k (kbag[k] =
+// bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the chain from a
+// position to its gradient row (one rank, t500: the backward 41.5 -> 39 ms). grad[t] is the
+// address of dL/d(output of table t), laid out as the output was (OUT_STRIDE); 0 means the
+// output got no gradient: a zero row. When bad is not null (zeroed by the caller), bad[u] = 1
+// marks a row that is not finite. The unique keys are the first nuniq, or, when count is not
+// null, the first *count (a number the device knows and the host does not: the launch covers
+// nuniq, an upper bound).
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
                                        const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,
-                                       float* dst, const i64* dst_off, float scale, int* bad) {
+                                       float* pieces, i64 piece_stride, i64 own, float* dst, const i64* dst_off,
+                                       float scale, int* bad) {
     if (count) nuniq = *count;
+    const i64 n = seg[nuniq];
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
-    i64 cur = -1, stride = 0, first_bag = 0;
-    int dim = 0, sum = 0;
-    const float* w = 0;
-    const float* g = 0;
+    i64 cur = -1;
+    sokpy_grad_table tb;
     SOKPY_FOR_ROWS(u, nuniq) {
         if (group[u] != cur) {
             cur = group[u];
-            const int t = (int)(cur % ntables);
-            dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-            stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
-            w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-            g = (const float*)grad[t];
-            first_bag = bag_start[t];
-            sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;  // den is 1: not read
+            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, (int)(cur % ntables));
         }
+        const int dim = tb.dim;
         float* __restrict__ o = dst + dst_off[u];
         SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
-        if (!g) continue;
-        for (i64 k = seg[u]; k < seg[u + 1]; ++k) {
-            // Look ahead over the next keys' positions too (most keys have one or two): the bag
-            // of a position twice the distance ahead (without kbag), the gradient row of one
-            // the distance ahead (across a table boundary this hints a wrong address, which is
-            // harmless).
-            const i64 ka = k + (kbag ? SOKPY_PREFETCH_SORTED_POSITIONS : SOKPY_PREFETCH_POSITIONS);
-            if (!kbag && ka + SOKPY_PREFETCH_POSITIONS < seg[nuniq]) {
-                sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
+        if (!tb.g) continue;
+        const i64 a = seg[u], b = seg[u + 1];
+        const i64 head = b - a > SOKPY_SEGMENT_PIECE ? a + SOKPY_SEGMENT_PIECE : b;
+        sokpy_add_positions(o, tb, bag_of, kbag, den, perm, a, head, n);
+        i64 j = 1;  // the piece that starts at s
+        for (i64 s = head; s < b; s += SOKPY_SEGMENT_PIECE, ++j) {
+            float* __restrict__ p = pieces + (s / SOKPY_SEGMENT_PIECE - 1) * piece_stride;
+            if (j < own) {  // as segment_piece_sums would
+                SOKPY_FOR_COLS(d, dim) p[d] = 0.0f;
+                sokpy_add_positions(p, tb, bag_of, kbag, den, perm, s, min(s + (i64)SOKPY_SEGMENT_PIECE, b), n);
+            } else if (j == own) {  // the walk jumps over the other pieces to the next key's positions
+                sokpy_prefetch_positions(tb, bag_of, kbag, perm, b, min(b + sokpy_positions_ahead(kbag), n));
             }
-            if (ka < seg[nuniq]) {
-                sokpy_prefetch_row(g + (sokpy_sorted_bag(kbag, bag_of, perm, ka) - first_bag) * stride, dim);
-            }
-            const i64 b = sokpy_sorted_bag(kbag, bag_of, perm, k);
-            const float dn = sum ? 1.0f : den[b];
-            if (dn == 0.0f) continue;
-            const float wj = w ? w[perm[k]] : 1.0f;
-            const float* __restrict__ s = g + (b - first_bag) * stride;
-            if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
-                sokpy_row_axpy(o, s, wj, dim, false);
-            } else {
-                SOKPY_FOR_COLS(d, dim) o[d] += (s[d] / dn) * wj;
-            }
+            sokpy_row_axpy(o, p, 1.0f, dim, false);
         }
         if (scale != 1.0f) {
             SOKPY_FOR_COLS(d, dim) o[d] *= scale;

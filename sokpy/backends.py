@@ -89,6 +89,9 @@ class Backend:
     def chunk_count(self, n: int) -> int:
         return kernels.chunk_count(n, self.shapes)
 
+    def own_pieces(self) -> int:
+        return kernels.own_pieces(self.shapes)
+
     # ---- streams ----------------------------------------------------------------------------
     def stream_scope(self):
         """A context in which a public entry's work is queued (on the device: torch's current

@@ -60,6 +60,7 @@ __all__ = [
     "get",
     "launch_shape",
     "chunk_count",
+    "own_pieces",
     "source_dir",
     "kernel_sources",
     "signatures",
@@ -537,6 +538,18 @@ def chunk_count(n: int, shapes: str = "host") -> int:
     if shapes == "host":
         return max(1, int(n) >> 20)
     return max(1, -(-int(n) // 512))
+
+
+def own_pieces(shapes: str = "host") -> int:
+    """How many pieces of a hot key's positions (``SOKPY_SEGMENT_PIECE`` each,
+    ``cuda_src/embedding.cu``) ``segment_sum``'s thread for that key sums itself;
+    ``segment_piece_sums`` sums the others in parallel before it, with the same bits. The
+    device's shapes: the first only, so that thousands of threads share a hot key's work
+    instead of one walking it. The host's: all of them: each of its few threads walks a
+    contiguous run of keys, in which a hot key's rows arrive while the keys around it wait on
+    theirs; summed in a pass of their own they lose that overlap, which costs more than a few
+    cores gain by sharing them."""
+    return 1 if shapes == "device" else 1 << 62
 
 
 def launch_shape(n: int, dim: int, shapes: str = "host"):

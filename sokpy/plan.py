@@ -20,8 +20,9 @@ Forward (``LookupPlan.forward``):
 On one rank there is nothing to exchange: ``find_rows`` runs on the keys of dynamic tables
 (a static table's key is its stored row there) and the pooling reads the tables' own rows.
 Backward is the transpose: ``segment_sum`` (one gradient row per unique key, in a fixed
-order, no float atomics), the same exchange in reverse, and the owners keep the buffer as a
-:class:`~sokpy.gradients.GradChunk`.
+order, no float atomics; a hot key's positions in pieces, which ``segment_piece_sums`` sums in
+parallel first with the device's launch shapes), the same exchange in reverse, and the owners
+keep the buffer as a :class:`~sokpy.gradients.GradChunk`.
 
 Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
 (the per-table key counts in the key message; in the backward, whether each table's output
@@ -622,8 +623,18 @@ class LookupPlan:
             # kbag: the bags in sorted order, where the deduplication ran after the forward (one
             # rank); several ranks deduplicate before it, and segment_sum reads bag_of there.
             args = (gptr, self.bag_of, d.kbag, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group)
-            args += (ntab, self.d_tabs, d.nuniq, count, buf, self.urow, scale, bad)
-            runtime.launch("segment_sum", d.nuniq, int(self.dims.max(initial=1)), args)
+            # A hot key's pieces (cuda_src/embedding.cu): a slot for each piece the call's
+            # positions could make (the hot keys are not known here); those segment_sum's thread
+            # does not sum itself (kernels.own_pieces) are summed in parallel first, where the
+            # call has positions enough for one.
+            dim = int(self.dims.max(initial=1))
+            npieces = max(d.n - 1, 0) // _c()["SOKPY_SEGMENT_PIECE"]
+            pieces = runtime.scratch(npieces * dim, np.float32) if npieces else None
+            own = runtime.current().own_pieces()
+            args += (ntab, self.d_tabs, d.nuniq, count, pieces, dim, own)
+            if npieces >= own:
+                runtime.launch("segment_piece_sums", npieces, dim, (*args, npieces))
+            runtime.launch("segment_sum", d.nuniq, dim, (*args, buf, self.urow, scale, bad))
             if self.world == 1:
                 chunk = self._local_chunk(d, buf, bad, used)
             elif in_place:

@@ -367,6 +367,62 @@ def test_shim_rejects_cooperating_threads(kernel_dir, construct):
     assert f"{construct} is not allowed" in str(err.value), str(err.value)
 
 
+# ---- a hot key's gradient in pieces ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("sorted_bags", [True, False], ids=["kbag", "bag_of"])
+def test_segment_sum_gives_the_same_bits_whoever_sums_a_hot_keys_pieces(sorted_bags):
+    """segment_sum sums a hot key's first `own` pieces itself and segment_piece_sums the others
+    in parallel before it: every split, in both launch shapes, gives the same bits, within a
+    pieced sum's rounding of the float64 sum."""
+    c = kernels.constants()
+    piece = c["SOKPY_SEGMENT_PIECE"]
+    rng = np.random.default_rng(3)
+    nbags, dim = 400, 5  # 5: the dimension loops' runtime count
+    counts = np.array([1, 3, 10 * piece + 7, 2, piece, piece + 1, 1, 4 * piece])  # hot keys among short
+    key = np.repeat(np.arange(counts.size), counts)
+    n = key.size
+    bag_of = rng.integers(0, nbags, n)  # position j's bag; positions of a key in increasing order
+    perm = np.argsort(key, kind="stable").astype(np.int64)
+    seg = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    weights = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    den = np.zeros(nbags, np.float32)
+    np.add.at(den, bag_of, weights)  # mean
+    den[:3] = 0  # bags whose keys give no term
+    grad = rng.standard_normal((nbags, dim)).astype(np.float32)
+    tabs = np.zeros((1, c["SOKPY_TAB_FIELDS"]), np.int64)
+    tabs[0, [c["SOKPY_TAB_DIM"], c["SOKPY_TAB_OUT_STRIDE"]]] = dim
+    tabs[0, c["SOKPY_TAB_COMBINER"]], tabs[0, c["SOKPY_TAB_WEIGHTED"]] = c["SOKPY_MEAN"], 1
+    nuniq, npieces = counts.size, (n - 1) // piece
+    kbag = bag_of[perm] if sorted_bags else None
+    common = [np.array([grad.ctypes.data], np.uint64), bag_of, kbag, np.array([0, nbags]), den, weights, perm, seg]
+    common += [np.zeros(nuniq, np.int64), 1, tabs, nuniq, None]
+    rows = {}
+    for shapes in ("host", "device"):
+        for own in (1, 2, 3, 1 << 62):
+            pieces = np.full(npieces * dim, np.nan, np.float32)
+            dst = np.full(nuniq * dim, np.nan, np.float32)
+            args = [*common, pieces, dim, own]
+            backend = "host" if shapes == "host" else "device_shapes"
+            if npieces >= own:
+                grid, block = kernels.launch_shape(npieces, dim, shapes)
+                kernels.get("segment_piece_sums", backend)(grid, block, [*args, npieces])
+            grid, block = kernels.launch_shape(nuniq, dim, shapes)
+            args += [dst, np.arange(0, nuniq * dim, dim), 1.0, np.zeros(nuniq, np.int32)]
+            kernels.get("segment_sum", backend)(grid, block, args)
+            rows[shapes, own] = dst.reshape(nuniq, dim)
+    first = rows["host", 1 << 62]
+    for k, r in rows.items():
+        assert np.array_equal(r, first), k
+    safe = np.where(den == 0, 1.0, den.astype(np.float64))[bag_of, None]
+    terms = np.where(den[bag_of, None] == 0, 0.0, grad[bag_of].astype(np.float64) / safe * weights[:, None])
+    want, mag = np.zeros((nuniq, dim)), np.zeros((nuniq, dim))
+    np.add.at(want, key, terms)
+    np.add.at(mag, key, np.abs(terms))
+    roundings = piece + -(-counts // piece)[:, None] + 2
+    assert np.all(np.abs(first - want) <= 1.01 * roundings * 2.0**-24 * mag)
+
+
 # ---- NVRTC for the GPUs CI does not have ------------------------------------------------------
 
 

@@ -45,9 +45,13 @@ def test_host_and_device_launch_shapes_give_identical_results(tmp_path, nranks, 
         assert not differ, f"results differ between the launch shapes: {differ[:10]}"
         # The device path sorts with the array module's library sort, not the radix kernels.
         library_sorted = {"radix_count_digits", "radix_scatter_digits"} if mode == "emulated_device" else set()
-        assert set(a["launched"]) - library_sorted == set(b["launched"])
+        # The host's shapes sum a hot key's pieces in segment_sum's own thread, the device's in
+        # segment_piece_sums first (kernels.own_pieces): the same bits, compared above.
+        in_parallel = {"segment_piece_sums"}
+        assert in_parallel <= set(b["launched"])
+        assert set(a["launched"]) - library_sorted == set(b["launched"]) - in_parallel
         assert int(a["r0_growths"][0]) >= 1  # the dynamic table grew during the run
-        launched = {str(n) for n in a["launched"]}
-    if nranks > 1:  # an exchange at 2+ ranks launches every kernel there is
+        launched = {str(n) for n in a["launched"]} | {str(n) for n in b["launched"]}
+    if nranks > 1:  # an exchange at 2+ ranks launches every kernel there is, in one of the shapes
         missing = all_kernels() - launched
         assert not missing, f"kernels the test never ran: {sorted(missing)}"

@@ -347,3 +347,60 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     # collided: some run of equal sort values holds two keys (so a key may appear twice)
     heads, pos = order >> pos_bits, order & (2**pos_bits - 1)
     assert bool(d.collided_flag[0]) == bool(((heads[1:] == heads[:-1]) & (keys[pos[1:]] != keys[pos[:-1]])).any())
+
+
+# ---- a hot key -----------------------------------------------------------------------------
+
+
+def _hot_key_reference(runs, t, combiner):
+    """Every key's gradient in table t over all ranks' inputs, in float64, and the sum of the
+    magnitudes of its terms (what bounds the rounding error of any order of summation)."""
+    grads, mags = {}, {}
+    for f in runs:
+        values, offsets, up = f[f"values{t}"], f[f"offsets{t}"], f[f"up{t}"].astype(np.float64)
+        w32 = f[f"weights{t}"] if f"weights{t}" in f else np.ones(values.size, np.float32)
+        bag = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+        den = np.zeros(offsets.size - 1, np.float32)
+        np.add.at(den, bag, w32 if combiner == "mean" else w32 * w32)
+        den = {"sum": np.ones_like(den), "mean": den, "sqrtn": np.sqrt(den)}[combiner].astype(np.float64)
+        terms = up[bag] / den[bag, None] * w32.astype(np.float64)[:, None]
+        keys, inv = np.unique(values, return_inverse=True)
+        g, m = np.zeros((keys.size, up.shape[1])), np.zeros((keys.size, up.shape[1]))
+        np.add.at(g, inv, terms)
+        np.add.at(m, inv, np.abs(terms))
+        for k, gk, mk in zip(keys.tolist(), g, m):
+            grads[k] = grads.get(k, 0.0) + gk
+            mags[k] = mags.get(k, 0.0) + mk
+    return grads, mags
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_a_hot_keys_gradient_matches_a_float64_sum_with_the_same_bits_in_both_launch_shapes(tmp_path, nranks):
+    """A key with thousands of positions is summed in pieces: the sum is that of its terms
+    within the rounding bound of such a sum, and the same bits come from the host's launch
+    shapes (segment_sum's thread sums every piece) and the device's (segment_piece_sums sums
+    the pieces after the first in parallel)."""
+    run_mpi(nranks, "hot_key_worker.py", tmp_path / "host")
+    run_mpi(nranks, "hot_key_worker.py", tmp_path / "device", env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"})
+    host = [dict(np.load(tmp_path / f"host.{r}.npz")) for r in range(nranks)]
+    device = [dict(np.load(tmp_path / f"device.{r}.npz")) for r in range(nranks)]
+    for h, d in zip(host, device):
+        assert h.keys() == d.keys()
+        assert not [k for k in h if not np.array_equal(h[k], d[k])], "the launch shapes differ"
+    hot = [3, 11, 123456789]
+    for t, combiner in enumerate(["sum", "mean", "sqrtn"]):
+        grads, mags = _hot_key_reference(host, t, combiner)
+        owners = [f for f in host if f"gkeys{t}" in f]  # a rank that owns none of the keys has no gradient
+        keys = np.concatenate([f[f"gkeys{t}"] for f in owners])
+        got = np.concatenate([f[f"grad{t}"] for f in owners]).astype(np.float64)
+        assert sorted(keys.tolist()) == sorted(grads)
+        want = np.array([grads[k] for k in keys.tolist()])
+        mag = np.array([mags[k] for k in keys.tolist()])
+        # A term passes through at most 63 roundings in its piece's sum, one per later piece
+        # in the sum of pieces, the division and the weight, the scale and the owner's merge
+        # of ranks: each 2^-24 of the magnitudes at most (a serial sum would allow thousands).
+        most = max(int((f[f"values{t}"] == hot[t]).sum()) for f in host)
+        assert most >= 2500  # thousands of positions on a rank: dozens of pieces
+        roundings = 63 + -(-most // 64) + 3 + nranks
+        assert np.all(np.abs(got - want) <= 1.01 * roundings * 2.0**-24 * mag), f"table {t}"
+    assert all("gkeys3" not in f for f in host)  # the output without a gradient gives none

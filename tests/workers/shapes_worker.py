@@ -43,7 +43,9 @@ rows = [60, 40, None, None]
 results = {}
 
 
-def bags(t, nbags):
+def bags(t, nbags, hot=False):
+    """``nbags`` bags of table t; with ``hot``, half of them also hold key 5, a key summed in
+    many pieces (SOKPY_SEGMENT_PIECE positions each)."""
     out = []
     for _ in range(nbags):
         n = int(rng.integers(0, 5))
@@ -52,13 +54,14 @@ def bags(t, nbags):
             keys = np.where(rng.random(n) < 0.1, rng.choice(pool, n), rng.integers(-300, 300, n))
         else:
             keys = rng.integers(0, rows[t], n)
-        out.append([int(k) for k in keys])
+        out.append([int(k) for k in keys] + ([5] if hot and rng.random() < 0.5 else []))
     return out
 
 
 for step in range(5):
-    # The last step's batch is large enough for the radix sort's kernels (4,096 keys and up).
-    ids = [bags(t, 1500 if step == 4 else 6 + step) for t in range(4)]
+    # The last step's batch is large enough for the radix sort's kernels (4,096 keys and up)
+    # and has a hot key in every table.
+    ids = [bags(t, 1500, hot=True) if step == 4 else bags(t, 6 + step) for t in range(4)]
     weights = [[[float(x) for x in rng.uniform(0.5, 2.0, len(b))] for b in per] for per in ids]
     wt = torch.tensor([x for b in weights[1] for x in b], requires_grad=True)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(b) for b in ids[1]])]))
