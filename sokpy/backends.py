@@ -56,6 +56,9 @@ class Backend:
     #: Sort with the array module's library sort (CuPy's CUB radix sort on a GPU) instead of
     #: sokpy's own radix kernels (the host, where they measure faster).
     library_sort = False
+    #: Whether reading an array's values costs no wait (the host's arrays are in host memory):
+    #: a size may then be learnt where a device keeps it on the device and sizes by a bound.
+    free_reads = True
     kernels: kernels.HostKernels
 
     # ---- memory -----------------------------------------------------------------------------
@@ -246,6 +249,7 @@ class DeviceBackend(Backend):
     name = "device"
     shapes = "device"
     library_sort = True
+    free_reads = False
 
     def __init__(self, device_index: int):
         import cupy

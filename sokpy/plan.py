@@ -222,21 +222,22 @@ class _Dedup:
         edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
         return xp.diff(self.before[edges])
 
-    def finish(self, nuniq: int | None, collided: bool = False) -> None:
-        """Lays out the unique keys: the layout kernel walks all sorted positions and numbers
-        each unique key from the running count. Several ranks pass ``nuniq`` (read with the
-        call's header, after :meth:`counts`) and ``collided`` (the read of the flag
-        ``mark_unique_keys`` set). One rank passes None: nothing is read, the layout is sized
-        for every key (an upper bound; the entries past the unique keys are table 0) and
-        ``count`` (int64 ``[1]``) holds the number of unique keys on the device, for the
-        backward's one read together with its verdict."""
+    def finish(self, nuniq: int | None, collided: bool = False, starts=None) -> None:
+        """Lays out the unique keys, numbering each from the running count (the layout kernel
+        walks all sorted positions) or, given ``starts`` (their sorted positions), one thread
+        per unique key. Several ranks pass ``nuniq`` (read with the call's header, after
+        :meth:`counts`) and ``collided`` (the read of the flag ``mark_unique_keys`` set). One
+        rank on a device passes None: nothing is read, the layout is sized for every key (an
+        upper bound; the entries past the unique keys are table 0) and ``count`` (int64
+        ``[1]``) holds the number of unique keys on the device, for the backward's one read
+        together with its verdict."""
         xp = runtime.xp()
         n = self.n
-        if self.before is None:  # the running count (several ranks made it in counts())
+        if starts is None and self.before is None:  # the running count (several ranks made it in counts())
             self.before = runtime.scratch(n + 1, np.int64)
             self.before[:1] = 0
             xp.cumsum(self.brk, dtype=np.int64, out=self.before[1:])
-        self.count = self.before[n:]
+        self.count = self.before[n:] if nuniq is None else None
         self.collided = bool(collided)
         size = n if nuniq is None else nuniq
         self.nuniq = size
@@ -249,9 +250,17 @@ class _Dedup:
         self.ukeys = runtime.scratch(size, np.int64)
         self.group = runtime.scratch(size, np.int64) if nuniq is not None else xp.zeros(size, np.int64)
         ntab, world = int(self.tabs.shape[0]), runtime.world_size()
-        args = (self.s, None, self.brk, self.before, n, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
-        runtime.launch("unique_key_heads", n, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        count = n if starts is None else size
+        args = (self.s, starts, self.brk, self.before, count, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
+        runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
         self.s = self.brk = self.before = None  # sort buffers: back to the pool
+
+    def finish_compacted(self) -> None:
+        """:meth:`finish` with the unique keys' starts compacted from the marks, for a backend
+        whose reads cost no wait (the host), where that costs less than the running count."""
+        xp = runtime.xp()
+        starts = xp.flatnonzero(self.brk.view(bool))
+        self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)
 
 
 class LookupPlan:
@@ -596,7 +605,10 @@ class LookupPlan:
                     runs,
                     bag_of=self.bag_of,
                 )
-                d.finish(None)  # sized for every key: nothing is read before the verdict below
+                if runtime.current().free_reads:  # the host: the count is known at no cost
+                    d.finish_compacted()
+                else:  # a device: sized for every key, nothing is read before the verdict below
+                    d.finish(None)
                 self.packed = None
                 if self.one_dim:  # row u at hdr + u * dim
                     dim = self.one_dim
@@ -678,9 +690,13 @@ class LookupPlan:
         read: the number of unique keys, whether any row is not finite, and whether hashed
         keys shared a sort value."""
         xp = runtime.xp()
-        head = xp.concatenate([d.count, bad.any().astype(np.int64).reshape(1), d.collided_flag.astype(np.int64)])
-        nuniq, any_bad, collided = handoff.to_host(head).tolist()
-        d.nuniq, d.collided = nuniq, not self.exact and bool(collided)
+        if d.count is None:  # the count is known already (finish_compacted, on the host)
+            any_bad = bool(bad[: d.nuniq].any())
+        else:
+            head = xp.concatenate([d.count, bad.any().astype(np.int64).reshape(1), d.collided_flag.astype(np.int64)])
+            count, any_bad, collided = handoff.to_host(head).tolist()
+            d.nuniq, d.collided = count, not self.exact and bool(collided)
+        nuniq = d.nuniq
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
         rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
         rows = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]

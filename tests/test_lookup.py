@@ -289,16 +289,17 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("read", [True, False], ids=["count read", "count on the device"])
+@pytest.mark.parametrize("layout", ["count read", "count on the device", "compacted"])
 @pytest.mark.parametrize("n", [200, 5000])  # numpy's sort below 4,096 values, the radix sort from there
 @pytest.mark.parametrize("exact", [True, False])
-def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n, read):
+def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n, layout):
     """The deduplication behind every lookup, against a reference that walks the sorted values
     one by one. Not exact: sort values of one bit, so that different keys share them (as the
     hashed sort values of a dynamic table can). Exact: the sort value is the key's own row (one
     rank; static tables, spread and placed), runs split by value alone, and the unique keys are
     taken from the sort values, not read from the keys. Laid out with the count of unique keys
-    read (several ranks) or sized for every key with the count left on the device (one rank)."""
+    read (several ranks), sized for every key with the count left on the device (one rank on
+    a device) or from the compacted marks (one rank on the host)."""
     from sokpy import kernels
     from sokpy.plan import _Dedup
 
@@ -321,11 +322,13 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     given = np.full(n, -7, np.int64) if exact else keys
     d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
     per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
-    if read:
+    if layout == "count read":
         d.finish(sum(per_group), bool(d.collided_flag[0]))
+    elif layout == "compacted":
+        d.finish_compacted()
     else:
         d.finish(None)
-    nuniq = int(d.count[0])
+    nuniq = d.nuniq if d.count is None else int(d.count[0])
 
     order = np.sort(packed)
     runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
@@ -335,7 +338,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
             runs[-1][3].append(p)
         else:
             runs.append((head, p, keys[p], [p]))
-    assert nuniq == len(runs) and d.nuniq == (nuniq if read else n)  # one rank: an upper bound
+    assert nuniq == len(runs) and d.nuniq == (n if layout == "count on the device" else nuniq)  # an upper bound
     assert per_group == [sum(r[0] >> sv_bits == g for r in runs) for g in range(3)]
     assert d.group[:nuniq].tolist() == [r[0] >> sv_bits for r in runs]
     assert d.first[:nuniq].tolist() == [r[1] for r in runs] and d.ukeys[:nuniq].tolist() == [r[2] for r in runs]

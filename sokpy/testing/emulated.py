@@ -138,6 +138,7 @@ class EmulatedDeviceBackend(Backend):
     name = "host"
     shapes = "device"
     library_sort = True
+    free_reads = False
 
     def __init__(self):
         self.xp = device_double
