@@ -31,32 +31,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import sokpy  # noqa: E402
+from sokpy.nn import KeyedJaggedTensor  # noqa: E402
 from sokpy.testing import device_double  # noqa: E402
-
-
-class KJT:
-    """A KeyedJaggedTensor's interface, its tensors in emulated device memory."""
-
-    def __init__(self, ntab, ids, batch):
-        self._names = [f"f{t}" for t in range(ntab)]
-        self._values = device_double.to_device(torch.from_numpy(np.concatenate(ids)))
-        self._offsets = device_double.to_device(torch.arange(0, sum(map(len, ids)) + 1, ids[0].size // batch))
-        self._stride = batch
-
-    def keys(self):
-        return self._names
-
-    def values(self):
-        return self._values
-
-    def offsets(self):
-        return self._offsets
-
-    def weights_or_none(self):
-        return None
-
-    def stride(self):
-        return self._stride
 
 
 def phase_counts(ntab: int, args, rank: int) -> dict:
@@ -67,7 +43,9 @@ def phase_counts(ntab: int, args, rank: int) -> dict:
     result = {}
     for step in range(args.warmup + args.steps):
         ids = [rng.integers(0, args.rows, args.batch * args.hotness) for _ in range(ntab)]
-        kjt = KJT(ntab, ids, args.batch)
+        values = device_double.to_device(torch.from_numpy(np.concatenate(ids)))
+        offsets = device_double.to_device(torch.arange(0, values.numel() + 1, args.hotness))
+        kjt = KeyedJaggedTensor([f"f{t}" for t in range(ntab)], values, offsets=offsets)
         marks = [(device_double.work(), time.perf_counter())]
         out = sokpy.lookup_sparse(tables, kjt, combiners="sum")
         marks.append((device_double.work(), time.perf_counter()))

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 import sokpy  # noqa: E402
 from sokpy.lookup import lookup  # noqa: E402
+from sokpy.nn import KeyedJaggedTensor  # noqa: E402
 
 LR, EPS = 0.01, 1e-10
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
@@ -70,31 +71,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class Keyed:
-    """The batch of every table as one KeyedJaggedTensor-like input (values and offsets)."""
-
-    def __init__(self, per_table, wl, dev):
-        self._names = [f"t{t}" for t in range(wl.tables)]
-        self._values = torch.from_numpy(np.concatenate(per_table)).to(dev)
-        self._offsets = torch.arange(0, wl.tables * wl.batch * wl.hotness + 1, wl.hotness, dtype=torch.int64).to(dev)
-        self._stride = wl.batch
-
-    def keys(self):
-        return self._names
-
-    def values(self):
-        return self._values
-
-    def offsets(self):
-        return self._offsets
-
-    def stride(self):
-        return self._stride
-
-    def weights_or_none(self):
-        return None
-
-
 def initial_tables(wl, seed: int):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(wl.rows, wl.dim, generator=g) * 0.1 - 0.05 for _ in range(wl.tables)]
@@ -112,7 +88,11 @@ class Sokpy:
             for v, w in zip(self.tables, init):
                 sokpy.assign(v, torch.arange(wl.rows, device=w.device), w)
         self.opt = sokpy.optim.Adagrad(self.tables, lr=LR, eps=EPS, initial_accumulator_value=0.0)
-        self.inputs = [Keyed(b, wl, dev) for b in wl.batches]
+        offsets = torch.arange(0, wl.tables * wl.batch * wl.hotness + 1, wl.hotness).to(dev)
+        names = [f"t{t}" for t in range(wl.tables)]
+        self.inputs = [
+            KeyedJaggedTensor(names, torch.from_numpy(np.concatenate(b)).to(dev), offsets=offsets) for b in wl.batches
+        ]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1)).to(dev)
 
     def step(self, i):

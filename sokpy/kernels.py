@@ -396,23 +396,33 @@ class HostModule:
         }
 
 
-class HostKernels:
-    """Every kernel of ``cuda_src/`` built for the host, loaded on first use."""
+class _KernelSet:
+    """Every kernel of ``cuda_src/``, built and loaded by :meth:`_load` on first use."""
 
-    def __init__(self, emulate_blocks: bool = False):
-        self.emulate_blocks = emulate_blocks
-        self._kernels: dict | None = None
+    _kernels: dict | None = None
+
+    def _load(self, cu: Path) -> dict:
+        """The kernels of one source file: name -> callable."""
+        raise NotImplementedError
 
     def get(self, name: str):
         if self._kernels is None:
-            loaded = {}
-            for cu in kernel_sources():
-                loaded.update(HostModule(cu, self.emulate_blocks).kernels)
-            self._kernels = loaded
+            self._kernels = {n: k for cu in kernel_sources() for n, k in self._load(cu).items()}
         try:
             return self._kernels[name]
         except KeyError:
             raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
+
+
+class HostKernels(_KernelSet):
+    """Every kernel of ``cuda_src/`` built for the host (``emulate_blocks``: in the device's
+    launch shapes), loaded on first use."""
+
+    def __init__(self, emulate_blocks: bool = False):
+        self.emulate_blocks = emulate_blocks
+
+    def _load(self, cu: Path) -> dict:
+        return HostModule(cu, self.emulate_blocks).kernels
 
 
 # ---- device build -------------------------------------------------------------------------
@@ -481,30 +491,20 @@ def device_binary(cu: Path, arch: str) -> Path:
     return _cached_build(f"{cu.stem}-{arch}.cubin", key, build)
 
 
-class DeviceKernels:
+class DeviceKernels(_KernelSet):
     """Every kernel of ``cuda_src/`` built by NVRTC for the current GPU (``arch``, e.g.
     ``"sm_90"``) and loaded with ``cupy.RawModule``, on first use."""
 
     def __init__(self, arch: str):
         self.arch = arch
-        self._kernels: dict | None = None
 
-    def get(self, name: str):
-        if self._kernels is None:
-            import cupy
+    def _load(self, cu: Path) -> dict:
+        import cupy
 
-            loaded = {}
-            for cu in kernel_sources():
-                path = device_binary(cu, self.arch)
-                check_private(path, "kernel binary")
-                mod = cupy.RawModule(path=str(path))
-                for n, ps in signatures(cu.read_text()).items():
-                    loaded[n] = _DeviceKernel(n, mod.get_function(n), ps)
-            self._kernels = loaded
-        try:
-            return self._kernels[name]
-        except KeyError:
-            raise KernelError(f"sokpy: no kernel named {name!r} in {source_dir()}") from None
+        path = device_binary(cu, self.arch)
+        check_private(path, "kernel binary")  # loading a binary runs its code
+        mod = cupy.RawModule(path=str(path))
+        return {n: _DeviceKernel(n, mod.get_function(n), ps) for n, ps in signatures(cu.read_text()).items()}
 
 
 _host_builds: dict[bool, HostKernels] = {}

@@ -301,16 +301,15 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
     """Converts and checks one call's input (``sp_ids``: one input per table, or one
     KeyedJaggedTensor for all); raises :class:`BatchError` naming the table on a fault.
     Ids that live on the backend's device (``cuda`` tensors on a GPU) stay there: they are
-    parsed and checked by the device (:func:`device_batch`)."""
+    parsed and checked by the device, which writes what it found into ``Batch.faults``."""
     from . import runtime
 
     be = runtime.current()
-    if _on_device(sp_ids, sp_weights, be):
-        return device_batch(sp_ids, sp_weights, ntables, be)
+    on_device = _on_device(sp_ids, sp_weights, be)
     if _is_keyed_jagged(sp_ids):
         if sp_weights is not None:
             raise BatchError(0, "a KeyedJaggedTensor carries its own weights; pass sp_weights=None")
-        return _from_keyed_jagged(sp_ids, ntables)
+        return _device_keyed_jagged(sp_ids, ntables, be) if on_device else _from_keyed_jagged(sp_ids, ntables)
     if not isinstance(sp_ids, (list, tuple)):
         raise BatchError(0, f"sp_ids must be a list with one input per table, got {type(sp_ids).__name__}")
     if len(sp_ids) != ntables:
@@ -319,6 +318,8 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
         sp_weights = [None] * ntables
     elif not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != ntables:
         raise BatchError(0, f"sp_weights must be None or a list with one entry per table ({ntables})")
+    if on_device:
+        return _device_tables(sp_ids, sp_weights, ntables, be)
     parts = []
     for t, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
         try:
@@ -544,22 +545,10 @@ def _first(xp, mask):
     return xp.where(mask.any(), xp.argmax(mask), -1).astype(np.int64).reshape(1)
 
 
-def device_batch(sp_ids, sp_weights, ntables: int, be) -> Batch:
-    """:func:`to_batch` for ids on the device: shapes and dtypes are checked at once (they are
-    known on the host), values by the device, into ``Batch.faults``, without a read."""
+def _device_tables(sp_ids, sp_weights, ntables: int, be) -> Batch:
+    """:func:`to_batch` for per-table ids on the device: shapes and dtypes are checked at once
+    (they are known on the host), values by the device, into ``Batch.faults``, without a read."""
     xp = be.xp
-    if _is_keyed_jagged(sp_ids):
-        if sp_weights is not None:
-            raise BatchError(0, "a KeyedJaggedTensor carries its own weights; pass sp_weights=None")
-        return _device_keyed_jagged(sp_ids, ntables, be)
-    if not isinstance(sp_ids, (list, tuple)):
-        raise BatchError(0, f"sp_ids must be a list with one input per table, got {type(sp_ids).__name__}")
-    if len(sp_ids) != ntables:
-        raise BatchError(0, f"sp_ids has {len(sp_ids)} entries but there are {ntables} tables")
-    if sp_weights is None:
-        sp_weights = [None] * ntables
-    elif not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != ntables:
-        raise BatchError(0, f"sp_weights must be None or a list with one entry per table ({ntables})")
     parts = _DeviceParts(be)
     for t, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
         try:

@@ -9,33 +9,11 @@ import numpy as np
 import torch
 
 import sokpy
+from sokpy.nn import KeyedJaggedTensor
 from sokpy.testing import device_double
 
 sokpy.init()
 rank, world = sokpy.rank(), sokpy.world_size()
-
-
-class KJT:
-    """A KeyedJaggedTensor's interface (TorchRec's own needs fbgemm), its tensors on the device."""
-
-    def __init__(self, names, values, lengths, stride):
-        self._names, self._values, self._stride = names, values, stride
-        self._offsets = device_double.to_device(torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
-
-    def keys(self):
-        return self._names
-
-    def values(self):
-        return self._values
-
-    def offsets(self):
-        return self._offsets
-
-    def weights_or_none(self):
-        return None
-
-    def stride(self):
-        return self._stride
 
 
 def tables(case: str, ntab: int):
@@ -55,7 +33,8 @@ def inputs(case: str, ntab: int, rng):
     ids = [torch.from_numpy(rng.integers(0, 500, (batch, 3))) for _ in range(ntab)]
     if case == "kjt":
         values = device_double.to_device(torch.cat([i.reshape(-1) for i in ids]))
-        return KJT([f"f{t}" for t in range(ntab)], values, torch.full((ntab * batch,), 3), batch)
+        offsets = device_double.to_device(torch.arange(0, ntab * batch * 3 + 1, 3))
+        return KeyedJaggedTensor([f"f{t}" for t in range(ntab)], values, offsets=offsets)
     if case == "device_ids":
         return [device_double.to_device(i) for i in ids]
     return ids
