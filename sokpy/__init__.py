@@ -18,7 +18,7 @@ from . import checkpoint, initializers, kernels, nn, optim, timing
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .kernels import KernelError, UnsafeCacheError
-from .lookup import lookup_sparse
+from .lookup import lookup_sequence, lookup_sparse
 from .runtime import (
     LaunchError,
     NotInitializedError,
@@ -55,6 +55,7 @@ __all__ = [
     "checkpoint",
     "Ragged",
     "lookup_sparse",
+    "lookup_sequence",
     "initializers",
     "optim",
     "nn",

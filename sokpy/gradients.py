@@ -217,24 +217,49 @@ def _index_of(chunk: GradChunk, table) -> np.ndarray:
 
 def table_grad(table) -> SparseGrad | None:
     """``table``'s gradient on this rank: unique keys (sorted) and their summed rows, from
-    every chunk the table still references; None when it has none."""
-    if not table._grad_refs:
+    every chunk the table still references; None when it has none.
+
+    The first read after a backward sums the table's entries into one chunk of its own, which
+    the table then holds instead, and whose buffer the returned ``values`` share: reading
+    ``grad`` again gives the same tensors, and editing them in place (clipping, scaling)
+    changes what the next ``step()`` applies, as editing ``param.grad`` does in torch."""
+    refs = table._grad_refs
+    if not refs:
         return None
+    if table._grad_view is not None and table._grad_view[0] is refs:
+        return table._grad_view[1]
     xp = runtime.xp()
-    keys, rows = [], []
-    for chunk in {id(c): c for c in table._grad_refs}.values():
-        _, _, offsets, k = chunk.entries(_index_of(chunk, table))
+    keys, rows, grads = [], [], []
+    for chunk in {id(c): c for c in refs}.values():
+        _, r, offsets, k = chunk.entries(_index_of(chunk, table))
         if k.size:
             idx = offsets[:, None] + xp.arange(table.dim, dtype=np.int64)[None, :]
             keys.append(k)
-            rows.append(chunk.buffer[idx])
+            rows.append(r)
+            grads.append(chunk.buffer[idx])
     if not keys:  # its outputs got no gradient: none, as torch leaves .grad None
         return None
-    keys, rows = xp.concatenate(keys), xp.concatenate(rows)
+    keys, rows, grads = xp.concatenate(keys), xp.concatenate(rows), xp.concatenate(grads)
     order = xp.argsort(keys, kind="stable")  # rows of equal keys summed in arrival order
-    keys, rows = keys[order], rows[order]
-    first = xp.concatenate([xp.ones(1, bool), keys[1:] != keys[:-1]]) if keys.size else xp.ones(0, bool)
+    keys, rows, grads = keys[order], rows[order], grads[order]
+    first = xp.concatenate([xp.ones(1, bool), keys[1:] != keys[:-1]])
     starts = xp.flatnonzero(first)
-    values = xp.add.reduceat(rows, starts, axis=0) if keys.size else rows
-    keys = keys[starts]
-    return SparseGrad(handoff.to_torch(keys), handoff.to_torch(xp.ascontiguousarray(values)))
+    values = xp.ascontiguousarray(xp.add.reduceat(grads, starts, axis=0), dtype=np.float32)
+    keys, rows = keys[starts], rows[starts]
+    n = int(keys.shape[0])
+    held = GradChunk(
+        [table],
+        values.reshape(-1),
+        keys,
+        rows,
+        xp.zeros(n, np.int64),
+        xp.arange(n, dtype=np.int64) * table.dim,
+        uids=np.array([table.uid], np.int64),
+        by_table=True,
+        rows_found=True,
+        tables_used=np.ones(1, bool),
+    )  # not merged: a step sums and checks it again (an edit may have made a row not finite)
+    grad = SparseGrad(handoff.to_torch(keys), handoff.to_torch(values))
+    table._grad_refs = (held,)
+    table._grad_view = (table._grad_refs, grad)
+    return grad

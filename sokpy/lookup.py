@@ -30,11 +30,11 @@ import torch
 
 from . import runtime
 from .plan import COMBINERS, LookupPlan
-from .sparse import BatchError, to_batch
+from .sparse import BatchError, one_bag_per_key, to_batch
 from .variable import _Table
 from .wire import check_wire_dtype
 
-__all__ = ["lookup_sparse", "COMBINERS", "GRAD_REDUCTIONS"]
+__all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
 
 GRAD_REDUCTIONS = ("sum", "mean")
 
@@ -74,8 +74,9 @@ def _as_list(x, n: int, what: str):
     return x
 
 
-def _prepare(params, sp_ids, sp_weights, combiners):
-    """Converts and checks this rank's input; returns (batch, combiner codes, error)."""
+def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
+    """Converts and checks this rank's input; returns (batch, combiner codes, error). Not
+    ``pooled``: every key is a bag of its own, summed (its row as it is)."""
     try:
         if not all(map(isinstance, params, repeat(_Table))):
             bad = next(p for p in params if not isinstance(p, _Table))
@@ -86,6 +87,8 @@ def _prepare(params, sp_ids, sp_weights, combiners):
             i = codes.index(None)
             raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean' or 'sqrtn')")
         batch = to_batch(sp_ids, sp_weights, len(params))
+        if not pooled:
+            batch = one_bag_per_key(batch)
         return batch, np.array(codes, np.int64), None
     except BatchError as e:
         return None, None, f"table {params[e.table].name!r} (index {e.table}): {e}"
@@ -109,9 +112,11 @@ def lookup(
     keyed: bool = False,
     wire_dtype: str = "float32",
     input_error: str | None = None,
+    pooled: bool = True,
 ):
     """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
-    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side).
+    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); not
+    ``pooled``, :func:`lookup_sequence`'s rows (combiners must be "sum").
     ``input_error``: a fault the caller found in this rank's input before the call (a module's
     missing feature); the call then raises it as an InputError on every rank, as its own
     checks would, instead of leaving the other ranks waiting in the exchange."""
@@ -120,7 +125,7 @@ def lookup(
     check_wire_dtype(wire_dtype)
     params = list(params)
     if input_error is None:
-        batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners)
+        batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners, pooled)
     else:
         batch, codes, error = None, None, input_error
     grad_mode = torch.is_grad_enabled()
@@ -176,5 +181,34 @@ def lookup_sparse(
         combiners = None if combiners is None else [combiners] if isinstance(combiners, str) else combiners
     outs = lookup(
         params, sp_ids, sp_weights, combiners, insert=insert, grad_reduction=grad_reduction, wire_dtype=wire_dtype
+    )
+    return outs[0] if single else outs
+
+
+def lookup_sequence(
+    params,
+    sp_ids,
+    *,
+    insert: bool = True,
+    grad_reduction: str = "sum",
+    wire_dtype: str = "float32",
+):
+    """Looks up one row per id, nothing pooled (sequence embeddings, TorchRec's
+    ``EmbeddingCollection``, ``tf.nn.embedding_lookup`` on ragged ids); collective.
+
+    Takes what :func:`lookup_sparse` takes, without weights, and returns per table the rows
+    ``[N_t, dim_t]`` of its ``N_t`` ids in input order (the bags' boundaries are the caller's
+    offsets). All tables share one exchange forward and one backward, as in
+    ``lookup_sparse``: the same call with every id a bag of its own.
+
+    Example::
+
+        rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))  # [3, dim]
+    """
+    single = isinstance(params, _Table)
+    if single:
+        params, sp_ids = [params], [sp_ids]
+    outs = lookup(
+        params, sp_ids, None, "sum", insert=insert, grad_reduction=grad_reduction, wire_dtype=wire_dtype, pooled=False
     )
     return outs[0] if single else outs

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Ragged", "Batch", "to_batch", "BatchError"]
+__all__ = ["Ragged", "Batch", "to_batch", "one_bag_per_key", "BatchError"]
 
 
 class Ragged(NamedTuple):
@@ -86,6 +86,20 @@ class Batch(NamedTuple):
         from . import handoff
 
         return self.key_start if isinstance(self.key_start, np.ndarray) else handoff.to_host(self.key_start)
+
+
+def one_bag_per_key(batch: Batch) -> Batch:
+    """``batch`` with every key in a bag of its own (a sequence lookup: one row per id, in
+    input order); refuses weights, which a sequence lookup does not take."""
+    if batch.weights is not None or any(w is not None for w in batch.weight_grads):
+        t = int(np.flatnonzero(batch.weighted)[0]) if batch.weighted.any() else 0
+        raise BatchError(t, "a sequence lookup (one row per id) takes no weights")
+    key_start = batch.host_key_start()
+    from . import runtime
+
+    xp = np if isinstance(batch.keys, np.ndarray) else runtime.xp()  # a batch parsed on the device stays there
+    offsets = xp.arange(int(key_start[-1]) + 1, dtype=np.int64)
+    return batch._replace(offsets=offsets, bag_start=key_start)
 
 
 def _exclusive(counts: np.ndarray) -> np.ndarray:
@@ -252,6 +266,30 @@ def _is_keyed_jagged(x) -> bool:
     )
 
 
+def kjt_stride(kjt, nbags: int, nfeatures: int) -> int:
+    """The one batch size of a KeyedJaggedTensor's ``nfeatures`` features holding ``nbags``
+    bags in all; refuses variable batch sizes per feature (TorchRec's VBE KJTs, built with
+    ``stride_per_key_per_rank``), which sokpy does not take in one KJT."""
+    vbe = getattr(kjt, "variable_stride_per_key", None)
+    if callable(vbe) and vbe():
+        raise BatchError(0, f"the KeyedJaggedTensor has a batch size per feature: {_VBE}")
+    stride = kjt.stride() if callable(getattr(kjt, "stride", None)) else nbags // max(1, nfeatures)
+    if nbags != nfeatures * stride:
+        raise BatchError(
+            0,
+            f"offsets of {nbags + 1} entries do not fit {nfeatures} features of {stride} bags (if the features' "
+            f"batch sizes differ: {_VBE})",
+        )
+    return stride
+
+
+_VBE = (
+    "variable batch sizes per feature (TorchRec's VBE) are not supported in one KeyedJaggedTensor; give "
+    "every feature the same batch size (empty bags pad), or pass the features to lookup_sparse as separate "
+    "inputs, whose batch sizes may differ"
+)
+
+
 def _from_keyed_jagged(kjt, ntables: int) -> Batch:
     keys = _int_array(kjt.values(), "values")
     nfeat = len(kjt.keys()) if callable(getattr(kjt, "keys", None)) else ntables
@@ -262,9 +300,7 @@ def _from_keyed_jagged(kjt, ntables: int) -> Batch:
         offsets = _int_array(offsets(), "offsets")
     else:
         offsets = _exclusive(_int_array(kjt.lengths(), "lengths"))
-    stride = kjt.stride() if callable(getattr(kjt, "stride", None)) else (offsets.size - 1) // max(1, ntables)
-    if offsets.size != ntables * stride + 1:
-        raise BatchError(0, f"offsets of {offsets.size} entries do not fit {ntables} features of {stride} bags")
+    stride = kjt_stride(kjt, offsets.size - 1, ntables)
     w = kjt.weights_or_none()
     weights = None if w is None else _float_array(w, "weights")
     bag_start = np.arange(ntables + 1, dtype=np.int64) * stride
@@ -611,9 +647,7 @@ def _device_keyed_jagged(kjt, ntables: int, be) -> Batch:
         offsets = xp.zeros(int(lengths.shape[0]) + 1, np.int64)
         xp.cumsum(lengths, out=offsets[1:])
     nbags = int(offsets.shape[0]) - 1
-    stride = kjt.stride() if callable(getattr(kjt, "stride", None)) else nbags // max(1, ntables)
-    if nbags + 1 != ntables * stride + 1:
-        raise BatchError(0, f"offsets of {nbags + 1} entries do not fit {ntables} features of {stride} bags")
+    stride = kjt_stride(kjt, nbags, ntables)
     w = kjt.weights_or_none()
     weights = None if w is None else parts.floats(w, "weights")
     n = int(keys.shape[0])

@@ -90,6 +90,7 @@ class _Table:
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
         self._grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
+        self._grad_view = None  # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
         self.optimizer = None  # the optimizer that trains this table, once it joins one
 
     # ---- placement (host-side rules, for routing in assign/load) -------------------------------
@@ -106,7 +107,8 @@ class _Table:
     @runtime.entry
     def grad(self) -> SparseGrad | None:
         """This rank's sparse gradient: unique global keys (sorted) and their gradient rows,
-        summed over every rank and every backward since the last ``zero_grad``, or None."""
+        summed over every rank and every backward since the last ``zero_grad``, or None.
+        In-place edits of its ``values`` change what the next ``step()`` applies."""
         return table_grad(self)
 
     def zero_grad(self) -> None:
