@@ -1,27 +1,38 @@
-"""``torch.nn`` modules: sokpy tables inside a PyTorch model, the way TorchRec users hold them.
+"""The torch modules: sharded sokpy tables inside a PyTorch model, as TorchRec users hold them.
 
-:class:`EmbeddingBagCollection` is built from table configs (TorchRec's
-``EmbeddingBagConfig`` or :class:`EmbeddingBagConfig` here, with the same field names), owns
-one sokpy table per config and pools every feature of a batch with one
-:func:`sokpy.lookup_sparse` call per forward (one exchange). Several features may read one
-table. Its input is a KeyedJaggedTensor (TorchRec's own, or any object with ``keys()``,
-``values()``, ``lengths()`` or ``offsets()`` and ``weights_or_none()``) or a plain dict
-feature -> ids; its output is TorchRec's ``KeyedTensor`` when torchrec is installed, else a
-dict feature -> ``[B, dim]`` tensor (:func:`concat` gives the ``[B, sum(dims)]`` tensor).
+:class:`EmbeddingBagCollection` pools every feature's bags (TorchRec's module of the same
+name); :class:`EmbeddingCollection` gives one row per id (sequence embeddings, TorchRec's
+``EmbeddingCollection``). Both are built from table configs (:mod:`sokpy.nn.config`: ours or
+TorchRec's, every field honoured or refused), own one sokpy table per config (several
+features may read one table) and make one lookup call per forward (one exchange). Their input
+is a KeyedJaggedTensor (TorchRec's own, or any object with its accessors) or a dict feature
+-> ids (:mod:`sokpy.nn.jagged`).
+
+**Training and evaluation.** In ``train()`` mode a dynamic table creates the rows of unseen
+keys; in ``eval()`` mode it reads them as zero rows and creates nothing, unless the module
+was built with ``insert=True`` (always insert) or ``insert=False`` (never).
 
 **DDP.** The tables are neither parameters nor buffers of the module: ``parameters()`` does
 not list them, so ``DistributedDataParallel`` (and a dense optimizer) never sees them; their
-rows are trained by a sokpy optimizer over :meth:`EmbeddingBagCollection.tables`, with
-gradients summed over ranks by the lookup's own exchange (or averaged,
-``grad_reduction="mean"``, as TorchRec does to match DDP's averaged dense gradients).
+rows are trained by a sokpy optimizer over :meth:`tables`, with gradients summed over ranks by
+the lookup's own exchange (or averaged, ``grad_reduction="mean"``, as TorchRec does to match
+DDP's averaged dense gradients). :func:`sokpy.nn.clip_grad_norm_` clips both together.
+
+**Dtype and device.** The tables hold float32 rows on the device ``sokpy.init`` chose (the
+rank's GPU, or the host): ``.cuda()``, ``.to(device)``, ``.half()`` or ``.to(dtype)`` on a
+model pass over the module when they ask for exactly that, and raise otherwise, saying where
+those are set (nothing changes in silence).
 
 **state_dict.** ``state_dict()`` is collective, like FSDP's full state dict: every rank calls
 it, and rank 0's holds every table whole (keys, rows, the optimizer's slots and step: see
 :func:`sokpy.checkpoint.gather_state`), under ``<prefix><table name>``; the other ranks' hold
 the tables' descriptions only, and ``torch.save`` of one of those raises (it would lose every
 row). ``load_state_dict`` on every rank (all of them reading rank 0's file, or only some ranks
-holding it) puts the rows back at any world size, checked first, all or nothing. Tables too
-large for one host's memory are saved with :func:`sokpy.save` instead.
+holding it) puts the rows back at any world size, checked first, all or nothing. It also
+reads TorchRec's keys, ``embedding_bags.<table>.weight`` (EmbeddingBagCollection) or
+``embeddings.<table>.weight`` (EmbeddingCollection), a whole ``[rows, dim]`` tensor of a
+static table (its optimizer state starts afresh). Tables too large for one host's memory are
+saved with :func:`sokpy.save` instead.
 
 Example (any number of ranks)::
 
@@ -40,124 +51,21 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
-import atexit
 import collections
-import math
-import os
-import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
+import numpy as np
 import torch
 
-from . import checkpoint, initializers, runtime
-from .errors import CheckpointError
-from .lookup import lookup
-from .sparse import Ragged, _exclusive, _int_array
-from .variable import DynamicVariable, Variable, _Table
-from .wire import check_wire_dtype
+from .. import checkpoint, collective, runtime
+from ..errors import CheckpointError
+from ..lookup import lookup
+from ..variable import DynamicVariable, Variable, _Table
+from ..wire import check_wire_dtype
+from .config import apply_init_fn, table_spec
+from .jagged import JaggedTensor, feature_inputs, torchrec_types
 
-__all__ = [
-    "EmbeddingBagConfig",
-    "EmbeddingBagCollection",
-    "KeyedJaggedTensor",
-    "TableState",
-    "concat",
-    "init_process_group",
-]
-
-_POOLING = {"sum": "sum", "mean": "mean", "sqrtn": "sqrtn"}
-
-
-@dataclass
-class EmbeddingBagConfig:
-    """One table of an :class:`EmbeddingBagCollection` (TorchRec's field names).
-
-    ``num_embeddings=None`` makes a dynamic table (any int64 key, rows created on first
-    lookup); ``pooling`` is "sum", "mean" or "sqrtn" (or TorchRec's ``PoolingType``);
-    ``feature_names`` the features that read it (default: the table's name); ``target_gpu``
-    and ``initializer`` as :class:`sokpy.Variable` (default: TorchRec's, uniform in
-    ``±sqrt(1 / num_embeddings)``; sokpy's for a dynamic table); ``seed`` overrides the
-    module's for this table.
-    """
-
-    name: str
-    embedding_dim: int
-    num_embeddings: int | None = None
-    feature_names: list[str] = field(default_factory=list)
-    pooling: Any = "sum"
-    target_gpu: int = -1
-    initializer: Any = None
-    seed: int | None = None  # the table's initial-value seed (default: the module's)
-
-
-def _config(c) -> EmbeddingBagConfig:
-    """A sokpy config from ``c``: one of ours, or TorchRec's ``EmbeddingBagConfig``."""
-    if isinstance(c, EmbeddingBagConfig):
-        return c
-    pooling = getattr(c, "pooling", "sum")
-    init = None
-    lo, hi = getattr(c, "weight_init_min", None), getattr(c, "weight_init_max", None)
-    if lo is not None and hi is not None:
-        init = initializers.uniform(lo, hi)
-    return EmbeddingBagConfig(
-        name=c.name,
-        embedding_dim=c.embedding_dim,
-        num_embeddings=c.num_embeddings,
-        feature_names=list(c.feature_names),
-        pooling=getattr(pooling, "name", pooling),
-        initializer=init,
-    )
-
-
-class KeyedJaggedTensor:
-    """A minimal KeyedJaggedTensor for use without torchrec (TorchRec's own works the same):
-    ``keys`` the feature names; ``values`` the ids of every feature's bags, feature after
-    feature; ``lengths`` the bag sizes (``len(keys) * B`` of them) or ``offsets`` (one more);
-    optional per-id ``weights``.
-
-    Example::
-
-        kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 7, 8]), lengths=torch.tensor([1, 0, 1, 1]))
-    """
-
-    def __init__(self, keys, values: torch.Tensor, lengths=None, offsets=None, weights=None):
-        if (lengths is None) == (offsets is None):
-            raise ValueError("give lengths or offsets")
-        self._keys, self._values, self._weights = list(keys), values, weights
-        if offsets is None:
-            lengths = torch.as_tensor(lengths, dtype=torch.int64)
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-        self._offsets = torch.as_tensor(offsets, dtype=torch.int64)
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def offsets(self) -> torch.Tensor:
-        return self._offsets
-
-    def lengths(self) -> torch.Tensor:
-        return self._offsets.diff()
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def stride(self) -> int:
-        return (self._offsets.numel() - 1) // max(1, len(self._keys))
-
-
-def _torchrec():
-    """TorchRec's sparse types module, or None when torchrec is not installed."""
-    try:
-        from torchrec.sparse import jagged_tensor
-    except ImportError:
-        return None
-    return jagged_tensor
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TableState", "concat"]
 
 
 class TableState(collections.OrderedDict):
@@ -183,50 +91,6 @@ class TableState(collections.OrderedDict):
         return TableState((k, copy.deepcopy(v, memo)) for k, v in self.items())
 
 
-def init_process_group(backend: str = "gloo") -> None:
-    """Starts ``torch.distributed`` (for DDP) over the ranks sokpy already knows, without
-    torchrun's variables: rank 0 picks a free port and sends it to the others over sokpy's
-    communicator. The address is ``MASTER_ADDR`` when set (across nodes gloo may also need
-    ``GLOO_SOCKET_IFNAME``), 127.0.0.1 when all ranks share a node, else the address rank 0's
-    hostname resolves to. Collective; call it after :func:`sokpy.init`.
-
-    The group is destroyed at exit if the program has not done so (``atexit``, while Python
-    can still run): gloo's worker threads may still be finishing a collective's callback (a
-    DDP communication hook's, say), and a thread that wants Python after the interpreter has
-    begun to shut down aborts the whole process (``terminate called without an active
-    exception``).
-
-    Example::
-
-        sokpy.init()
-        sokpy.nn.init_process_group()
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    """
-    import torch.distributed as dist
-
-    comm = runtime.comm()
-    host = socket.gethostname()
-    one_node = len(set(comm.allgather_object(host))) == 1
-    addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1" if addr == "127.0.0.1" else "", 0))
-            port = s.getsockname()[1]
-    addr, port = comm.bcast((addr, port), root=0)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
-    atexit.unregister(_destroy_process_group)  # once, however often the group is started
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    """Joins the default group's threads, unless the program has destroyed it itself."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def concat(out) -> torch.Tensor:
     """The ``[B, sum(dims)]`` tensor of an :class:`EmbeddingBagCollection`'s output, features
     side by side in the module's order (a dict's values, or a KeyedTensor's ``values()``)."""
@@ -235,54 +99,60 @@ def concat(out) -> torch.Tensor:
     return out.values()
 
 
-class EmbeddingBagCollection(torch.nn.Module):
-    """Sharded embedding tables pooled per feature, with one lookup call per forward.
+def _torchrec_entry(value, var) -> dict:
+    """A TorchRec ``<...>.<table>.weight`` tensor as a table state for ``checkpoint.load_state``."""
+    if var.dynamic:
+        raise CheckpointError(
+            f"table {var.name!r}: a TorchRec weight tensor has no keys, and this table is dynamic; load it from "
+            "a sokpy state_dict or checkpoint, or sokpy.assign(table, keys, rows)"
+        )
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise CheckpointError(
+            f"table {var.name!r}: TorchRec's weight must be a whole [rows, dim] tensor, got a {type(value).__name__} "
+            "(for a sharded TorchRec model, gather it whole first, e.g. DTensor.full_tensor())"
+        )
+    rows = int(value.shape[0]) if value.dim() else 0
+    return {
+        "format": checkpoint.STATE_FORMAT,
+        "kind": "static",
+        "rows": rows,
+        "dim": int(value.shape[-1]) if value.dim() == 2 else None,
+        "keys": torch.arange(rows, dtype=torch.int64),
+        "values": value.detach().cpu(),
+    }
 
-    ``tables`` are configs (:class:`EmbeddingBagConfig` or TorchRec's); creating the module is
-    collective (every rank creates it alike; table names are unique in a job). ``seed`` seeds
-    the tables' initial values; ``grad_reduction`` is the lookup's ("sum": a row's gradient
-    summed over ranks, SOK's convention; "mean": averaged, TorchRec's); ``insert=False`` keeps
-    dynamic tables from growing (evaluation); ``wire_dtype`` ("float32", "float16" or
-    "bfloat16") is the format of the rows between ranks, as in ``lookup_sparse`` (TorchRec's
-    quantized comms).
 
-    Example::
+class _Collection(torch.nn.Module):
+    """What both modules share: the tables of their configs, the features that read them, the
+    training-mode insertion rule, dtype/device moves, and the collective state_dict."""
 
-        ebc = EmbeddingBagCollection([EmbeddingBagConfig("ebc_t", 4, 10, ["a", "b"])])
-        out = ebc({"a": [[1, 2]], "b": [[3]]})           # {"a": [1, 4], "b": [1, 4]}
-    """
+    _pooled = True
+    _torchrec_key = "embedding_bags"  # TorchRec's state_dict key: <prefix><this>.<table>.weight
 
-    def __init__(
-        self,
-        tables,
-        *,
-        seed: int = 0,
-        grad_reduction: str = "sum",
-        insert: bool = True,
-        wire_dtype: str = "float32",
-    ):
+    def __init__(self, tables, *, seed: int, grad_reduction: str, insert: bool | None, wire_dtype: str, device):
         super().__init__()
-        configs = [_config(c) for c in tables]
+        if device is not None:  # TorchRec's argument: where the tables go (sokpy.init decides here)
+            here, asked = runtime.current().torch_device(), torch.device(device)
+            if asked.type != here.type or asked.index not in (None, here.index):
+                raise ValueError(
+                    f"{type(self).__name__}(device={device!r}): the tables live on {here} ({_WHERE}); leave device=None"
+                )
+        specs = [table_spec(c, self._pooled) for c in tables]
         self.grad_reduction, self.insert = grad_reduction, insert
         self.wire_dtype = check_wire_dtype(wire_dtype)
         self._tables: dict[str, _Table] = {}
-        self._features: list[tuple[str, _Table, str]] = []  # (feature, its table, its pooling)
-        for c in configs:
-            pooling = _POOLING.get(str(c.pooling).lower())
-            if pooling is None:
-                raise ValueError(f"table {c.name!r}: unknown pooling {c.pooling!r} (use sum, mean or sqrtn)")
-            table_seed = seed if c.seed is None else c.seed
-            if c.num_embeddings is None:
-                var = DynamicVariable(c.embedding_dim, c.target_gpu, c.initializer, table_seed, c.name)
+        self._features: list[tuple[str, _Table, str | None]] = []  # (feature, its table, its pooling)
+        for s in specs:
+            table_seed = seed if s.seed is None else s.seed
+            if s.rows is None:
+                var = DynamicVariable(s.dim, s.target_gpu, s.initializer, table_seed, s.name)
             else:
-                init = c.initializer
-                if init is None:
-                    bound = math.sqrt(1.0 / max(1, c.num_embeddings))
-                    init = initializers.uniform(-bound, bound)
-                var = Variable(c.num_embeddings, c.embedding_dim, c.target_gpu, init, table_seed, c.name)
+                var = Variable(s.rows, s.dim, s.target_gpu, s.initializer, table_seed, s.name)
+                if s.init_fn is not None:
+                    apply_init_fn(var, s.init_fn)
             self._tables[var.name] = var
-            for f in c.feature_names or [c.name]:
-                self._features.append((f, var, pooling))
+            for f in s.features:
+                self._features.append((f, var, s.pooling))
         names = [f for f, _, _ in self._features]
         if len(set(names)) != len(names):
             raise ValueError(f"a feature reads two tables: {names}")
@@ -299,73 +169,61 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(
-            f"{f}->{var.name}[{'dynamic' if var.dynamic else var.rows}x{var.dim}, {p}]" for f, var, p in self._features
+            f"{f}->{var.name}[{'dynamic' if var.dynamic else var.rows}x{var.dim}{', ' + p if p else ''}]"
+            for f, var, p in self._features
         )
 
-    # ---- forward -----------------------------------------------------------------------------------
-    def _inputs(self, features, weights):
-        """(ids per feature, weights per feature or None) in the module's order, or one
-        KeyedJaggedTensor for all when its keys are the module's features in order."""
-        names = self.feature_names()
-        if isinstance(features, Mapping):
-            missing = [f for f in names if f not in features]
-            if missing:
-                raise KeyError(f"the input has no feature {missing[0]!r} (the module reads {names})")
-            ws = None if weights is None else [weights.get(f) for f in names]
-            return [features[f] for f in names], ws
-        if weights is not None:
-            raise ValueError("a KeyedJaggedTensor carries its own weights; pass weights=None")
-        keys = list(features.keys())
-        if keys == names:
-            return features, None  # the lookup reads it as it is: one pass over all features
-        # Another order, or more features: one Ragged per feature of the module.
-        missing = [f for f in names if f not in keys]
-        if missing:
-            raise KeyError(f"the KeyedJaggedTensor has no feature {missing[0]!r} (the module reads {names})")
-        values = features.values()
-        offsets = features.offsets() if callable(getattr(features, "offsets", None)) else None
-        if offsets is None:
-            offsets = torch.from_numpy(_exclusive(_int_array(features.lengths(), "lengths")))
-        w = features.weights_or_none()
-        stride = (offsets.numel() - 1) // max(1, len(keys))
-        ids, ws = [], []
-        for f in names:
-            k = keys.index(f)
-            off = offsets[k * stride : (k + 1) * stride + 1]
-            lo, hi = int(off[0]), int(off[-1])
-            ids.append(Ragged(values[lo:hi], off - lo, None))
-            ws.append(None if w is None else w[lo:hi])
-        return ids, (None if w is None else ws)
+    def inserts(self) -> bool:
+        """Whether a forward now creates the rows of unseen keys in dynamic tables: ``insert``
+        when given, else in training mode only."""
+        return self.training if self.insert is None else bool(self.insert)
 
-    def forward(self, features, weights: Mapping | None = None):
-        """Pools every feature: ``features`` is a KeyedJaggedTensor or a dict feature -> ids
-        (any input ``lookup_sparse`` takes for one table), ``weights`` an optional dict
-        feature -> per-key weights for a dict input. All features need the same batch size.
-        Returns a KeyedTensor (torchrec installed) or a dict feature -> ``[B, dim]`` tensor."""
+    # ---- forward -----------------------------------------------------------------------------------
+    def _lookup(self, features, weights, **kwargs):
+        """One lookup call over every feature; a fault in this rank's input is raised by the
+        lookup on every rank alike."""
         try:
-            ids, ws = self._inputs(features, weights)
+            ids, ws = feature_inputs(features, weights, self.feature_names(), type(self).__name__)
             fault = None
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
             text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
-            ids, ws, fault = None, None, f"EmbeddingBagCollection input: {text}"
-        tables = [var for _, var, _ in self._features]
-        combiners = [p for _, _, p in self._features]
-        (values,) = lookup(
-            tables,
+            ids, ws, fault = None, None, f"{type(self).__name__} input: {text}"
+        return lookup(
+            [var for _, var, _ in self._features],
             ids,
             ws,
-            combiners,
-            insert=self.insert,
+            [p or "sum" for _, _, p in self._features],
+            insert=self.inserts(),
             grad_reduction=self.grad_reduction,
-            keyed=True,
             wire_dtype=self.wire_dtype,
             input_error=fault,
-        )
-        names = self.feature_names()
-        jt = _torchrec()
-        if jt is not None:
-            return jt.KeyedTensor(keys=names, length_per_key=list(self._dims), values=values)
-        return dict(zip(names, values.split(self._dims, dim=1)))
+            **kwargs,
+        ), ids
+
+    # ---- dtype and device --------------------------------------------------------------------------
+    def _apply(self, fn, recurse: bool = True):
+        """``.to``/``.cuda``/``.half``/...: the tables stay float32 on sokpy's device, so a move
+        that asks for anything else raises (before any submodule moves)."""
+        device = runtime.current().torch_device() if runtime.is_initialized() else torch.device("cpu")
+        probe = torch.zeros((), dtype=torch.float32, device=device)
+        try:
+            out = fn(probe)
+        except Exception as e:  # noqa: BLE001 - a move torch cannot make here (no CUDA, say)
+            raise RuntimeError(
+                f"{type(self).__name__}: its tables live on {device} ({_WHERE}); this move failed there: {e}"
+            ) from e
+        if isinstance(out, torch.Tensor) and out.dtype != torch.float32:
+            raise RuntimeError(
+                f"{type(self).__name__}: its tables hold float32 rows and cannot become {out.dtype} (half-precision "
+                "rows are not implemented yet; rows between ranks can travel as float16 or bfloat16: wire_dtype=...). "
+                "Move the dense part of the model on its own, e.g. model.mlp.half()"
+            )
+        if isinstance(out, torch.Tensor) and out.device != device:
+            raise RuntimeError(
+                f"{type(self).__name__}: its tables live on {device} and cannot move to {out.device} ({_WHERE}). "
+                "Move the dense part of the model on its own"
+            )
+        return super()._apply(fn, recurse)
 
     # ---- state -------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -393,9 +251,145 @@ class EmbeddingBagCollection(torch.nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         tables = self.tables()
-        names = {prefix + var.name for var in tables}
-        unexpected_keys[:] = [k for k in unexpected_keys if k not in names]  # ours, not the base class's
+        ours = {prefix + var.name: var for var in tables}
+        theirs = {f"{prefix}{self._torchrec_key}.{var.name}.weight": var for var in tables}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in ours and k not in theirs]
+        entries, fault = [], None
+        for (key, var), torchrec_key in zip(ours.items(), theirs):
+            entry = state_dict.get(key)
+            if entry is None and torchrec_key in state_dict:
+                try:
+                    entry = _torchrec_entry(state_dict[torchrec_key], var)
+                except CheckpointError as e:
+                    fault = fault or str(e)
+            entries.append(entry)
+        with collective.Call("load_state_dict(TorchRec keys)", tables) as call:
+            call.agree(fault, error_type=CheckpointError)  # a fault in one rank's TorchRec entries: on every rank
         # Collective on every rank, whatever it holds: a table no rank holds an entry for is a
         # missing key on every rank alike (strict=False loads the others).
-        skipped = checkpoint.load_state(tables, [state_dict.get(prefix + var.name) for var in tables], missing_ok=True)
+        skipped = checkpoint.load_state(tables, entries, missing_ok=True)
         missing_keys.extend(prefix + var.name for var in skipped)
+
+
+_WHERE = (
+    "sokpy.init() puts every table on the rank's GPU or on the host, and tables hold float32 rows; "
+    "both are set there, not by moving the module"
+)
+
+
+class EmbeddingBagCollection(_Collection):
+    """Sharded embedding tables pooled per feature, with one lookup call per forward.
+
+    ``tables`` are configs (:class:`~sokpy.nn.EmbeddingBagConfig` or TorchRec's; a sequence
+    config is refused: see :class:`EmbeddingCollection`); creating the module is collective
+    (every rank creates it alike; table names are unique in a job). ``seed`` seeds the tables'
+    initial values; ``grad_reduction`` is the lookup's ("sum": a row's gradient summed over
+    ranks, SOK's convention; "mean": averaged, TorchRec's); ``insert`` whether dynamic tables
+    grow (default None: in training mode only); ``wire_dtype`` ("float32", "float16" or
+    "bfloat16") is the format of the rows between ranks, as in ``lookup_sparse`` (TorchRec's
+    quantized comms); ``device`` (TorchRec's) may only name the device ``sokpy.init`` put the
+    tables on.
+
+    Example::
+
+        ebc = EmbeddingBagCollection([EmbeddingBagConfig("ebc_t", 4, 10, ["a", "b"])])
+        out = ebc({"a": [[1, 2]], "b": [[3]]})           # {"a": [1, 4], "b": [1, 4]}
+    """
+
+    def __init__(
+        self,
+        tables,
+        *,
+        seed: int = 0,
+        grad_reduction: str = "sum",
+        insert: bool | None = None,
+        wire_dtype: str = "float32",
+        device: torch.device | str | None = None,
+    ):
+        super().__init__(
+            tables, seed=seed, grad_reduction=grad_reduction, insert=insert, wire_dtype=wire_dtype, device=device
+        )
+
+    def forward(self, features, weights: Mapping | None = None):
+        """Pools every feature: ``features`` is a KeyedJaggedTensor or a dict feature -> ids
+        (any input ``lookup_sparse`` takes for one table, or a ``(values, offsets)`` pair),
+        ``weights`` an optional dict feature -> per-key weights for a dict input. All features
+        need the same batch size. Returns a KeyedTensor (torchrec installed) or a dict feature
+        -> ``[B, dim]`` tensor."""
+        (values,), _ = self._lookup(features, weights, keyed=True)
+        names = self.feature_names()
+        jt = torchrec_types()
+        if jt is not None:
+            return jt.KeyedTensor(keys=names, length_per_key=list(self._dims), values=values)
+        return dict(zip(names, values.split(self._dims, dim=1)))
+
+
+class EmbeddingCollection(_Collection):
+    """Sharded sequence embeddings: one row per id, nothing pooled (TorchRec's
+    ``EmbeddingCollection``), with one lookup call (one exchange) per forward.
+
+    ``tables`` are :class:`~sokpy.nn.EmbeddingConfig` or TorchRec's ``EmbeddingConfig`` (a
+    pooled config is refused); the other arguments are :class:`EmbeddingBagCollection`'s.
+    Features may have different batch sizes. The output is a dict feature -> JaggedTensor
+    (TorchRec's when torchrec is installed, else :class:`sokpy.nn.JaggedTensor`): ``values()``
+    ``[N, dim]`` the rows of the feature's ``N`` ids in input order, ``offsets()`` its bags.
+
+    Example::
+
+        ec = EmbeddingCollection([EmbeddingConfig("ec_t", 4, 10, ["history"])])
+        out = ec({"history": [[1, 2, 2], [7]]})
+        out["history"].values().shape                    # [4, 4]
+    """
+
+    _pooled = False
+    _torchrec_key = "embeddings"
+
+    def __init__(
+        self,
+        tables,
+        *,
+        seed: int = 0,
+        grad_reduction: str = "sum",
+        insert: bool | None = None,
+        wire_dtype: str = "float32",
+        device: torch.device | str | None = None,
+    ):
+        super().__init__(
+            tables, seed=seed, grad_reduction=grad_reduction, insert=insert, wire_dtype=wire_dtype, device=device
+        )
+
+    def forward(self, features) -> dict:
+        """Rows of every id: ``features`` is a KeyedJaggedTensor (without weights) or a dict
+        feature -> ids (any input ``lookup_sequence`` takes for one table, or a ``(values,
+        offsets)`` pair). Returns a dict feature -> JaggedTensor."""
+        rows, ids = self._lookup(features, None, pooled=False)
+        offsets = _offsets_of(features, ids, self.feature_names())
+        jt = torchrec_types()
+        make = JaggedTensor if jt is None else (lambda v, o: jt.JaggedTensor(values=v, offsets=o))
+        return {f: make(r, o) for f, r, o in zip(self.feature_names(), rows, offsets)}
+
+
+def _offsets_of(features, ids, names: list[str]) -> list[torch.Tensor]:
+    """Each feature's bag offsets (into its own rows), from the input the lookup took."""
+    if not isinstance(ids, list):  # one KeyedJaggedTensor in the module's order
+        off = features.offsets() if callable(getattr(features, "offsets", None)) else None
+        if off is None:
+            off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(features.lengths(), 0)])
+        off = torch.as_tensor(off, dtype=torch.int64)
+        stride = (off.numel() - 1) // max(1, len(names))
+        return [off[k * stride : (k + 1) * stride + 1] - off[k * stride] for k in range(len(names))]
+    out = []
+    for x in ids:
+        offsets = getattr(x, "offsets", None)
+        if isinstance(offsets, torch.Tensor):  # a Ragged
+            out.append(offsets.to(torch.int64))
+        else:
+            out.append(torch.from_numpy(_bag_offsets(x)))
+    return out
+
+
+def _bag_offsets(x) -> np.ndarray:
+    """The bag offsets of one table's input in any form the lookup takes."""
+    from ..sparse import _one_table
+
+    return _one_table(x, None)[1]

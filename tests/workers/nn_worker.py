@@ -32,7 +32,7 @@ from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, TableState, con
 sokpy.init()
 RANK, WORLD = sokpy.rank(), sokpy.world_size()
 GLOBAL_B = 12
-TORCHREC = sokpy.nn._torchrec() is not None
+TORCHREC = sokpy.nn.jagged.torchrec_types() is not None
 
 
 def make_kjt(keys, values, lengths, weights=None):

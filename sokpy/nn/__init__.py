@@ -1,0 +1,43 @@
+"""``torch.nn`` modules: sokpy tables inside a PyTorch model, the way TorchRec users hold them.
+
+* :class:`EmbeddingBagCollection` (pooled bags) and :class:`EmbeddingCollection` (one row per
+  id), built from :class:`EmbeddingBagConfig` / :class:`EmbeddingConfig` or TorchRec's configs
+  (:mod:`sokpy.nn.modules`, :mod:`sokpy.nn.config`);
+* :class:`KeyedJaggedTensor` and :class:`JaggedTensor` for use without torchrec
+  (:mod:`sokpy.nn.jagged`);
+* :func:`clip_grad_norm_` over dense and sparse gradients together (:mod:`sokpy.nn.clip`);
+* :func:`inference_module`: a plain torch module of a trained model for serving
+  (:mod:`sokpy.nn.serving`);
+* :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks.
+
+Example (any number of ranks)::
+
+    import torch, sokpy
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, concat
+    sokpy.init()
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("nn_pkg_user", 8, 100, ["user"])])
+    opt = sokpy.optim.Adagrad(ebc.tables(), lr=0.1)
+    concat(ebc({"user": [[1], [2, 3]]})).pow(2).sum().backward()
+    opt.step()
+"""
+
+from .clip import clip_grad_norm_
+from .config import EmbeddingBagConfig, EmbeddingConfig
+from .jagged import JaggedTensor, KeyedJaggedTensor
+from .modules import EmbeddingBagCollection, EmbeddingCollection, TableState, concat
+from .process_group import init_process_group
+from .serving import inference_module
+
+__all__ = [
+    "EmbeddingBagConfig",
+    "EmbeddingConfig",
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "KeyedJaggedTensor",
+    "JaggedTensor",
+    "TableState",
+    "clip_grad_norm_",
+    "concat",
+    "inference_module",
+    "init_process_group",
+]

@@ -1,0 +1,283 @@
+"""Table configs of the torch modules: sokpy's own and TorchRec's, every field honoured or refused.
+
+:class:`EmbeddingBagConfig` (pooled) and :class:`EmbeddingConfig` (sequence, one row per id)
+have TorchRec's field names. A TorchRec config is read field by field: ``name``,
+``embedding_dim``, ``num_embeddings``, ``feature_names``, ``pooling``, ``weight_init_min`` /
+``weight_init_max`` and ``init_fn`` are honoured, ``data_type`` is honoured for FP32 only
+(sokpy's rows are float32), and any other field set away from its default is refused with an
+error naming the field; nothing is dropped in silence.
+
+``init_fn`` (TorchRec's, ``torch.nn.init`` style: fills a tensor in place) is honoured with
+results that do not depend on the world size: ``torch.nn.init.uniform_``, ``normal_``,
+``constant_``, ``zeros_`` and ``ones_`` (bare or as a ``functools.partial``, TorchRec's
+default is ``partial(uniform_, a=-sqrt(1/rows), b=sqrt(1/rows))``) become sokpy's own
+counter-based initializers; any other function is called on the table in key order, in
+chunks of :data:`INIT_CHUNK_ROWS` rows, each chunk under torch's generator seeded from the
+table's seed and the chunk's index, and every rank keeps its own rows. A dynamic table has no
+whole to call it on: it takes ``initializer`` instead.
+
+Example::
+
+    from sokpy.nn import EmbeddingConfig
+    EmbeddingConfig(name="seq_item", embedding_dim=8, num_embeddings=1000, feature_names=["history"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import collective, handoff, initializers
+
+__all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "TableSpec", "table_spec", "apply_init_fn", "INIT_CHUNK_ROWS"]
+
+POOLINGS = ("sum", "mean", "sqrtn")
+
+INIT_CHUNK_ROWS = 65536  # rows per call of a general init_fn (part of what its results are)
+
+
+@dataclass
+class EmbeddingBagConfig:
+    """One pooled table of an :class:`~sokpy.nn.EmbeddingBagCollection` (TorchRec's field names).
+
+    ``num_embeddings=None`` makes a dynamic table (any int64 key, rows created on first
+    lookup in training); ``pooling`` is "sum", "mean" or "sqrtn" (or TorchRec's
+    ``PoolingType``); ``feature_names`` the features that read it (default: the table's
+    name); ``target_gpu`` and ``initializer`` as :class:`sokpy.Variable` (default: TorchRec's,
+    uniform in ``±sqrt(1 / num_embeddings)``; sokpy's for a dynamic table); ``seed`` overrides
+    the module's for this table; ``init_fn`` a ``torch.nn.init``-style function instead of
+    ``initializer`` (static tables; see the module's text); ``data_type`` "float32"
+    (half-precision rows are not implemented yet).
+    """
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int | None = None
+    feature_names: list[str] = field(default_factory=list)
+    pooling: Any = "sum"
+    target_gpu: int = -1
+    initializer: Any = None
+    seed: int | None = None  # the table's initial-value seed (default: the module's)
+    init_fn: Callable | None = None
+    data_type: Any = "float32"
+
+
+@dataclass
+class EmbeddingConfig:
+    """One sequence table of an :class:`~sokpy.nn.EmbeddingCollection`: every id gets its own
+    row, nothing is pooled (TorchRec's ``EmbeddingConfig``). The fields of
+    :class:`EmbeddingBagConfig` without ``pooling``."""
+
+    name: str
+    embedding_dim: int
+    num_embeddings: int | None = None
+    feature_names: list[str] = field(default_factory=list)
+    target_gpu: int = -1
+    initializer: Any = None
+    seed: int | None = None
+    init_fn: Callable | None = None
+    data_type: Any = "float32"
+
+
+@dataclass
+class TableSpec:
+    """What a module makes of one config: the table's arguments, its features and pooling
+    (None for a sequence table), and the ``init_fn`` to apply after creating it (or None)."""
+
+    name: str
+    dim: int
+    rows: int | None
+    features: list[str]
+    pooling: str | None
+    target_gpu: int
+    initializer: Any
+    seed: int | None
+    init_fn: Callable | None
+
+
+# TorchRec's fields that sokpy does not implement, with what to use instead; each is refused
+# when set away from its default.
+_UNSUPPORTED = {
+    "num_embeddings_post_pruning": "inference pruning is not implemented",
+    "need_pos": "position-weighted features are not implemented",
+    "use_virtual_table": "for a table of any int64 keys use sokpy.nn's config with num_embeddings=None",
+    "virtual_table_eviction_policy": "dynamic tables keep every row (no eviction yet)",
+    "total_num_buckets": "use num_embeddings=None in sokpy.nn's config for a table of any int64 keys",
+    "input_dim": "sokpy reads ids as given",
+    "enable_embedding_update": "rows change only through an optimizer step or sokpy.assign",
+}
+_HONOURED = {
+    "name",
+    "embedding_dim",
+    "num_embeddings",
+    "feature_names",
+    "pooling",
+    "weight_init_min",
+    "weight_init_max",
+    "init_fn",
+    "data_type",
+}
+
+
+def _field_name(value) -> str:
+    """An enum member's name (TorchRec's ``PoolingType.SUM``, ``DataType.FP32``) or the value."""
+    return str(getattr(value, "name", value))
+
+
+def _check_data_type(name: str, data_type) -> None:
+    text = _field_name(data_type).lower().removeprefix("torch.")
+    if text not in ("fp32", "float32", "float"):
+        raise ValueError(
+            f"table {name!r}: data_type={_field_name(data_type)} is not supported: sokpy's tables hold float32 rows "
+            "(half-precision rows are not implemented yet); use FP32 / 'float32' (the rows between ranks can still "
+            "travel as float16 or bfloat16: wire_dtype=...)"
+        )
+
+
+def _native(init_fn):
+    """sokpy's own initializer for a ``torch.nn.init`` function (bare or a partial), or None."""
+    args, kwargs, fn = (), {}, init_fn
+    if isinstance(init_fn, functools.partial):
+        fn, args, kwargs = init_fn.func, init_fn.args, dict(init_fn.keywords)
+    if "generator" in kwargs:
+        return None
+    try:
+        if fn is torch.nn.init.uniform_:
+            bound = dict(zip(("a", "b"), args)) | kwargs
+            return initializers.uniform(bound.get("a", 0.0), bound.get("b", 1.0))
+        if fn is torch.nn.init.normal_:
+            p = dict(zip(("mean", "std"), args)) | kwargs
+            return initializers.normal(p.get("mean", 0.0), p.get("std", 1.0))
+        if fn is torch.nn.init.constant_:
+            p = dict(zip(("val",), args)) | kwargs
+            return initializers.constant(p["val"]) if "val" in p else None
+        if fn in (torch.nn.init.zeros_, torch.nn.init.ones_) and not args and not kwargs:
+            return initializers.constant(0.0 if fn is torch.nn.init.zeros_ else 1.0)
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def _torchrec_fields(c, pooled: bool) -> None:
+    """Refuses every field of a TorchRec config that sokpy would not honour."""
+    if not dataclasses.is_dataclass(c):
+        return
+    for f in dataclasses.fields(c):
+        if f.name in _HONOURED:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        value = getattr(c, f.name)
+        if value != default:
+            hint = _UNSUPPORTED.get(f.name, "sokpy does not implement it")
+            raise ValueError(
+                f"table {c.name!r}: TorchRec's {f.name}={value!r} is not supported ({hint}); "
+                f"leave it at its default ({default!r})"
+            )
+
+
+def table_spec(c, pooled: bool) -> TableSpec:
+    """The spec of config ``c`` (ours or TorchRec's) for a pooled (EmbeddingBagCollection) or a
+    sequence (EmbeddingCollection) module; raises ValueError naming the table and the field
+    for a config the module cannot honour."""
+    name = getattr(c, "name", None)
+    has_pooling = hasattr(c, "pooling")
+    pooling = _field_name(getattr(c, "pooling", "none")).lower()
+    if pooled and (not has_pooling or pooling == "none"):
+        raise ValueError(
+            f"table {name!r}: {type(c).__name__} is a sequence table config (no pooling, one row per id); "
+            "EmbeddingBagCollection pools bags: use sokpy.nn.EmbeddingCollection for it, or an EmbeddingBagConfig "
+            "with pooling sum, mean or sqrtn"
+        )
+    if not pooled and has_pooling:
+        raise ValueError(
+            f"table {name!r}: {type(c).__name__} is a pooled table config; EmbeddingCollection gives one row per "
+            "id: use an EmbeddingConfig (no pooling), or sokpy.nn.EmbeddingBagCollection for pooled bags"
+        )
+    if pooled and pooling not in POOLINGS:
+        raise ValueError(f"table {name!r}: unknown pooling {_field_name(c.pooling)!r} (use sum, mean or sqrtn)")
+    _check_data_type(name, getattr(c, "data_type", "float32"))
+    ours = isinstance(c, (EmbeddingConfig, EmbeddingBagConfig))
+    if not ours:
+        _torchrec_fields(c, pooled)
+    rows = c.num_embeddings
+    initializer = c.initializer if ours else None
+    init_fn = getattr(c, "init_fn", None)
+    if not ours and init_fn is None:  # TorchRec's config without its __post_init__ default
+        lo, hi = getattr(c, "weight_init_min", None), getattr(c, "weight_init_max", None)
+        if lo is not None or hi is not None:
+            bound = math.sqrt(1.0 / max(1, rows))
+            initializer = initializers.uniform(-bound if lo is None else lo, bound if hi is None else hi)
+    if init_fn is not None:
+        if initializer is not None:
+            raise ValueError(f"table {name!r}: give initializer or init_fn, not both")
+        native = _native(init_fn)
+        if native is not None:
+            initializer, init_fn = native, None
+        elif rows is None:
+            raise ValueError(
+                f"table {name!r}: init_fn cannot initialise a dynamic table (num_embeddings=None: its rows are "
+                "made on first lookup); use initializer=sokpy.initializers.uniform/normal/constant, or a "
+                "torch.nn.init uniform_/normal_/constant_ init_fn"
+            )
+        elif not callable(init_fn):
+            raise ValueError(f"table {name!r}: init_fn must be callable, got {type(init_fn).__name__}")
+    if initializer is None and rows is not None:  # TorchRec's default: uniform in ±sqrt(1 / rows)
+        bound = math.sqrt(1.0 / max(1, rows))
+        initializer = initializers.uniform(-bound, bound)
+    return TableSpec(
+        name=name,
+        dim=c.embedding_dim,
+        rows=rows,
+        features=list(c.feature_names) or [name],
+        pooling=pooling if pooled else None,
+        target_gpu=getattr(c, "target_gpu", -1),
+        initializer=initializer,
+        seed=getattr(c, "seed", None),
+        init_fn=init_fn,
+    )
+
+
+def _chunk_seed(table_seed: int, chunk: int) -> int:
+    digest = hashlib.blake2b(f"{table_seed}|init_fn|{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def apply_init_fn(var, init_fn: Callable) -> None:
+    """Sets the rows of the static table ``var`` by ``init_fn``; collective (a fault on any
+    rank raises the same error on every rank). Chunk c (keys ``[c * INIT_CHUNK_ROWS, ...)``)
+    is a float32 CPU tensor ``init_fn`` fills in place (or returns), made under torch's
+    generator seeded from the table's seed and c, so every rank computes the same values for
+    a key whatever the world size; each rank computes only the chunks holding its rows and
+    leaves torch's own generator as it was."""
+    error = None
+    try:
+        keys = torch.from_numpy(handoff.to_host(var.local_keys()))
+        weight = var.weight
+        for c in sorted(set((keys // INIT_CHUNK_ROWS).tolist())):
+            lo = c * INIT_CHUNK_ROWS
+            n = min(INIT_CHUNK_ROWS, var.rows - lo)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_chunk_seed(var._init.seed, c))
+                chunk = torch.empty(n, var.dim, dtype=torch.float32)
+                out = init_fn(chunk)
+            chunk = out if isinstance(out, torch.Tensor) else chunk
+            if chunk.shape != (n, var.dim) or not bool(torch.isfinite(chunk).all()):
+                raise ValueError(f"init_fn gave a tensor of shape {list(chunk.shape)} or values that are not finite")
+            mine = torch.nonzero((keys >= lo) & (keys < lo + n)).reshape(-1)
+            weight[mine.to(weight.device)] = chunk[keys[mine] - lo].to(weight.device, torch.float32)
+    except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+        error = f"table {var.name!r}: init_fn failed: {type(e).__name__}: {e}"
+    with collective.Call("init_fn", [var]) as call:
+        call.agree(error)

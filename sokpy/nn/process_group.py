@@ -1,0 +1,62 @@
+"""``torch.distributed`` over the ranks sokpy knows, for DDP around a model holding sokpy tables.
+
+Example::
+
+    sokpy.init()
+    sokpy.nn.init_process_group()
+    model = torch.nn.parallel.DistributedDataParallel(model)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+
+from .. import runtime
+
+__all__ = ["init_process_group"]
+
+
+def init_process_group(backend: str = "gloo") -> None:
+    """Starts ``torch.distributed`` (for DDP) over the ranks sokpy already knows, without
+    torchrun's variables: rank 0 picks a free port and sends it to the others over sokpy's
+    communicator. The address is ``MASTER_ADDR`` when set (across nodes gloo may also need
+    ``GLOO_SOCKET_IFNAME``), 127.0.0.1 when all ranks share a node, else the address rank 0's
+    hostname resolves to. Collective; call it after :func:`sokpy.init`.
+
+    The group is destroyed at exit if the program has not done so (``atexit``, while Python
+    can still run): gloo's worker threads may still be finishing a collective's callback (a
+    DDP communication hook's, say), and a thread that wants Python after the interpreter has
+    begun to shut down aborts the whole process (``terminate called without an active
+    exception``).
+
+    Example::
+
+        sokpy.init()
+        sokpy.nn.init_process_group()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    """
+    import torch.distributed as dist
+
+    comm = runtime.comm()
+    host = socket.gethostname()
+    one_node = len(set(comm.allgather_object(host))) == 1
+    addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1" if addr == "127.0.0.1" else "", 0))
+            port = s.getsockname()[1]
+    addr, port = comm.bcast((addr, port), root=0)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
+    atexit.unregister(_destroy_process_group)  # once, however often the group is started
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    """Joins the default group's threads, unless the program has destroyed it itself."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,285 @@
+"""What a TorchRec user types into sokpy.nn does what it says: sequence embeddings, config fields
+honoured or refused, dtype/device moves, clipping, eval mode, serving, TorchRec state_dicts and
+variable-batch KJTs. Multi-rank jobs: tests/workers/fidelity_worker.py (numpy references)."""
+
+import dataclasses
+import functools
+from enum import Enum
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_mpi
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3])
+def test_sequence_collection_matches_reference(nranks):
+    out = run_mpi(nranks, "fidelity_worker.py", "sequence", timeout=240)
+    assert out.count("sequence ok") == nranks, out
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_clip_grad_norm_is_global_across_ranks(nranks):
+    out = run_mpi(nranks, "fidelity_worker.py", "clip", timeout=240)
+    assert out.count("clip ok") == nranks, out
+
+
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_served_module_equals_sharded_model(nranks):
+    out = run_mpi(nranks, "fidelity_worker.py", "serve", timeout=240)
+    assert out.count("serve ok") == nranks, out
+
+
+def test_torchrec_state_dict_loads_at_any_world_size():
+    for nranks in (1, 2):
+        out = run_mpi(nranks, "fidelity_worker.py", "torchrec_sd", timeout=240)
+        assert out.count("torchrec_sd ok") == nranks, out
+
+
+def test_init_fn_gives_the_same_table_at_every_world_size(tmp_path):
+    for nranks in (1, 3):
+        run_mpi(nranks, "fidelity_worker.py", "init_fn", tmp_path, timeout=240)
+    one, three = np.load(tmp_path / "init_1.npy"), np.load(tmp_path / "init_3.npy")
+    np.testing.assert_array_equal(one, three)
+    assert 0.09 < one[:, 0].std() < 0.11 and 0.09 < one[-1000:].std() < 0.11  # trunc_normal_(std=0.1) on every row
+    assert not np.array_equal(one[:65536][:10], one[65536:65546])  # chunks differ
+
+
+# ---- one process -----------------------------------------------------------------------------------
+
+
+class PoolingType(Enum):  # the shape of TorchRec's enums
+    SUM = "SUM"
+    NONE = "NONE"
+
+
+class DataType(Enum):
+    FP32 = "FP32"
+    FP16 = "FP16"
+
+
+@dataclasses.dataclass
+class TorchRecBagConfig:  # TorchRec's EmbeddingBagConfig fields and defaults (its __post_init__ sets init_fn)
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: list = dataclasses.field(default_factory=list)
+    weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    num_embeddings_post_pruning: int | None = None
+    init_fn: object = None
+    need_pos: bool = False
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self):
+        if self.init_fn is None:
+            bound = (1 / self.num_embeddings) ** 0.5
+            lo = -bound if self.weight_init_min is None else self.weight_init_min
+            hi = bound if self.weight_init_max is None else self.weight_init_max
+            self.init_fn = functools.partial(torch.nn.init.uniform_, a=lo, b=hi)
+
+
+@dataclasses.dataclass
+class TorchRecSeqConfig:  # TorchRec's EmbeddingConfig: no pooling
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    feature_names: list = dataclasses.field(default_factory=list)
+
+
+def test_torchrec_config_fields_are_honoured_or_refused(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingCollection
+
+    ebc = EmbeddingBagCollection([TorchRecBagConfig(16, 3, "fid_tr", feature_names=["f"], weight_init_max=0.01)])
+    (t,) = ebc.tables()
+    assert t.initializer == sokpy.initializers.uniform(-0.25, 0.01)  # TorchRec's partial(uniform_) became ours
+    for field, value, words in [
+        ("data_type", DataType.FP16, "data_type=FP16 is not supported"),
+        ("need_pos", True, "need_pos=True is not supported"),
+        ("num_embeddings_post_pruning", 8, "num_embeddings_post_pruning=8 is not supported"),
+        ("pooling", PoolingType.NONE, "sequence table config"),
+    ]:
+        cfg = dataclasses.replace(TorchRecBagConfig(16, 3, f"fid_{field}", feature_names=["f"]), **{field: value})
+        with pytest.raises(ValueError, match=f"table 'fid_{field}': .*{words}"):
+            EmbeddingBagCollection([cfg])
+    with pytest.raises(ValueError, match="sequence table config.*use sokpy.nn.EmbeddingCollection"):
+        EmbeddingBagCollection([TorchRecSeqConfig(8, 2, "fid_seq_in_ebc")])
+    with pytest.raises(ValueError, match="pooled table config.*EmbeddingConfig"):
+        EmbeddingCollection([TorchRecBagConfig(8, 2, "fid_bag_in_ec")])
+    ec = EmbeddingCollection([TorchRecSeqConfig(8, 2, "fid_seq", ["s"])])
+    assert ec.tables()[0].rows == 8
+
+
+def test_init_fn_and_data_type_of_sokpy_configs(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig("fid_fn", 2, 5, init_fn=lambda w: w.copy_(torch.arange(10.0).reshape(5, 2))),
+            EmbeddingBagConfig("fid_normal", 2, 5, init_fn=functools.partial(torch.nn.init.normal_, std=0.5)),
+            EmbeddingBagConfig("fid_zeros", 2, None, init_fn=torch.nn.init.zeros_),
+        ]
+    )
+    fn, normal, zeros = ebc.tables()
+    assert torch.equal(sokpy.export(fn)[1], torch.arange(10.0).reshape(5, 2))
+    assert normal.initializer == sokpy.initializers.normal(0.0, 0.5)
+    assert zeros.initializer == sokpy.initializers.constant(0.0)
+    with pytest.raises(ValueError, match="table 'fid_dyn_fn': init_fn cannot initialise a dynamic table"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_dyn_fn", 2, None, init_fn=lambda w: w.fill_(1))])
+    with pytest.raises(sokpy.InputError, match="table 'fid_bad_fn': init_fn failed: .*shape"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_bad_fn", 2, 5, init_fn=lambda w: torch.ones(3))])
+    with pytest.raises(ValueError, match="table 'fid_half': data_type=float16 is not supported"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_half", 2, 5, data_type="float16")])
+
+
+def test_dtype_and_device_moves_raise_or_pass(sokpy_host):
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    model = torch.nn.Sequential(EmbeddingBagCollection([EmbeddingBagConfig("fid_move", 2, 5)]))
+    for move in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double()):
+        with pytest.raises(RuntimeError, match="float32 rows and cannot become torch"):
+            move(model)
+    with pytest.raises(RuntimeError, match="tables live on cpu"):
+        model.cuda()  # no CUDA here: torch cannot; with CUDA: the tables are on the host
+    with pytest.raises(RuntimeError, match="tables live on cpu and cannot move to meta"):
+        model.to("meta")
+    assert model.float() is model and model.to("cpu", torch.float32) is model
+    with pytest.raises(ValueError, match="device='meta'.*tables live on cpu"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_meta", 2, 5)], device="meta")
+    EmbeddingBagCollection([EmbeddingBagConfig("fid_cpu", 2, 5)], device="cpu")
+
+
+def test_gradient_edits_apply_to_the_step(sokpy_host):
+    sokpy = sokpy_host
+    v = sokpy.Variable(4, 2, initializer=0.0, name="fid_grad_edit")
+    opt = sokpy.optim.SGD([v], lr=1.0)
+    sokpy.lookup_sparse(v, [[1]], combiners="sum").sum().mul(10).backward()
+    assert v.grad is v.grad  # one gradient object until the next backward or step
+    v.grad.values.mul_(0.1)
+    opt.step()
+    assert torch.equal(sokpy.export(v)[1][1], torch.tensor([-1.0, -1.0]))  # not -10
+    opt.zero_grad()
+    sokpy.lookup_sparse(v, [[1, 2]], combiners="sum").sum().backward()
+    v.grad.values[:] = float("nan")
+    before = sokpy.export(v)[1].clone()
+    with pytest.raises(sokpy.InputError, match="table 'fid_grad_edit': the gradient of key 1, .* is not finite"):
+        opt.step()
+    assert torch.equal(sokpy.export(v)[1], before)
+
+
+def test_clip_grad_norm_one_process(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import clip_grad_norm_
+
+    v = sokpy.Variable(4, 2, initializer=1.0, name="fid_clip")
+    lin = torch.nn.Linear(2, 1)
+    sokpy.lookup_sparse(v, [[0], [3]], combiners="sum").sum().mul(3).backward()  # two rows of [3, 3]
+    lin.weight.grad, lin.bias.grad = torch.full((1, 2), 4.0), torch.zeros(1)
+    want = torch.tensor([3.0, 3, 3, 3, 4, 4, 0]).norm()
+    for order, norm in ((2.0, want), (float("inf"), torch.tensor(4.0))):
+        got = clip_grad_norm_([lin.weight, lin.bias, v], max_norm=1e9, norm_type=order)
+        torch.testing.assert_close(got, norm)
+    got = clip_grad_norm_([lin.weight, lin.bias, v], max_norm=1.0)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(v.grad.values, torch.full((2, 2), 3.0) / (want + 1e-6))
+    torch.testing.assert_close(lin.weight.grad, torch.full((1, 2), 4.0) / (want + 1e-6))
+    v.grad.values[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="not finite"):
+        clip_grad_norm_([v], 1.0, error_if_nonfinite=True)
+
+
+def test_eval_mode_does_not_grow_dynamic_tables(sokpy_host):
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("fid_eval", 2, None, ["f"])])
+    (d,) = ebc.tables()
+    ebc({"f": [[1, 2]]})
+    assert d.local_size() == 2
+    ebc.eval()
+    with torch.no_grad():
+        out = ebc({"f": [[1], [7, 8, 9]]})
+    assert d.local_size() == 2 and torch.equal(out["f"][1], torch.zeros(2))  # unseen keys: zero rows
+    always = EmbeddingBagCollection([EmbeddingBagConfig("fid_eval_in", 2, None, ["f"])], insert=True).eval()
+    always({"f": [[5]]})
+    assert always.tables()[0].local_size() == 1  # asked for explicitly
+
+
+def test_variable_batch_kjt_is_refused_by_name(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+    class VariableBatchKJT(KeyedJaggedTensor):  # TorchRec's VBE KJT says so
+        def variable_stride_per_key(self):
+            return True
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("fid_vbe", 2, 10, ["a", "b"])])
+    lengths = torch.tensor([1, 1, 2])  # a: 1 bag, b: 2 bags
+    for kjt in (
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=lengths),
+        VariableBatchKJT(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=lengths),
+        VariableBatchKJT(["b", "a"], torch.tensor([1, 2, 3, 4]), lengths=lengths),
+    ):
+        with pytest.raises(sokpy.InputError, match="variable batch sizes per feature \\(TorchRec's VBE\\)"):
+            ebc(kjt)
+    v, w = ebc.tables()[0], sokpy.Variable(10, 2, name="fid_vbe_w")
+    with pytest.raises(sokpy.InputError, match="variable batch sizes per feature"):
+        sokpy.lookup_sparse([v, w], KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=lengths))
+
+
+def test_sequence_lookup_and_collection_one_process(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+
+    ec = EmbeddingCollection([EmbeddingConfig("fid_ec", 3, 10, ["h", "g"])])
+    (t,) = ec.tables()
+    rows = sokpy.export(t)[1]
+    kjt = KeyedJaggedTensor(["g", "h"], torch.tensor([4, 1, 2, 2]), lengths=torch.tensor([1, 0, 3, 0]))
+    out = ec(kjt)
+    assert torch.equal(out["h"].values(), rows[[1, 2, 2]]) and out["h"].offsets().tolist() == [0, 3, 3]
+    assert torch.equal(out["g"].values(), rows[[4]]) and out["g"].lengths().tolist() == [1, 0]
+    assert out["h"].to_padded_dense().shape == (2, 3, 3)
+    got = sokpy.lookup_sequence(t, sokpy.Ragged(torch.tensor([9, 0]), torch.tensor([0, 2])))
+    assert torch.equal(got, rows[[9, 0]])
+    with pytest.raises(sokpy.InputError, match="takes no weights"):
+        sokpy.lookup_sequence([t], KeyedJaggedTensor(["h"], torch.tensor([1]), lengths=[1], weights=torch.ones(1)))
+
+
+def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
+    sokpy = sokpy_host
+    from sokpy.nn import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+        KeyedJaggedTensor,
+        inference_module,
+    )
+
+    configs = [EmbeddingBagConfig("fid_srv", 4, 20, ["a"], "sqrtn"), EmbeddingBagConfig("fid_srv_d", 2, None, ["b"])]
+    ebc = EmbeddingBagCollection(configs)
+    ebc({"a": [[1]], "b": [[3, 4]]})
+    sokpy.save(tmp_path / "ckpt", ebc.tables())
+    ebc.eval()
+    feats = {
+        "a": (torch.tensor([1, 2, 19]), torch.tensor([0, 2, 2, 3]), torch.tensor([0.5, 2.0, 1.0])),
+        "b": (torch.tensor([3, 5, 4]), torch.tensor([0, 1, 1, 3])),
+    }
+    want = ebc({"a": sokpy.Ragged(*feats["a"]), "b": feats["b"]})
+    for served in (inference_module(ebc), inference_module(tmp_path / "ckpt", configs)):
+        got = served(feats)
+        for f in want:
+            torch.testing.assert_close(got[f], want[f], rtol=1e-6, atol=0)
+        program = torch.export.export(served, (feats,))
+        torch.testing.assert_close(program.module()(feats)["a"], want["a"], rtol=1e-6, atol=0)
+        kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 19, 3, 5, 4]), lengths=torch.tensor([2, 0, 1, 1, 0, 2]))
+        torch.testing.assert_close(served(kjt)["b"], ebc(kjt)["b"], rtol=1e-6, atol=0)
+    ec = EmbeddingCollection([EmbeddingConfig("fid_srv_seq", 2, 6, ["s"])])
+    served = inference_module(ec)
+    pair = (torch.tensor([5, 0, 5]), torch.tensor([0, 1, 3]))
+    out = torch.export.export(served, ({"s": pair},)).module()({"s": pair})["s"]
+    assert torch.equal(out.values(), ec({"s": pair})["s"].values())
+    with pytest.raises(ValueError, match="needs the configs"):
+        inference_module(tmp_path / "ckpt")
