@@ -6,13 +6,26 @@ link to a switch (a bridge inside a namespace of its own), shaped in both direct
 ``tc ... tbf`` at the given rate. ``mpirun`` runs on the first node and starts its daemon
 on every other node through a launch agent (instead of ssh) that enters that node's
 namespace and sets its hostname; Open MPI's TCP transport and out-of-band channel are held
-to the emulated subnet. Nothing is added to the machine's own network namespace, and
-everything is removed when the run ends, also when it fails or is interrupted.
+to the emulated subnet. Nothing is added to the machine's own network namespace.
+
+A run is named ``sokpyn<pid>-<k>`` (the pid of the process that made it) and its namespaces
+``<run>-switch``, ``<run>-node0``, ...; a record in ``/run/sokpy-nodes/<run>.json`` names
+them and the process that made them. When the run ends (the job finishes, fails, times out,
+or sokpy-nodes gets SIGINT, SIGTERM or SIGHUP), every process inside its namespaces is ended
+(SIGTERM, then SIGKILL after a few seconds): mpirun, the daemons on the other nodes and
+every rank. Then the namespaces and the record are removed. Only a run whose process was
+killed outright (SIGKILL) leaves anything behind; ``--cleanup`` removes that.
 
 From the shell (``sokpy-nodes``, also ``launch/sokpy-nodes``)::
 
     sokpy-nodes --nodes 2 --ranks-per-node 2 --rate 1gbit -- python train.py
-    sokpy-nodes --cleanup        # removes what an interrupted run left behind
+    sokpy-nodes --cleanup              # runs whose sokpy-nodes is gone (killed)
+    sokpy-nodes --cleanup sokpyn4242-0 # that run, even while its sokpy-nodes still runs
+
+``--cleanup`` ends the processes and removes the namespaces and record of the runs it is
+given, or with no run given, of every recorded run whose process is gone. Runs still alive
+and ``sokpyn`` namespaces without a record (made by someone else) are left alone unless
+named.
 
 From Python (tests, benchmarks)::
 
@@ -24,6 +37,8 @@ From Python (tests, benchmarks)::
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import re
 import shlex
@@ -32,11 +47,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["EmulatedNodes", "available", "cleanup", "main"]
+__all__ = ["EmulatedNodes", "Interrupted", "available", "cleanup", "end_processes", "main"]
 
 PREFIX = "sokpyn"  # every namespace this module creates starts with it
+RECORDS = Path("/run/sokpy-nodes")  # <run>.json per live run; /run is emptied at boot, as namespaces are
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the run and everything it started
+_runs_made = itertools.count()  # k in the run names sokpyn<pid>-<k> of this process
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -63,18 +84,109 @@ def available() -> tuple[bool, str]:
 
 
 def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def cleanup(tag: str = PREFIX) -> list[str]:
-    """Removes every namespace whose name starts with ``tag`` (their links go with them)."""
-    gone = []
-    for ns in _namespaces():
-        if ns.startswith(tag):
-            _ip("ip", "netns", "del", ns, check=False)
-            gone.append(ns)
-    return gone
+def _run_of(ns: str) -> str | None:
+    """The run a namespace of this module belongs to (``sokpyn4242-0`` for ``sokpyn4242-0-node1``)."""
+    m = re.fullmatch(rf"({PREFIX}\S+)-(?:switch|node\d+)", ns)
+    return m.group(1) if m else None
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), None if there is no
+    such process: with the pid it tells a run's process from a later one given the same pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def _records() -> dict[str, dict]:
+    """The records of the runs on this machine, by run name."""
+    found = {}
+    for path in sorted(RECORDS.glob(f"{PREFIX}*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            found[rec["run"]] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours
+    return found
+
+
+def _alive(record: dict) -> bool:
+    """Whether the process that made a run still runs."""
+    return _start_time(int(record["pid"])) == record["started"]
+
+
+def _pids(ns: str) -> set[int]:
+    res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    return {int(p) for p in res.stdout.split()}
+
+
+def end_processes(namespaces: Iterable[str], grace: float = 3.0) -> set[int]:
+    """Ends every process inside ``namespaces``: SIGTERM, then SIGKILL to those still there
+    after ``grace`` seconds (one that appears meanwhile is signalled too); waits up to 5 s
+    more for them to go and returns the pids still there (none, unless one cannot die)."""
+    namespaces = list(namespaces)
+    start, termed = time.monotonic(), set()
+    while True:
+        pids = {p for ns in namespaces for p in _pids(ns)} - {os.getpid()}
+        waited = time.monotonic() - start
+        if not pids or waited > grace + 5:
+            return pids
+        for pid in pids:
+            if waited > grace or pid not in termed:
+                try:
+                    os.kill(pid, signal.SIGKILL if waited > grace else signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        termed |= pids
+        time.sleep(0.1)
+
+
+def _remove_run(run: str, namespaces: Iterable[str]) -> list[str]:
+    """Ends the processes inside a run's namespaces, then removes the namespaces (their links
+    go with them) and the run's record; returns the namespaces removed."""
+    existing = set(_namespaces())
+    namespaces = [ns for ns in namespaces if ns in existing]
+    end_processes(namespaces)
+    for ns in namespaces:
+        _ip("ip", "netns", "del", ns, check=False)
+    (RECORDS / f"{run}.json").unlink(missing_ok=True)
+    return namespaces
+
+
+def cleanup(runs: Iterable[str] = ()) -> list[str]:
+    """Removes runs left behind: the processes inside their namespaces, the namespaces and the
+    records. With ``runs`` (names such as ``sokpyn4242-0``): those runs, whether or not the
+    process that made them still runs, and a name that is no run raises ValueError. Without:
+    every recorded run whose process is gone. Returns the namespaces removed."""
+    records, existing = _records(), _namespaces()
+
+    def namespaces_of(run: str) -> list[str]:
+        return sorted(set(records.get(run, {}).get("namespaces", [])) | {ns for ns in existing if _run_of(ns) == run})
+
+    runs = [runs] if isinstance(runs, str) else list(runs)
+    unknown = [run for run in runs if run not in records and not namespaces_of(run)]
+    if unknown:
+        raise ValueError(f"emulated nodes: no run {', '.join(unknown)} on this machine")
+    if not runs:
+        runs = [run for run, rec in records.items() if not _alive(rec)]
+    return [ns for run in runs for ns in _remove_run(run, namespaces_of(run))]
+
+
+def _left_alone() -> list[str]:
+    """What ``cleanup()`` without runs leaves: one line per run still alive or not recorded."""
+    records, lines = _records(), []
+    for run, rec in records.items():
+        if _alive(rec):
+            lines.append(f"{run} (its sokpy-nodes, pid {rec['pid']}, still runs)")
+    unrecorded = sorted({_run_of(ns) for ns in _namespaces() if _run_of(ns)} - set(records))
+    lines += [f"{run} (no record: made by another program or version)" for run in unrecorded]
+    return lines
 
 
 def _free_subnet() -> str:
@@ -133,31 +245,45 @@ def default_burst(rate: str) -> str:
     return str(max(32 * 1024, int(rate_bits(rate) / 8 * 0.25e-3)))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread when SIGINT, SIGTERM or SIGHUP arrives during a run, after
+    which the run ends every process it started and removes its namespaces."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"emulated nodes: {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class EmulatedNodes:
     """``nodes`` emulated nodes named node0, node1, ..., each linked to a switch at ``rate``
-    (a tc rate such as "1gbit", "10gbit", "25gbit"); a context manager that tears everything
-    down on exit. ``burst`` (bytes, or a tc size such as "1mb") is the token bucket of each
-    link direction; by default a quarter millisecond of ``rate`` (``default_burst``)."""
+    (a tc rate such as "1gbit", "10gbit", "25gbit"); a context manager that, on exit, ends
+    every process inside the nodes and removes them. ``burst`` (bytes, or a tc size such as
+    "1mb") is the token bucket of each link direction; by default a quarter millisecond of
+    ``rate`` (``default_burst``). Entered in the main thread, it turns SIGINT, SIGTERM and
+    SIGHUP into ``Interrupted`` (a KeyboardInterrupt) until it exits."""
 
     def __init__(self, nodes: int = 2, rate: str = "10gbit", burst: str | None = None, latency: str = "50ms"):
         if nodes < 1:
             raise ValueError("emulated nodes: at least one node")
         burst = default_burst(rate) if burst is None else burst
         self.nodes, self.rate, self.burst, self.latency = int(nodes), rate, burst, latency
-        self.tag = f"{PREFIX}{os.getpid()}"
         self.names = [f"node{i}" for i in range(self.nodes)]
+        self.tag = ""  # the run's name, sokpyn<pid>-<k>, once entered
+        self.namespaces: list[str] = []  # <tag>-switch, <tag>-node0, ...
         self.cpus = _node_cpus(self.nodes)
         self.subnet = ""
         self._dir: tempfile.TemporaryDirectory | None = None
         self._old_handlers: dict = {}
+        self._ending = False  # ending processes or closing: further signals wait for that
 
     # ---- set-up and tear-down --------------------------------------------------------------
     def __enter__(self) -> EmulatedNodes:
         ok, why = available()
         if not ok:
             raise RuntimeError(why)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old_handlers[sig] = signal.signal(sig, self._interrupted)
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
             self._build()
         except BaseException:
@@ -168,11 +294,12 @@ class EmulatedNodes:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _interrupted(self, signum, frame):
-        self.close()
-        raise KeyboardInterrupt(f"emulated nodes: signal {signum}")
+    def _on_signal(self, signum, frame):
+        if not self._ending:  # else the run is already ending everything: let it finish
+            raise Interrupted(signum)
 
     def _build(self) -> None:
+        self._claim_name()
         self.subnet = _free_subnet()
         sw = f"{self.tag}-switch"
         _ip("ip", "netns", "add", sw)
@@ -196,15 +323,51 @@ class EmulatedNodes:
         agent.chmod(0o700)
         self.agent = str(agent)
 
+    def _claim_name(self) -> None:
+        """Names the run and records it before any namespace exists (so that a run killed
+        while it is built is found by --cleanup): the first sokpyn<pid>-<k> that has neither
+        a record nor a namespace (an earlier process with this pid may have left some)."""
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        existing = {_run_of(ns) for ns in _namespaces()}
+        while True:
+            tag = f"{PREFIX}{os.getpid()}-{next(_runs_made)}"
+            if tag in existing:
+                continue
+            try:
+                with open(RECORDS / f"{tag}.json", "x") as f:  # "x": no other process has it
+                    self.tag = tag
+                    self.namespaces = [f"{tag}-switch", *(f"{tag}-{n}" for n in self.names)]
+                    record = {"run": tag, "pid": os.getpid(), "started": _start_time(os.getpid())}
+                    f.write(json.dumps({**record, "namespaces": self.namespaces}) + "\n")
+                return
+            except FileExistsError:
+                continue
+
+    def end_processes(self, grace: float = 3.0) -> set[int]:
+        """Ends every process inside the nodes (see ``end_processes``); returns those left.
+        SIGINT, SIGTERM and SIGHUP that arrive meanwhile are ignored (as in ``close``)."""
+        ending, self._ending = self._ending, True
+        try:
+            return end_processes(self.namespaces, grace)
+        finally:
+            self._ending = ending
+
     def close(self) -> None:
-        """Removes the namespaces (and with them the links) and the agent; idempotent."""
-        cleanup(self.tag + "-")
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers = {}
+        """Ends every process inside the nodes, then removes the namespaces (and with them the
+        links), the run's record and the agent; idempotent. Signals that arrive meanwhile
+        are ignored, so that a second Ctrl-C cannot cut it short."""
+        self._ending = True
+        try:
+            if self.tag:
+                _remove_run(self.tag, self.namespaces)
+            if self._dir is not None:
+                self._dir.cleanup()
+                self._dir = None
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+            self._old_handlers = {}
+            self._ending = False
 
     # ---- running jobs -------------------------------------------------------------------------
     def command(self, program: list[str], ranks_per_node: int = 1, mpirun_args=()) -> tuple[list[str], dict]:
@@ -251,11 +414,17 @@ class EmulatedNodes:
 
     def run(self, program: list[str], ranks_per_node: int = 1, timeout: float = 600, mpirun_args=(), **kwargs):
         """Runs ``program`` across the nodes; returns the CompletedProcess (output captured
-        unless ``capture_output=False`` is passed)."""
+        unless ``capture_output=False`` is passed). However the job ends (done, failed, past
+        ``timeout``: subprocess.TimeoutExpired, interrupted), no process is left on the
+        nodes when this returns or raises: mpirun alone would leave the other nodes' daemons
+        and ranks running when it is killed."""
         cmd, env = self.command(program, ranks_per_node, mpirun_args)
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(cmd, env=env, timeout=timeout, **kwargs)
+        try:
+            return subprocess.run(cmd, env=env, timeout=timeout, **kwargs)
+        finally:
+            self.end_processes()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,22 +442,39 @@ def main(argv: list[str] | None = None) -> None:
         "(default: a quarter millisecond of --rate, at least 32 KB)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is ended")
-    p.add_argument("--cleanup", action="store_true", help="remove namespaces an interrupted run left, and exit")
+    p.add_argument(
+        "--cleanup",
+        nargs="*",
+        metavar="RUN",
+        help="end the processes and remove the namespaces of the runs named (sokpyn<pid>-<k>, as a run "
+        "prints when it starts), or with none named, of every recorded run whose sokpy-nodes is gone; and exit",
+    )
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- python script.py [args]")
     args = p.parse_args(argv)
-    if args.cleanup:
-        print("removed:", " ".join(cleanup()) or "nothing")
+    if args.cleanup is not None:
+        try:
+            print("removed:", " ".join(cleanup(args.cleanup)) or "nothing")
+        except ValueError as e:
+            sys.exit(str(e))
+        if not args.cleanup:
+            for line in _left_alone():
+                print("left alone:", line)
         return
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         p.error("no program: sokpy-nodes [options] -- python script.py")
-    with EmulatedNodes(args.nodes, args.rate, burst=args.burst) as cluster:
-        try:
-            res = cluster.run(program, args.ranks_per_node, timeout=args.timeout, capture_output=False)
-            code = res.returncode
-        except subprocess.TimeoutExpired:
-            print(f"sokpy-nodes: the job ran past --timeout {args.timeout:g} s", file=sys.stderr)
-            code = 124
+    try:
+        with EmulatedNodes(args.nodes, args.rate, burst=args.burst) as cluster:
+            print(f"sokpy-nodes: run {cluster.tag} ({', '.join(cluster.namespaces)})", file=sys.stderr, flush=True)
+            try:
+                res = cluster.run(program, args.ranks_per_node, timeout=args.timeout, capture_output=False)
+                code = res.returncode
+            except subprocess.TimeoutExpired:
+                print(f"sokpy-nodes: the job ran past --timeout {args.timeout:g} s", file=sys.stderr)
+                code = 124
+    except Interrupted as e:
+        print(f"sokpy-nodes: {signal.Signals(e.signum).name}: ended the job on every node", file=sys.stderr)
+        code = 128 + e.signum
     sys.exit(code)
 
 

@@ -1,8 +1,9 @@
 """Jobs across emulated nodes (sokpy/emulated_nodes.py: network namespaces joined by
 rate-limited links, Open MPI over TCP between them): 2 nodes x 2 ranks give the results of
 the independent references and of a 1-rank run, node-local ranks follow the node, and a
-failure on one node ends the job on both. Skipped, saying why, where namespaces cannot be
-made (not root, no `ip`)."""
+failure on one node ends the job on both, leaving no process on either node, as a timeout
+does (signals and --cleanup: tests/test_nodes_interrupt.py). Skipped, saying why, where
+namespaces cannot be made (not root, no `ip`)."""
 
 import json
 import os
@@ -105,6 +106,16 @@ def test_a_failure_on_one_node_ends_the_job_on_both(cluster):
     assert res.returncode != 0 and "finished" not in out, out[-3000:]
     assert "uncaught exception on rank 1 of 4 (host node0" in out, out[-3000:]
     assert took < 30, f"the job took {took:.0f} s"
+    assert not any(emulated_nodes._pids(ns) for ns in cluster.namespaces), "processes left on the nodes"
+
+
+def test_a_job_past_its_timeout_leaves_no_process_on_the_nodes(cluster, tmp_path):
+    """Killing mpirun at the timeout would leave the other node's daemon and ranks running:
+    run() ends every process inside the nodes."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        cluster.run(["python", str(WORKERS / "loop_worker.py"), str(tmp_path), "timeout"], timeout=45)
+    assert sorted(p.read_text() for p in tmp_path.glob("ready.*")) == ["node0", "node1"], "the job did not start"
+    assert not any(emulated_nodes._pids(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
 
 def test_multinode_benchmark_counts_its_bytes(tmp_path):
