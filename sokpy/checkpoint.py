@@ -16,7 +16,9 @@ pickles): a serving system can read a table without sokpy (``docs/checkpoints.md
 file to disk, renames the folder, writes the new manifest under a temporary name and puts it
 in place with one ``rename``; only then is the previous data folder removed. A process killed
 at any moment leaves ``path/manifest.json`` naming a complete data folder: the previous
-checkpoint or the new one, never a mix.
+checkpoint or the new one, never a mix. The temporary folder's name holds rank 0's pid and
+host (``.staging-<token>-<pid>@<host>``): the next save or load of the path whose rank 0 runs
+on that host removes it once that process is gone.
 
 **Any world size.** ``load`` reads each saved rank's files on one rank (round robin), checks
 their size and CRC-32, and sends every row with its optimizer slots to its owner under the
@@ -49,6 +51,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 import zlib
 from pathlib import Path
@@ -65,6 +68,10 @@ FORMAT = "sokpy-checkpoint"
 VERSION = 1
 _FILE_RE = re.compile(r"^t\d+\.r\d+\.[A-Za-z_][A-Za-z0-9_]*\.npy$")
 _DATA_RE = re.compile(r"^data-[0-9a-f]{32}$")
+_MANIFEST_TMP_RE = re.compile(r"^\.manifest-[0-9a-f]{32}\.json$")
+# A save's staging folder names the process that writes it (rank 0's pid and host), so that a
+# later save or load can tell a killed save's leftover from a live save's folder.
+_STAGING_RE = re.compile(r"^\.staging-[0-9a-f]{32}-(\d+)@([A-Za-z0-9._-]+)$")
 _CHUNK = 64 << 20  # bytes per write / checksum step
 
 
@@ -333,9 +340,10 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     opt_tables = set() if optimizer is None else {id(v) for _, v in optimizer.variables()}
     with collective.Call("save", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
         _agree(call, error)
-        token = comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None, root=0)
-        staging = path / f".staging-{token}"
+        token = uuid.uuid4().hex
+        token, staging = comm.bcast((token, path / _staging_name(token)) if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
+            _remove_killed_staging(path)
             try:
                 staging.mkdir(parents=True)
             except Exception as e:  # noqa: BLE001
@@ -380,7 +388,7 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
 
 def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int, extra) -> None:
     """Rank 0: puts the staged data folder and a new manifest in place; removes what the
-    previous manifest named and any leftovers of interrupted saves."""
+    previous manifest named and the leftovers of killed saves."""
     _fsync_dir(staging)
     data = path / f"data-{token}"
     os.rename(staging, data)
@@ -407,12 +415,52 @@ def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, 
         os.fsync(f.fileno())
     os.replace(tmp, path / "manifest.json")  # the moment the new checkpoint takes effect
     _fsync_dir(path)
-    for entry in path.iterdir():  # the previous data folder and leftovers of interrupted saves
-        if entry.name != data.name and (entry.name.startswith(("data-", ".staging-", ".manifest-"))):
+    for entry in path.iterdir():  # the previous data folder; a data folder or manifest a killed save left
+        if entry.name != data.name and (_DATA_RE.match(entry.name) or _MANIFEST_TMP_RE.match(entry.name)):
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
+    _remove_killed_staging(path)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _staging_name(token: str) -> str:
+    """The name of this process's staging folder for a save (see ``_STAGING_RE``)."""
+    return f".staging-{token}-{os.getpid()}@{_host()}"
+
+
+def _writer_gone(pid: int, host: str) -> bool:
+    """Whether the process ``pid`` on ``host``, which named a staging folder, surely writes it
+    no more: it is this process (which writes a staging folder only inside ``save``) or a
+    process of this host that has exited. A process of another host cannot be checked."""
+    if host != _host() or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's)
+        return False
+    return False
+
+
+def _remove_killed_staging(path: Path) -> None:
+    """Removes the staging folders in ``path`` that killed saves left (named by sokpy, their
+    writer gone: see :func:`_writer_gone`). Never raises: what cannot be removed stays."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = _STAGING_RE.match(entry.name)
+        if m and entry.is_dir() and _writer_gone(int(m[1]), m[2]):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _agree(call, error: str | None, cleanup: Path | None = None) -> None:
@@ -478,6 +526,8 @@ def load(path, variables, optimizer=None):
     comm = runtime.comm()
     variables = list(variables)
     path = Path(path).absolute()
+    if comm.rank == 0:
+        _remove_killed_staging(path)
     m, error = None, None
     try:
         m = _read_manifest(path)

@@ -1,6 +1,6 @@
 """sokpy.save / sokpy.load: resharding across world sizes, exact resumption, damaged
 checkpoints (and how their errors name the file, table and rank), and saves killed at random
-moments."""
+moments or with their data staged."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, run_mpi, run_python
 
 
 def npz(path):
@@ -120,7 +120,8 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         )
         loaded_versions.append(version)
         manifest = json.loads((path / "manifest.json").read_text())
-        assert (path / manifest["data"]).is_dir()  # (leftovers of the killed save go at the next save)
+        assert (path / manifest["data"]).is_dir()
+        assert not list(path.glob(".staging-*")), "the load left the killed save's staging folder"
     # The kills landed at different moments: not always right after a save completed.
     assert len(set(loaded_versions)) > 1
 
@@ -231,3 +232,44 @@ def test_a_load_error_names_each_rank_once(tmp_path):
     assert lines[0].startswith(f"sokpy.load: rank 0: {ckpt / 'manifest.json'}: table 'ck_static_prefix' is not in")
     assert lines[1].startswith(f"rank 1: {ckpt / 'manifest.json'}: table 'ck_static_prefix' is not in")
     assert len(lines) == 2 and missing.count("rank ") == 2
+
+
+# ---- a save killed with its data staged --------------------------------------------------------
+
+KILLED_SAVER = r"""
+import os, signal, sokpy
+sokpy.init(backend="host")
+v = sokpy.Variable(10, 4, name=os.environ["TABLE"])
+sokpy.save(os.environ["CKPT"], [v])  # a whole checkpoint
+sokpy.checkpoint._commit = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed with its files staged
+sokpy.save(os.environ["CKPT"], [v])
+"""
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_killed_saves_staging_folder_is_removed_by_the_next_save_or_load(sokpy_host, tmp_path, op):
+    """The staging folder a killed save left goes at the next save or load of the path; one
+    whose writer still runs (its name holds a live pid of this host) and a folder sokpy did not
+    name stay."""
+    sokpy = sokpy_host
+    path, name = tmp_path / "ckpt", f"ckpt_killed_{op}"
+    res = run_python(KILLED_SAVER, env={"CKPT": str(path), "TABLE": name})
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    (left,) = path.glob(".staging-*")
+    assert sorted(f.name for f in left.iterdir()) == ["t0.r0.keys.npy", "t0.r0.values.npy"]
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = path / re.sub(r"-\d+@", f"-{writer.pid}@", left.name)
+        live.mkdir()
+        other = path / ".staging-mine"
+        other.mkdir()
+        v = sokpy.Variable(10, 4, name=name)
+        if op == "save":
+            sokpy.save(path, [v])
+        else:
+            sokpy.load(path, [v])
+        assert not left.exists()
+        assert live.is_dir() and other.is_dir()
+    finally:
+        writer.kill()
+        writer.wait()
