@@ -16,15 +16,18 @@ pickles): a serving system can read a table without sokpy (``docs/checkpoints.md
 file to disk, renames the folder, writes the new manifest under a temporary name and puts it
 in place with one ``rename``; only then is the previous data folder removed. A process killed
 at any moment leaves ``path/manifest.json`` naming a complete data folder: the previous
-checkpoint or the new one, never a mix.
+checkpoint or the new one, never a mix. The temporary folder's name holds rank 0's pid and
+host (``.staging-<token>-<pid>@<host>``): the next save or load of the path whose rank 0 runs
+on that host removes it once that process is gone.
 
 **Any world size.** ``load`` reads each saved rank's files on one rank (round robin), checks
 their size and CRC-32, and sends every row with its optimizer slots to its owner under the
-current placement. Every check (format version, missing or extra table, dim, kind, rows, a
-corrupt or missing file, the optimizer's kind and groups) runs before anything changes; a
-failure raises the same :class:`~sokpy.errors.CheckpointError` on every rank, naming the file
-and the table, and no table or optimizer state changes. A dynamic table ends with exactly the
-saved rows; a static table's rows are all replaced.
+current placement. Every check (a manifest that is valid JSON of the format version this sokpy
+reads, missing or extra table, dim, kind, rows, a corrupt or missing file, the optimizer's
+kind and groups) runs before anything changes; a failure raises the same
+:class:`~sokpy.errors.CheckpointError` on every rank, naming the file and the table, and no
+table or optimizer state changes. A dynamic table ends with exactly the saved rows; a static
+table's rows are all replaced.
 
 Loading never runs code from the checkpoint: arrays are read with ``allow_pickle=False``, the
 manifest is JSON, and every file name in it must match the pattern above (no path taken from
@@ -48,6 +51,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 import zlib
 from pathlib import Path
@@ -64,6 +68,10 @@ FORMAT = "sokpy-checkpoint"
 VERSION = 1
 _FILE_RE = re.compile(r"^t\d+\.r\d+\.[A-Za-z_][A-Za-z0-9_]*\.npy$")
 _DATA_RE = re.compile(r"^data-[0-9a-f]{32}$")
+_MANIFEST_TMP_RE = re.compile(r"^\.manifest-[0-9a-f]{32}\.json$")
+# A save's staging folder names the process that writes it (rank 0's pid and host), so that a
+# later save or load can tell a killed save's leftover from a live save's folder.
+_STAGING_RE = re.compile(r"^\.staging-[0-9a-f]{32}-(\d+)@([A-Za-z0-9._-]+)$")
 _CHUNK = 64 << 20  # bytes per write / checksum step
 
 
@@ -94,12 +102,13 @@ def _write_npy(path: Path, array: np.ndarray) -> dict:
 
 
 def _read_npy(path: Path, entry: dict, dtype, ncols: int | None) -> np.ndarray:
-    """Reads a .npy file the manifest describes, checking its size, CRC-32, dtype and shape;
-    raises ValueError saying what is wrong."""
+    """Reads a .npy file the manifest describes, checking its size, header, CRC-32, dtype and
+    shape; raises ValueError saying what is wrong (OSError where the file cannot be read)."""
     if not path.is_file():
         raise ValueError("the file is missing")
-    if path.stat().st_size != entry["bytes"]:
-        raise ValueError(f"the file has {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated?)")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ValueError(f"the file has {size} bytes, the manifest says {entry['bytes']} (truncated?)")
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -118,6 +127,8 @@ def _read_npy(path: Path, entry: dict, dtype, ncols: int | None) -> np.ndarray:
             raise ValueError(
                 f"the array is {dt} {list(shape)}, expected {np.dtype(dtype)} [n{'' if ncols is None else f', {ncols}'}]"
             )
+        if header_len + int(np.prod(shape, dtype=np.int64)) * dt.itemsize != size:  # before allocating it
+            raise ValueError(f"the header says {list(shape)}, which does not fit the file's {size} bytes")
         out = np.empty(shape, dt)
         view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(bytearray())
         for lo in range(0, len(view), _CHUNK):
@@ -130,6 +141,29 @@ def _read_npy(path: Path, entry: dict, dtype, ncols: int | None) -> np.ndarray:
     return out
 
 
+def _read_file(data: Path, entry: dict, table: str, dtype, ncols: int | None) -> np.ndarray:
+    """:func:`_read_npy` of one of ``table``'s files in the data folder ``data``; any fault is
+    a CheckpointError naming the file (its path) and the table."""
+    path = data / entry["file"]
+    try:
+        return _read_npy(path, entry, dtype, ncols)
+    except (ValueError, OSError) as e:
+        reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{path}: table {table!r}: {reason}") from None
+
+
+def _read_rank(data: Path, spec: dict, group: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values one saved rank (``group``) wrote of the table ``spec``, checked."""
+    keys = _read_file(data, group["keys"], spec["name"], np.int64, None)
+    values = _read_file(data, group["values"], spec["name"], np.float32, spec["dim"])
+    if keys.shape[0] != group["rows"] or values.shape[0] != group["rows"]:
+        raise CheckpointError(
+            f"{data / group['keys']['file']}: table {spec['name']!r}: {keys.shape[0]} keys and "
+            f"{values.shape[0]} rows, the manifest says {group['rows']}"
+        )
+    return keys, values
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -139,45 +173,108 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _read_manifest(path: Path) -> dict:
-    manifest = path / "manifest.json"
-    if not manifest.is_file():
-        raise ValueError(f"{manifest} does not exist (not a sokpy checkpoint, or none was saved there yet)")
-    m = json.loads(manifest.read_text())
-    if m.get("format") != FORMAT:
-        raise ValueError(f"{manifest} is not a sokpy checkpoint manifest")
-    if int(m.get("version", 0)) > VERSION:
-        raise ValueError(
-            f"{manifest} was written in checkpoint format version {m['version']}, newer than this "
-            f"sokpy reads ({VERSION}); upgrade sokpy"
+    """The manifest of the checkpoint at ``path``, checked: a format and version this sokpy
+    reads, and every entry that loading reads (so a damaged one cannot fail later, half way);
+    any fault is a CheckpointError naming the manifest (and the table where one is concerned)."""
+    file = path / "manifest.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist (not a sokpy checkpoint, or none was saved there yet)")
+    try:
+        m = json.loads(file.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read: {type(e).__name__}: {e}") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{file} is not valid JSON (truncated or damaged?): {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f'{file} is not a sokpy checkpoint manifest (no "format": "{FORMAT}")')
+    version = m.get("version")
+    if version is None:
+        raise CheckpointError(f'{file} has no "version" (damaged?); this sokpy reads version {VERSION}')
+    if type(version) is int and version > VERSION:
+        raise CheckpointError(
+            f"{file} was written in checkpoint format version {version}, newer than this sokpy reads "
+            f"({VERSION}); upgrade sokpy"
         )
-    if not _DATA_RE.match(str(m.get("data", ""))):
-        raise ValueError(f"{manifest} names a data folder {m.get('data')!r} that is not one of a checkpoint")
-    for t in m["tables"]:
-        for group in t["files"]:
-            for entry in [group["keys"], group["values"], *group.get("slots", {}).values()]:
-                if not _FILE_RE.match(str(entry.get("file", ""))):
-                    raise ValueError(f"{manifest} names a file {entry.get('file')!r} that is not one of a checkpoint")
+    if type(version) is not int or version != VERSION:
+        raise CheckpointError(
+            f"{file} has an unknown checkpoint format version {version!r} (this sokpy reads {VERSION})"
+        )
+    _check_manifest(file, m)
     return m
+
+
+def _check_manifest(file: Path, m: dict) -> None:
+    """Raises a CheckpointError naming ``file`` (and the table) when an entry that loading
+    reads is missing or of the wrong type, or a file or folder name is not one of a checkpoint
+    (no path taken from a checkpoint may point outside its folder)."""
+
+    def need(ok, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{file}: {what}")
+
+    def is_int(x) -> bool:
+        return type(x) is int
+
+    data = m.get("data")
+    need(
+        isinstance(data, str) and _DATA_RE.match(data), f"names a data folder {data!r} that is not one of a checkpoint"
+    )
+    tables = m.get("tables")
+    need(isinstance(tables, list) and all(isinstance(t, dict) for t in tables), "has no list of tables")
+    for t in tables:
+        need(isinstance(t.get("name"), str), "a table has no name")
+        where = f"table {t['name']!r}"
+        need(t.get("kind") in ("static", "dynamic"), f"{where}: kind {t.get('kind')!r} is not static or dynamic")
+        need(is_int(t.get("dim")) and t["dim"] > 0, f"{where}: no valid dim ({t.get('dim')!r})")
+        need(t["kind"] == "dynamic" or is_int(t.get("rows")), f"{where}: a static table without its rows")
+        need(isinstance(t.get("files"), list), f"{where}: no list of files")
+        for g in t["files"]:
+            ok = isinstance(g, dict) and is_int(g.get("rank")) and g["rank"] >= 0 and is_int(g.get("rows"))
+            need(ok and isinstance(g.get("slots", {}), dict), f"{where}: a saved rank's entry is damaged")
+            for entry in [g.get("keys"), g.get("values"), *g.get("slots", {}).values()]:
+                name = entry.get("file") if isinstance(entry, dict) else None
+                need(
+                    isinstance(name, str) and _FILE_RE.match(name),
+                    f"{where}: names a file {name!r} that is not one of a checkpoint",
+                )
+                need(is_int(entry.get("bytes")) and is_int(entry.get("crc32")), f"{where}: {name}: no size or CRC-32")
+    o = m.get("optimizer")
+    need(
+        o is None
+        or (
+            isinstance(o, dict)
+            and isinstance(o.get("type"), str)
+            and isinstance(o.get("param_groups"), list)
+            and all(isinstance(g, dict) for g in o["param_groups"])
+            and isinstance(o.get("steps"), dict)
+            and all(is_int(n) for n in o["steps"].values())
+        ),
+        "the optimizer's entry is damaged",
+    )
 
 
 def read_table(path, name: str):
     """``(keys, values)`` of table ``name`` in the checkpoint at ``path``, from every saved rank,
     as numpy arrays (checked against the manifest). Needs no sokpy runtime: serving code can
-    use this, or numpy directly (``docs/checkpoints.md``).
+    use this, or numpy directly (``docs/checkpoints.md``). A missing, truncated or corrupt
+    manifest or file, or a table the checkpoint does not hold, raises
+    :class:`~sokpy.errors.CheckpointError` naming the file and the table.
 
     Example::
 
         keys, values = sokpy.checkpoint.read_table("ckpt", "user")
     """
-    path = Path(path)
+    path = Path(path).absolute()
     m = _read_manifest(path)
-    entry = next((t for t in m["tables"] if t["name"] == name), None)
-    if entry is None:
-        raise KeyError(f"{path} has no table {name!r} (it has {[t['name'] for t in m['tables']]})")
-    data = path / m["data"]
-    keys = [_read_npy(data / g["keys"]["file"], g["keys"], np.int64, None) for g in entry["files"]]
-    values = [_read_npy(data / g["values"]["file"], g["values"], np.float32, entry["dim"]) for g in entry["files"]]
-    return np.concatenate(keys), np.concatenate(values)
+    spec = next((t for t in m["tables"] if t["name"] == name), None)
+    if spec is None:
+        raise CheckpointError(
+            f"{path / 'manifest.json'}: no table {name!r} (it holds {sorted(t['name'] for t in m['tables'])})"
+        )
+    parts = [_read_rank(path / m["data"], spec, group) for group in spec["files"]]
+    if not parts:
+        return np.empty(0, np.int64), np.empty((0, spec["dim"]), np.float32)
+    return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -243,9 +340,10 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     opt_tables = set() if optimizer is None else {id(v) for _, v in optimizer.variables()}
     with collective.Call("save", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
         _agree(call, error)
-        token = comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None, root=0)
-        staging = path / f".staging-{token}"
+        token = uuid.uuid4().hex
+        token, staging = comm.bcast((token, path / _staging_name(token)) if comm.rank == 0 else None, root=0)
         if comm.rank == 0:
+            _remove_killed_staging(path)
             try:
                 staging.mkdir(parents=True)
             except Exception as e:  # noqa: BLE001
@@ -256,7 +354,7 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
             for i, var in enumerate(variables):
                 mine.append(_save_shard(staging, i, var, id(var) in opt_tables))
         except Exception as e:  # noqa: BLE001 - disk full, permissions: every rank learns of it
-            error = f"rank {comm.rank}: writing {staging}: {type(e).__name__}: {e}"
+            error = f"writing {staging}: {type(e).__name__}: {e}"
         files = comm.allgather_object(mine)
         _agree(call, error, cleanup=staging if comm.rank == 0 else None)
         error = None
@@ -264,7 +362,7 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
             try:
                 _commit(path, staging, token, variables, optimizer, files, comm.size, extra)
             except Exception as e:  # noqa: BLE001
-                error = f"rank 0: committing {path}: {type(e).__name__}: {e}"
+                error = f"committing {path}: {type(e).__name__}: {e}"
                 shutil.rmtree(staging, ignore_errors=True)
         _agree(call, error)
 
@@ -290,7 +388,7 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
 
 def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int, extra) -> None:
     """Rank 0: puts the staged data folder and a new manifest in place; removes what the
-    previous manifest named and any leftovers of interrupted saves."""
+    previous manifest named and the leftovers of killed saves."""
     _fsync_dir(staging)
     data = path / f"data-{token}"
     os.rename(staging, data)
@@ -317,12 +415,52 @@ def _commit(path: Path, staging: Path, token: str, variables, optimizer, files, 
         os.fsync(f.fileno())
     os.replace(tmp, path / "manifest.json")  # the moment the new checkpoint takes effect
     _fsync_dir(path)
-    for entry in path.iterdir():  # the previous data folder and leftovers of interrupted saves
-        if entry.name != data.name and (entry.name.startswith(("data-", ".staging-", ".manifest-"))):
+    for entry in path.iterdir():  # the previous data folder; a data folder or manifest a killed save left
+        if entry.name != data.name and (_DATA_RE.match(entry.name) or _MANIFEST_TMP_RE.match(entry.name)):
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
+    _remove_killed_staging(path)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _staging_name(token: str) -> str:
+    """The name of this process's staging folder for a save (see ``_STAGING_RE``)."""
+    return f".staging-{token}-{os.getpid()}@{_host()}"
+
+
+def _writer_gone(pid: int, host: str) -> bool:
+    """Whether the process ``pid`` on ``host``, which named a staging folder, surely writes it
+    no more: it is this process (which writes a staging folder only inside ``save``) or a
+    process of this host that has exited. A process of another host cannot be checked."""
+    if host != _host() or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's)
+        return False
+    return False
+
+
+def _remove_killed_staging(path: Path) -> None:
+    """Removes the staging folders in ``path`` that killed saves left (named by sokpy, their
+    writer gone: see :func:`_writer_gone`). Never raises: what cannot be removed stays."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = _STAGING_RE.match(entry.name)
+        if m and entry.is_dir() and _writer_gone(int(m[1]), m[2]):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _agree(call, error: str | None, cleanup: Path | None = None) -> None:
@@ -388,26 +526,33 @@ def load(path, variables, optimizer=None):
     comm = runtime.comm()
     variables = list(variables)
     path = Path(path).absolute()
+    if comm.rank == 0:
+        _remove_killed_staging(path)
     m, error = None, None
     try:
         m = _read_manifest(path)
         error = _check_tables(m, variables, optimizer)
+        if error is not None:
+            error = f"{path / 'manifest.json'}: {error}"
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
-        error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        error = _reason(e)
     with collective.Call("load", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
         _agree(call, error)
         saved = {t["name"]: t for t in m["tables"]}
         with_slots = set() if optimizer is None else {v.name for _, v in optimizer.variables()}
         # Read this rank's share of the saved files (saved rank s is read by rank s % W), checked.
         # Any fault here (a bad file, an unreadable one: OSError too) is agreed on before the
-        # exchange below, so no rank is left waiting in it.
+        # exchange below, so no rank is left waiting in it. (The agreement names the rank of each
+        # message; the messages here name the file and the table.)
+        data = path / m["data"]
         parts, error = {}, None
-        try:
-            for var in variables:
-                keys, rows = _read_share(path / m["data"], saved[var.name], var, var.name in with_slots)
+        for var in variables:
+            try:
+                keys, rows = _read_share(data, saved[var.name], var, var.name in with_slots)
                 parts[var.name] = (keys, rows, plan.owners(var, keys))
-        except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
-            error = f"rank {comm.rank}: " + (str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+                error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
+                break
         _agree(call, error)
         # Send every row (with its slots) to its owner and build the new shards beside the old.
         new, error = {}, None
@@ -415,7 +560,7 @@ def load(path, variables, optimizer=None):
             try:
                 new[var.name] = _new_storage(var, *parts.pop(var.name), comm)
             except Exception as e:  # noqa: BLE001
-                error = error or f"rank {comm.rank}: table {var.name!r}: {type(e).__name__}: {e}"
+                error = error or f"{data}: table {var.name!r}: {_reason(e)}"
         _agree(call, error)
     # Everything checked and built: put it in place.
     for var in variables:
@@ -431,34 +576,34 @@ def load(path, variables, optimizer=None):
     return m.get("extra")
 
 
+def _reason(e: Exception) -> str:
+    """An exception as one line of an error message (a ValueError says what is wrong itself)."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
 def _read_share(data: Path, spec: dict, var, with_slots: bool):
     """Keys and rows (values, then the slots the table has now) of the saved ranks this rank
-    reads (saved rank s is read by rank s % W), each file checked."""
+    reads (saved rank s is read by rank s % W), each file checked; a fault is a CheckpointError
+    naming the file and the table."""
     rank, world = runtime.rank(), runtime.world_size()
     slot_names = var.storage.slot_names
-
-    def read(entry, dtype, ncols):
-        try:
-            return _read_npy(data / entry["file"], entry, dtype, ncols)
-        except ValueError as e:
-            raise ValueError(f"table {spec['name']!r}, file {data.name}/{entry['file']}: {e}") from None
-
     keys, rows = [], []
     for group in spec["files"]:
         if group["rank"] % world != rank:
             continue
-        k = read(group["keys"], np.int64, None)
-        cols = [read(group["values"], np.float32, spec["dim"])]
-        if k.shape[0] != group["rows"] or cols[0].shape[0] != group["rows"]:
-            raise ValueError(
-                f"table {spec['name']!r}, file {data.name}/{group['keys']['file']}: "
-                f"{k.shape[0]} keys and {cols[0].shape[0]} rows, the manifest says {group['rows']}"
-            )
+        k, values = _read_rank(data, spec, group)
+        cols = [values]
         for name, value in zip(slot_names, var.storage.slot_init):
             entry = group.get("slots", {}).get(name)
             if with_slots and entry is None:
-                raise ValueError(f"table {spec['name']!r}: saved rank {group['rank']} has no optimizer slot {name!r}")
-            cols.append(read(entry, np.float32, spec["dim"]) if with_slots else np.full_like(cols[0], value))
+                raise CheckpointError(
+                    f"{data.parent / 'manifest.json'}: table {spec['name']!r}: saved rank {group['rank']} "
+                    f"has no optimizer slot {name!r}"
+                )
+            if with_slots:
+                cols.append(_read_file(data, entry, spec["name"], np.float32, spec["dim"]))
+            else:
+                cols.append(np.full_like(values, value))
         keys.append(k)
         rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
@@ -630,7 +775,7 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
             try:
                 new.append(_new_storage(var, keys, rows, plan.owners(var, keys), comm))
             except Exception as e:  # noqa: BLE001 - after the exchange: every rank learns of it
-                error = error or f"rank {comm.rank}: table {var.name!r}: {type(e).__name__}: {e}"
+                error = error or f"table {var.name!r}: {type(e).__name__}: {e}"
         _agree(call, error)
     # Everything checked and built: put it in place.
     for t, (var, storage) in enumerate(zip(variables, new)):

@@ -1,8 +1,10 @@
 """sokpy.save / sokpy.load: resharding across world sizes, exact resumption, damaged
-checkpoints, and saves killed at random moments."""
+checkpoints (and how their errors name the file, table and rank), and saves killed at random
+moments or with their data staged."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, run_mpi, run_python
 
 
 def npz(path):
@@ -118,7 +120,8 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         )
         loaded_versions.append(version)
         manifest = json.loads((path / "manifest.json").read_text())
-        assert (path / manifest["data"]).is_dir()  # (leftovers of the killed save go at the next save)
+        assert (path / manifest["data"]).is_dir()
+        assert not list(path.glob(".staging-*")), "the load left the killed save's staging folder"
     # The kills landed at different moments: not always right after a save completed.
     assert len(set(loaded_versions)) > 1
 
@@ -137,3 +140,136 @@ def test_extra_is_saved_with_the_tables_and_returned_by_load(sokpy_host, tmp_pat
     assert (path / "manifest.json").read_text() == before  # the refused save changed nothing
     sokpy.save(path, [v])
     assert sokpy.load(path, [v]) is None
+
+
+# ---- damaged manifests and files: a CheckpointError naming the file (and the table) ---------------
+
+
+def saved_table(sokpy, tmp_path, name):
+    """A table of 10 rows saved to tmp_path/ckpt; returns (table, path, manifest as a dict)."""
+    v = sokpy.Variable(10, 4, name=name)
+    path = tmp_path / "ckpt"
+    sokpy.save(path, [v])
+    return v, path, json.loads((path / "manifest.json").read_text())
+
+
+def refused(sokpy, v, path, pattern):
+    """load and read_table both raise a CheckpointError matching ``pattern``; the table is unchanged."""
+    before = sokpy.export(v)[1].clone()
+    with pytest.raises(sokpy.CheckpointError, match=pattern) as e:
+        sokpy.load(path, [v])
+    assert e.value.args[0].startswith("sokpy.load: rank 0: /")  # named once, then the file's path
+    assert sokpy.export(v)[1].equal(before)
+    with pytest.raises(sokpy.CheckpointError, match=pattern):
+        sokpy.checkpoint.read_table(path, v.name)
+
+
+def test_a_truncated_manifest_is_refused_naming_it(sokpy_host, tmp_path):
+    v, path, _ = saved_table(sokpy_host, tmp_path, "ckpt_truncated_manifest")
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text[: len(text) // 2])
+    refused(sokpy_host, v, path, re.escape(f"{path / 'manifest.json'} is not valid JSON (truncated or damaged?)"))
+
+
+@pytest.mark.parametrize(
+    "version, says",
+    [
+        (None, 'has no "version"'),
+        (0, "has an unknown checkpoint format version 0 "),
+        ("1", "has an unknown checkpoint format version '1' "),
+        (2, "was written in checkpoint format version 2, newer than this sokpy reads"),
+    ],
+)
+def test_a_missing_or_unknown_version_is_refused(sokpy_host, tmp_path, version, says):
+    v, path, manifest = saved_table(sokpy_host, tmp_path, f"ckpt_version_{version!r}")
+    if version is None:
+        del manifest["version"]
+    else:
+        manifest["version"] = version
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    refused(sokpy_host, v, path, re.escape(f"{path / 'manifest.json'} {says}"))
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("truncate", "the file has 280 bytes, the manifest says 288 (truncated?)"),
+        ("flip", "the CRC-32 does not match the manifest (the file is corrupt)"),
+        ("zeros", "the magic string is not correct"),
+        ("missing", "the file is missing"),
+    ],
+)
+def test_read_table_refuses_a_damaged_file_naming_it_and_the_table(sokpy_host, tmp_path, damage, says):
+    v, path, manifest = saved_table(sokpy_host, tmp_path, f"ckpt_read_{damage}")
+    f = path / manifest["data"] / "t0.r0.values.npy"
+    raw = f.read_bytes()
+    assert len(raw) == 288  # a header of 128 bytes, 10 x 4 float32
+    if damage == "missing":
+        f.unlink()
+    else:
+        f.write_bytes({"truncate": raw[:-8], "flip": raw[:-5] + b"\x01" + raw[-4:], "zeros": bytes(len(raw))}[damage])
+    refused(sokpy_host, v, path, re.escape(f"{f}: table {v.name!r}: {says}"))
+
+
+def test_read_table_of_a_table_not_saved_names_the_manifest(sokpy_host, tmp_path):
+    v, path, _ = saved_table(sokpy_host, tmp_path, "ckpt_read_other")
+    with pytest.raises(sokpy_host.CheckpointError, match=re.escape(f"{path / 'manifest.json'}: no table 'other'")):
+        sokpy_host.checkpoint.read_table(path, "other")
+
+
+def test_a_load_error_names_each_rank_once(tmp_path):
+    """At two ranks: a damaged file that rank 1 alone reads, then a table missing from the
+    checkpoint (found by both ranks). Each message names its rank once, then the file."""
+    run_mpi(2, "checkpoint_worker.py", "prefix", tmp_path, timeout=180)
+    ckpt = tmp_path / "ckpt-prefix"
+    data = ckpt / json.loads((ckpt / "manifest.json").read_text())["data"]
+    damaged, missing = json.loads((tmp_path / "errors.json").read_text())
+    assert damaged == (
+        f"sokpy.load: rank 1: {data / 't0.r1.values.npy'}: table 'ck_static': "
+        "the CRC-32 does not match the manifest (the file is corrupt)"
+    )
+    lines = missing.split("\n")
+    assert lines[0].startswith(f"sokpy.load: rank 0: {ckpt / 'manifest.json'}: table 'ck_static_prefix' is not in")
+    assert lines[1].startswith(f"rank 1: {ckpt / 'manifest.json'}: table 'ck_static_prefix' is not in")
+    assert len(lines) == 2 and missing.count("rank ") == 2
+
+
+# ---- a save killed with its data staged --------------------------------------------------------
+
+KILLED_SAVER = r"""
+import os, signal, sokpy
+sokpy.init(backend="host")
+v = sokpy.Variable(10, 4, name=os.environ["TABLE"])
+sokpy.save(os.environ["CKPT"], [v])  # a whole checkpoint
+sokpy.checkpoint._commit = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed with its files staged
+sokpy.save(os.environ["CKPT"], [v])
+"""
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_killed_saves_staging_folder_is_removed_by_the_next_save_or_load(sokpy_host, tmp_path, op):
+    """The staging folder a killed save left goes at the next save or load of the path; one
+    whose writer still runs (its name holds a live pid of this host) and a folder sokpy did not
+    name stay."""
+    sokpy = sokpy_host
+    path, name = tmp_path / "ckpt", f"ckpt_killed_{op}"
+    res = run_python(KILLED_SAVER, env={"CKPT": str(path), "TABLE": name})
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    (left,) = path.glob(".staging-*")
+    assert sorted(f.name for f in left.iterdir()) == ["t0.r0.keys.npy", "t0.r0.values.npy"]
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = path / re.sub(r"-\d+@", f"-{writer.pid}@", left.name)
+        live.mkdir()
+        other = path / ".staging-mine"
+        other.mkdir()
+        v = sokpy.Variable(10, 4, name=name)
+        if op == "save":
+            sokpy.save(path, [v])
+        else:
+            sokpy.load(path, [v])
+        assert not left.exists()
+        assert live.is_dir() and other.is_dir()
+    finally:
+        writer.kill()
+        writer.wait()

@@ -12,6 +12,9 @@ Modes (argv[1]):
                               write DIR/resumed-<world>.npz
   corrupt DIR CASE            load a damaged checkpoint (CASE): every rank must raise the same
                               CheckpointError naming the file or table; nothing may change
+  prefix DIR                  load with a file that only the last rank reads damaged, then with a
+                              table missing (found on every rank): each message names its rank once
+                              and the file and table; rank 0 writes the messages to DIR/errors.json
   faults DIR                  save and load with a fault on one rank only (a full disk, a bad
                               `extra`, another table list, a failing read): the same error on every
                               rank, tables, optimizer and the checkpoint on disk unchanged, and the
@@ -20,6 +23,7 @@ Modes (argv[1]):
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -187,6 +191,7 @@ def main_corrupt(folder, case):
     assert piece in texts[0], f"rank {RANK}: {piece!r} not in {texts[0]}"
     assert manifest_damaged or "ck_static_other" in texts[1], texts[1]
     assert len(set(sokpy.comm().allgather_object(texts[0]))) == 1, "the ranks raised different errors"
+    assert not re.search(r"rank \d+: rank \d+", texts[0]), f"a rank named twice: {texts[0]}"
     if case == "oserror" and RANK == WORLD - 1:
         sokpy.checkpoint._read_npy = read_npy
     for k, v in state(tables, opt).items():
@@ -195,6 +200,34 @@ def main_corrupt(folder, case):
     if RANK == 0:
         shutil.rmtree(ckpt, ignore_errors=True)
     print(f"rank {RANK}: corrupt {case} ok")
+
+
+def main_prefix(folder):
+    folder = Path(folder)
+    tables, opt = make()
+    ckpt = folder / "ckpt-prefix"
+    sokpy.save(ckpt, tables, optimizer=opt)
+    if RANK == 0:  # a file of table 0 that saved rank WORLD - 1 wrote: the last rank reads it
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        f = ckpt / manifest["data"] / f"t0.r{WORLD - 1}.values.npy"
+        raw = bytearray(f.read_bytes())
+        raw[-7] ^= 0x10
+        f.write_bytes(bytes(raw))
+    sokpy.comm().barrier()
+    other = sokpy.Variable(400, 7, name="ck_static_prefix")
+    texts = []
+    for load_tables, load_opt in ((tables, opt), ([other], None)):
+        try:
+            sokpy.load(ckpt, load_tables, optimizer=load_opt)
+        except sokpy.CheckpointError as e:
+            texts.append(str(e))
+        else:
+            raise AssertionError(f"rank {RANK}: a load of a damaged checkpoint did not raise")
+    everyone = sokpy.comm().allgather_object(texts)
+    assert all(t == texts for t in everyone), f"the ranks raised different errors: {everyone}"
+    if RANK == 0:
+        (folder / "errors.json").write_text(json.dumps(texts))
+    print(f"rank {RANK}: prefix ok")
 
 
 def folder_snapshot(ckpt: Path) -> dict:
@@ -280,6 +313,8 @@ if __name__ == "__main__":
         main_resume(args[0], int(args[1]), int(args[2]))
     elif mode == "corrupt":
         main_corrupt(args[0], args[1])
+    elif mode == "prefix":
+        main_prefix(args[0])
     elif mode == "faults":
         main_faults(args[0])
     else:
