@@ -134,6 +134,16 @@ def test_views_share_queued_memory_and_assignments_queue():
     assert a.get().tolist() == [3, 0, 7, 7, 0, 0]
 
 
+def test_reshape_and_view_methods_are_views_where_cupy_gives_views():
+    a = xp.zeros((2, 3), np.float32)
+    flat, pairs = a.reshape(-1), a.view(np.int32)  # CuPy: views of a contiguous array
+    a[...] = 1
+    assert flat.get().tolist() == [1.0] * 6 and pairs.get()[0, 0] == np.float32(1).view(np.int32)
+    copied = a.T.reshape(-1)  # not contiguous: a copy, as in CuPy
+    a[...] = 2
+    assert copied.get().tolist() == [1.0] * 6
+
+
 def test_torch_current_stream_is_per_thread():
     side = xp.Stream("side")
     seen = {}

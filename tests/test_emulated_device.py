@@ -26,6 +26,9 @@ JOBS = [
     (3, "contract_worker.py", ["resume", 8], "resume ok"),
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
+    (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
+    (2, "fidelity_worker.py", ["clip"], "clip ok"),  # in-place edits of table.grad reach the step
+    (2, "fidelity_worker.py", ["serve"], "serve ok"),
 ]
 
 

@@ -501,6 +501,7 @@ def _is_mask(index) -> bool:
 
 
 _IN_PLACE_METHODS = frozenset("sort fill put partition itemset setfield resize".split())
+_VIEW_METHODS = frozenset("reshape view ravel transpose swapaxes squeeze".split())
 
 
 class ndarray:  # noqa: N801 (CuPy's name)
@@ -597,8 +598,19 @@ class ndarray:  # noqa: N801 (CuPy's name)
         attr = getattr(self._a, name)
         if not callable(attr):
             return ndarray(attr) if isinstance(attr, np.ndarray) else attr
+        if name in _VIEW_METHODS:
+            return lambda *args, **kwargs: self._view(attr, name, args, kwargs)
         in_place = name in _IN_PLACE_METHODS
         return lambda *args, **kwargs: _call(attr, args, kwargs, False, f"ndarray.{name}", in_place)
+
+    def _view(self, method, name: str, args, kwargs):
+        """A method that gives a view in CuPy when the layout allows one (``reshape`` of a
+        contiguous array, ``view``, ``transpose``, ...): the view, made now and sharing this
+        memory, as CuPy's; a copy (queued like other work) where numpy would copy too."""
+        out = method(*args, **kwargs)  # metadata only when it is a view (nothing is read)
+        if isinstance(out, np.ndarray) and np.shares_memory(out, self._a):
+            return ndarray(out)
+        return _call(method, args, kwargs, False, f"ndarray.{name}")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         fn = getattr(ufunc, method)
