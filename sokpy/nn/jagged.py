@@ -23,7 +23,23 @@ from ..sparse import Ragged, _exclusive, _int_array, kjt_stride
 __all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "torchrec_types"]
 
 
-class KeyedJaggedTensor:
+class _Jagged:
+    """Values in bags given by offsets: the accessors both jagged types share."""
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor):
+        self._values, self._offsets = values, offsets
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def lengths(self) -> torch.Tensor:
+        return self._offsets.diff()
+
+
+class KeyedJaggedTensor(_Jagged):
     """A minimal KeyedJaggedTensor for use without torchrec (TorchRec's own works the same):
     ``keys`` the feature names; ``values`` the ids of every feature's bags, feature after
     feature; ``lengths`` the bag sizes (``len(keys) * B`` of them) or ``offsets`` (one more);
@@ -37,24 +53,15 @@ class KeyedJaggedTensor:
     def __init__(self, keys, values: torch.Tensor, lengths=None, offsets=None, weights=None):
         if (lengths is None) == (offsets is None):
             raise ValueError("give lengths or offsets")
-        self._keys, self._values, self._weights = list(keys), values, weights
         if offsets is None:
             lengths = torch.as_tensor(lengths, dtype=torch.int64)
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])
-        self._offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        super().__init__(values, torch.as_tensor(offsets, dtype=torch.int64))
+        self._keys, self._weights = list(keys), weights
 
     def keys(self) -> list[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def offsets(self) -> torch.Tensor:
-        return self._offsets
-
-    def lengths(self) -> torch.Tensor:
-        return self._offsets.diff()
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
@@ -63,7 +70,7 @@ class KeyedJaggedTensor:
         return (self._offsets.numel() - 1) // max(1, len(self._keys))
 
 
-class JaggedTensor:
+class JaggedTensor(_Jagged):
     """One feature's rows of a sequence lookup without torchrec (TorchRec's ``JaggedTensor``
     has the same accessors): ``values()`` ``[N, dim]``, one row per id in input order, and
     ``offsets()`` / ``lengths()`` of the bags they came in.
@@ -73,18 +80,6 @@ class JaggedTensor:
         jt = JaggedTensor(torch.ones(3, 2), offsets=torch.tensor([0, 1, 3]))
         jt.to_padded_dense().shape      # [2, 2, 2]
     """
-
-    def __init__(self, values: torch.Tensor, offsets: torch.Tensor):
-        self._values, self._offsets = values, offsets
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def offsets(self) -> torch.Tensor:
-        return self._offsets
-
-    def lengths(self) -> torch.Tensor:
-        return self._offsets.diff()
 
     def to_dense(self) -> list[torch.Tensor]:
         """One ``[len, dim]`` tensor per bag."""

@@ -129,7 +129,16 @@ class _Collection(torch.nn.Module):
     _pooled = True
     _torchrec_key = "embedding_bags"  # TorchRec's state_dict key: <prefix><this>.<table>.weight
 
-    def __init__(self, tables, *, seed: int, grad_reduction: str, insert: bool | None, wire_dtype: str, device):
+    def __init__(
+        self,
+        tables,
+        *,
+        seed: int = 0,
+        grad_reduction: str = "sum",
+        insert: bool | None = None,
+        wire_dtype: str = "float32",
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         if device is not None:  # TorchRec's argument: where the tables go (sokpy.init decides here)
             here, asked = runtime.current().torch_device(), torch.device(device)
@@ -296,20 +305,6 @@ class EmbeddingBagCollection(_Collection):
         out = ebc({"a": [[1, 2]], "b": [[3]]})           # {"a": [1, 4], "b": [1, 4]}
     """
 
-    def __init__(
-        self,
-        tables,
-        *,
-        seed: int = 0,
-        grad_reduction: str = "sum",
-        insert: bool | None = None,
-        wire_dtype: str = "float32",
-        device: torch.device | str | None = None,
-    ):
-        super().__init__(
-            tables, seed=seed, grad_reduction=grad_reduction, insert=insert, wire_dtype=wire_dtype, device=device
-        )
-
     def forward(self, features, weights: Mapping | None = None):
         """Pools every feature: ``features`` is a KeyedJaggedTensor or a dict feature -> ids
         (any input ``lookup_sparse`` takes for one table, or a ``(values, offsets)`` pair),
@@ -343,20 +338,6 @@ class EmbeddingCollection(_Collection):
 
     _pooled = False
     _torchrec_key = "embeddings"
-
-    def __init__(
-        self,
-        tables,
-        *,
-        seed: int = 0,
-        grad_reduction: str = "sum",
-        insert: bool | None = None,
-        wire_dtype: str = "float32",
-        device: torch.device | str | None = None,
-    ):
-        super().__init__(
-            tables, seed=seed, grad_reduction=grad_reduction, insert=insert, wire_dtype=wire_dtype, device=device
-        )
 
     def forward(self, features) -> dict:
         """Rows of every id: ``features`` is a KeyedJaggedTensor (without weights) or a dict
