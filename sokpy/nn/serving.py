@@ -102,8 +102,8 @@ class InferenceCollection(torch.nn.Module):
 
     def forward(self, features):
         """Pooled ``[B, dim]`` tensors (or ``[N, dim]`` rows) per feature; see the module's text."""
-        outs = []
-        for (ids, offsets, w), (t, pooling) in zip(self._inputs(features), self._reads):
+        outs, inputs = [], self._inputs(features)
+        for (ids, offsets, w), (t, pooling) in zip(inputs, self._reads):
             rows = self._rows(t, ids.to(torch.int64))
             if pooling is None:
                 outs.append(rows)
@@ -112,7 +112,7 @@ class InferenceCollection(torch.nn.Module):
                 outs.append(self._pool(rows, offsets.to(torch.int64), ws, pooling))
         jt = torchrec_types()
         if not self.pooled:  # as EmbeddingCollection: a JaggedTensor per feature
-            offsets = [off for _, off, _ in self._inputs(features)]
+            offsets = [off for _, off, _ in inputs]
             make = JaggedTensor if jt is None else (lambda v, o: jt.JaggedTensor(values=v, offsets=o))
             return {f: make(r, o) for f, r, o in zip(self.features, outs, offsets)}
         if jt is not None and not isinstance(features, Mapping):
