@@ -15,15 +15,17 @@ Example (under ``sokrun -np 2``)::
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
 from . import hostpool
 from .timing import count_traffic, timed
 
-__all__ = ["Communicator", "MpiComm", "SoloComm", "MpiUnavailable", "mpi_world", "max_count"]
+__all__ = ["Communicator", "MpiComm", "SoloComm", "LeaveNotices", "MpiUnavailable", "mpi_world", "max_count"]
 
 _SPLIT_TAG = 7301
+_LEAVE_TAG = 7302
 
 
 _MAX_COUNT = int(os.environ.get("SOKPY_MPI_MAX_COUNT", 2**31 - 1))
@@ -196,6 +198,15 @@ class MpiComm(Communicator):
     def abort(self, code: int) -> None:
         self._MPI.COMM_WORLD.Abort(code)
 
+    def leave_notices(self) -> LeaveNotices | None:
+        """A :class:`LeaveNotices` channel over a duplicate of this communicator (collective:
+        every rank calls it at the same point), or None for one rank, or where MPI runs without
+        ``MPI_THREAD_MULTIPLE`` (the watchdog's thread polls the channel while the main
+        thread waits in a collective; mpi4py asks for that level by default)."""
+        if self.size <= 1 or self._MPI.Query_thread() < self._MPI.THREAD_MULTIPLE:
+            return None
+        return LeaveNotices(self._comm.Dup())
+
     def alltoall_counts(self, counts):
         """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)
         goes to rank d; returns what every rank sent to this one, ``[size, ...]``."""
@@ -305,3 +316,52 @@ class MpiComm(Communicator):
     def barrier(self) -> None:
         count_traffic("other", 0)
         self._comm.Barrier()
+
+
+class LeaveNotices:
+    """A side channel on which a rank that leaves tells every other rank so: one small
+    point-to-point message per peer, on a private duplicate of the world, which needs no
+    matching collective call on the peers. The message carries how many collective calls the
+    leaving rank completed; a peer waiting in a later call knows it waits in vain
+    (``sokpy.watchdog``). A peer reads the notices with :meth:`poll`, from the watchdog's
+    thread, while its main thread may be blocked in a collective on another communicator.
+
+    Unread notices (every rank sends them at the end of a normal run, when nobody polls any
+    more) stay in MPI's queue of unexpected messages and are dropped with the communicator."""
+
+    def __init__(self, mpi_comm):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self._sending = None  # the last notices' buffer and requests, kept until sent
+
+    def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
+        """Tells every other rank that this one leaves after ``completed_calls`` collective
+        calls; waits at most ``wait_s`` seconds for the messages to leave (they are tiny, so
+        MPI sends them eagerly without waiting for the peers)."""
+        if self._MPI.Is_finalized():
+            return
+        msg = np.array([completed_calls], np.int64)
+        requests = [self._comm.Isend(msg, dest=p, tag=_LEAVE_TAG) for p in range(self.size) if p != self.rank]
+        self._sending = (msg, requests)
+        deadline = time.monotonic() + wait_s
+        while not self._MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def poll(self) -> dict[int, int]:
+        """The notices that arrived since the last poll: ``{rank: collective calls it completed}``."""
+        MPI = self._MPI
+        arrived, status, buf = {}, MPI.Status(), np.empty(1, np.int64)
+        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_LEAVE_TAG, status=status):
+            source = status.Get_source()
+            self._comm.Recv(buf, source=source, tag=_LEAVE_TAG)
+            arrived[source] = int(buf[0])
+        return arrived
+
+    def free(self) -> None:
+        if self._comm is not None and not self._MPI.Is_finalized():
+            self._comm.Free()
+        self._comm = None

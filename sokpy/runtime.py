@@ -132,8 +132,10 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
 
     A failed rank then ends the whole job (``sokpy.watchdog``): an uncaught exception aborts
     the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
-    and a collective call that waits longer than ``timeout`` seconds (default
-    ``SOKPY_COLLECTIVE_TIMEOUT`` or 600; 0 for none) ends the job naming the call.
+    a collective call that waits longer than ``timeout`` seconds (default
+    ``SOKPY_COLLECTIVE_TIMEOUT`` or 600; 0 for none) ends the job naming the call, and a
+    rank that ends (``sys.exit``, end of script) while others wait in a collective call it
+    never made ends the job within seconds, naming that rank and the call.
 
     Example::
 
@@ -172,7 +174,7 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
     from . import watchdog
 
-    watchdog.install(timeout, comm)
+    watchdog.install(timeout, comm, notices=None if mpi is None else mpi.leave_notices())
     return be.name
 
 
@@ -213,7 +215,12 @@ def device_index(local_rank: int, device_count: int) -> int:
 
 
 def shutdown() -> None:
-    """Releases the communicator; ``init`` may be called again afterwards."""
+    """Releases the communicator; ``init`` may be called again afterwards. The other ranks
+    learn that this one makes no more collective calls (``sokpy.watchdog.leave``): one still
+    waiting in a call this rank did not make ends the job instead of waiting for the timeout."""
+    from . import watchdog
+
+    watchdog.leave()
     if _state.comm is not None:
         _state.comm.free()
     _state.comm = None

@@ -1,6 +1,7 @@
-"""A failed rank ends the job: uncaught exceptions and collective calls that wait too long.
+"""A failed rank ends the job: uncaught exceptions, collective calls that wait too long, and
+ranks that leave while others wait for them.
 
-``sokpy.init()`` installs both (``runtime.init`` calls :func:`install`):
+``sokpy.init()`` installs all three (``runtime.init`` calls :func:`install`):
 
 * **Uncaught exceptions.** A ``sys.excepthook`` prints the traceback under a line naming
   the rank and host, then calls ``MPI_Abort`` on the world, so every launcher (plain
@@ -14,7 +15,20 @@
   (``SOKPY_COLLECTIVE_TIMEOUT`` seconds, default 600, or ``sokpy.init(timeout=...)``; 0
   turns it off) prints which call this rank is in (``lookup_sparse tables=[...]``,
   ``Adagrad.step``, ...) and for how long, then aborts the job with exit code 3. This is
-  what ends a job where one rank left the training loop early (uneven data) or hangs.
+  what ends a job where one rank hangs, or stops making collective calls without ending.
+* **A rank that leaves.** A rank whose program ends while others still make collective
+  calls (``sys.exit`` in the training loop on uneven data, or its script simply ended)
+  would otherwise leave them waiting for the whole timeout: MPI's launchers only notice a
+  rank that ends once all have ended. So when a process ends (``atexit``, which covers
+  ``sys.exit`` and the normal end of the script) or calls ``sokpy.shutdown()``, it tells
+  every other rank, on a side channel (:class:`sokpy.comm.LeaveNotices`), how many
+  collective calls it completed. A rank waiting in a later call, or entering one, prints
+  which rank left and which call it waits in, then aborts the job with exit code 4, within
+  about two seconds. A rank that is still in a call the leaving rank completed, or makes no
+  more calls, carries on: the normal end of a job, where ranks end at different moments,
+  stays quiet. The calls are counted from the outermost, alike on every rank since every
+  rank makes the same collective calls. This needs ``MPI_THREAD_MULTIPLE`` (mpi4py's
+  default) and works with the timeout off; ``os._exit`` skips it (the timeout remains).
 
 A rank that dies (killed, out of memory) is noticed by the MPI launcher itself, which ends
 the job.
@@ -27,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -34,10 +49,11 @@ import threading
 import time
 from contextlib import contextmanager
 
-__all__ = ["install", "call", "timeout", "DEFAULT_TIMEOUT_S", "TIMEOUT_EXIT_CODE"]
+__all__ = ["install", "leave", "call", "timeout", "DEFAULT_TIMEOUT_S", "TIMEOUT_EXIT_CODE", "PEER_LEFT_EXIT_CODE"]
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_EXIT_CODE = 3
+PEER_LEFT_EXIT_CODE = 4
 ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
 
 _lock = threading.Lock()
@@ -48,6 +64,16 @@ _timeout_s = 0.0
 _thread: threading.Thread | None = None
 _installed_hook = None
 _comm = None  # the job's communicator: who this rank is, and how to end the job
+# Outermost collective calls this rank entered since install (under _lock). Every rank makes the
+# same calls, so the n-th call is the same call on every rank.
+_calls = 0
+# The side channel on which ranks that leave say so (sokpy.comm.LeaveNotices), while the
+# runtime is initialised; None for one rank or without MPI_THREAD_MULTIPLE. The watchdog's
+# thread polls it only under _notices_lock, and leave() takes it away under the same lock.
+_notices = None
+_notices_lock = threading.Lock()
+_left: dict[int, int] = {}  # rank -> collective calls it completed before it left
+_exit_hook_registered = False
 
 
 def _abort(code: int) -> None:
@@ -83,11 +109,13 @@ def timeout() -> float:
     return _timeout_s
 
 
-def install(timeout_s: float | None = None, comm=None) -> None:
-    """Installs the exception hook and starts the timeout thread (idempotent); ``timeout_s``
-    overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator (its rank and
-    size for reports, its ``abort`` to end the job)."""
-    global _timeout_s, _thread, _installed_hook, _comm
+def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
+    """Installs the exception hook and starts the watchdog's thread (idempotent);
+    ``timeout_s`` overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator
+    (its rank and size for reports, its ``abort`` to end the job); ``notices`` is the job's
+    :class:`sokpy.comm.LeaveNotices` channel (None: no other rank to tell), on which this
+    rank says when it leaves and hears when others do."""
+    global _timeout_s, _thread, _installed_hook, _comm, _notices, _calls, _exit_hook_registered
     if comm is not None:
         _comm = comm
     if timeout_s is None:
@@ -102,19 +130,59 @@ def install(timeout_s: float | None = None, comm=None) -> None:
     if os.environ.get("SOKPY_ABORT_ON_ERROR", "1") != "0" and sys.excepthook is not _installed_hook:
         _installed_hook = _excepthook(sys.excepthook)
         sys.excepthook = _installed_hook
-    if _thread is None and _timeout_s > 0:
+    if notices is not None:
+        with _notices_lock:
+            _notices = notices
+            _left.clear()
+        with _lock:
+            _calls = 0
+        if not _exit_hook_registered:
+            # Runs before mpi4py finalizes MPI (its hook was registered when MPI was loaded,
+            # before sokpy.init), and also after sys.exit; os._exit and a crash skip it.
+            atexit.register(leave, free=False)
+            _exit_hook_registered = True
+    if _thread is None and (_timeout_s > 0 or notices is not None):
         _thread = threading.Thread(target=_watch, name="sokpy-watchdog", daemon=True)
         _thread.start()
+
+
+def leave(free: bool = True) -> None:
+    """Tells the other ranks that this rank makes no more collective calls, and stops
+    listening for theirs. ``sokpy.shutdown()`` calls it, and so does the end of the process
+    (``atexit``, with ``free=False``: MPI's finalization frees the channel). Idempotent."""
+    global _notices
+    with _notices_lock:
+        notices, _notices = _notices, None
+    if notices is None:
+        return
+    with _lock:
+        completed = _calls - (1 if _current else 0)
+    notices.announce(completed)
+    if free:
+        notices.free()
 
 
 def _watch() -> None:
     while True:
         time.sleep(min(1.0, max(_timeout_s / 10, 0.05)) if _timeout_s > 0 else 1.0)
-        if _timeout_s <= 0:
-            continue
         with _lock:
             first = _current[0] if _current else None
+            index = _calls
         if first is None:
+            continue
+        gone = _gone_before(index)
+        if gone:
+            what = first[0]() if callable(first[0]) else first[0]
+            r, completed = gone[0]
+            sys.stderr.write(
+                f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
+                f"which rank {r} will never make: rank {r} left (its program ended, e.g. sys.exit, or it "
+                f"called sokpy.shutdown) after completing {completed} collective calls. Every rank must make the "
+                f"same collective calls (on uneven data, stop every rank's loop at the same step). "
+                f"Ending the whole job.\n"
+            )
+            _abort(PEER_LEFT_EXIT_CODE)
+        if _timeout_s <= 0:
             continue
         what, start = first
         what = what() if callable(what) else what
@@ -128,12 +196,24 @@ def _watch() -> None:
             _abort(TIMEOUT_EXIT_CODE)
 
 
+def _gone_before(index: int) -> list[tuple[int, int]]:
+    """``(rank, calls it completed)`` of the ranks that left before completing this rank's
+    collective call #``index``, lowest rank first: this rank waits for them in vain."""
+    with _notices_lock:
+        if _notices is not None:
+            _left.update(_notices.poll())
+        return sorted((r, completed) for r, completed in _left.items() if completed < index)
+
+
 @contextmanager
 def call(what):
     """Marks this rank as inside the collective call ``what`` (its description, or a function
     that returns it; nested calls count from the outermost)."""
+    global _calls
     entry = (what, time.monotonic())
     with _lock:
+        if not _current:
+            _calls += 1
         _current.append(entry)
     try:
         yield

@@ -1,10 +1,13 @@
 """A failed rank ends the job promptly, under plain mpirun and sokrun (Open MPI) and under
 MPICH's mpiexec and ``horovodrun --mpi`` (the environment launch/install-horovod builds): an uncaught
-exception before, between and inside collective calls, a rank killed mid-step, and a rank
-that leaves the loop early (collective timeout). Each job is bounded by an outer timeout
-three times the bound it must meet, so a regression fails instead of hanging."""
+exception before, between and inside collective calls, a rank killed mid-step, a rank that
+leaves the loop early with sys.exit(0) (told to the others at its exit, long before the
+collective timeout), and a rank that stalls (collective timeout). A job whose ranks end
+normally, at different moments, ends quietly. Each job is bounded by an outer timeout three
+times the bound it must meet, so a regression fails instead of hanging."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +17,10 @@ from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_pytho
 
 from sokpy import launcher
 
-BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 30, "early": 30}
+BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 30, "early": 60, "stalls": 60, "clean": 60}
+# From a rank's sys.exit(0) to the end of the whole job (the bounds above count from the
+# launch, start-up included, which takes a while on a loaded machine).
+LEAVE_BOUND_S = 10
 LAUNCHERS = [
     "mpirun",
     "sokrun",
@@ -23,16 +29,17 @@ LAUNCHERS = [
 ]
 
 
-def run_job(launch: str, mode: str, env=None):
-    """Runs failure_worker.py at 2 ranks; returns (exit code, seconds, output)."""
+def run_job(launch: str, mode: str, env=None, nranks: int = 2):
+    """Runs failure_worker.py at ``nranks`` ranks; returns (exit code, seconds, output)."""
     prog = ["python", str(WORKERS / "failure_worker.py"), mode]
-    cmd, full_env = launcher.build_command(["-np", "2", *prog], dict(os.environ, **(env or {})))
+    np_ = str(nranks)
+    cmd, full_env = launcher.build_command(["-np", np_, *prog], dict(os.environ, **(env or {})))
     if launch == "mpirun":  # the user's plain command: `mpirun -np 2 python script.py`, no mpi4py runner
-        cmd = [launcher._mpirun(), "-np", "2", "-x", "OMP_NUM_THREADS", "-x", "PATH"]
+        cmd = [launcher._mpirun(), "-np", np_, "-x", "OMP_NUM_THREADS", "-x", "PATH"]
         cmd += ["-x", "SOKPY_COLLECTIVE_TIMEOUT"] if "SOKPY_COLLECTIVE_TIMEOUT" in full_env else []
         cmd += [sys.executable, *prog[1:]]
     elif launch in ("mpich", "horovodrun"):  # plain `mpiexec -n 2 python ...`, `horovodrun --mpi -np 2 python ...`
-        cmd, extra = launch_command(launch, 2, prog, 3 * BOUND_S[mode] + 20)
+        cmd, extra = launch_command(launch, nranks, prog, 3 * BOUND_S[mode] + 20)
         full_env = dict(os.environ, **(env or {}), **extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     start = time.monotonic()
@@ -62,12 +69,81 @@ def test_killed_rank_ends_the_job(launch):
 
 
 @pytest.mark.parametrize("launch", LAUNCHERS)
-def test_rank_leaving_early_ends_the_job_after_the_timeout(launch):
-    code, took, out = run_job(launch, "early", env={"SOKPY_COLLECTIVE_TIMEOUT": "4"})
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_rank_leaving_early_ends_the_job_promptly(launch, nranks):
+    # The timeout is long: what ends the job is rank 1 telling the others at its exit.
+    code, took, out = run_job(launch, "early", env={"SOKPY_COLLECTIVE_TIMEOUT": "600"}, nranks=nranks)
+    ended = time.time()
     assert code != 0, out[-3000:]
     assert took < BOUND_S["early"], f"the job took {took:.0f} s\n{out[-3000:]}"
+    left = re.search(r"rank 1: leaving the loop early at ([0-9.]+)", out)
+    assert left, out[-3000:]
+    after = ended - float(left.group(1))
+    assert after < LEAVE_BOUND_S, f"the job ended {after:.0f} s after rank 1 left\n{out[-3000:]}"
+    assert f"of {nranks} (host" in out and "which rank 1 will never make: rank 1 left" in out, out[-3000:]
+    assert "is in the collective call lookup_sparse tables=[failing]" in out, out[-3000:]
+    assert "waited" not in out and "finished" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("launch", LAUNCHERS)
+def test_stalled_rank_ends_the_job_after_the_timeout(launch):
+    code, took, out = run_job(launch, "stalls", env={"SOKPY_COLLECTIVE_TIMEOUT": "4"})
+    ended = time.time()
+    assert code != 0, out[-3000:]
+    assert took < BOUND_S["stalls"], f"the job took {took:.0f} s\n{out[-3000:]}"
+    stalled = re.search(r"rank 1: stalls at ([0-9.]+)", out)
+    assert stalled, out[-3000:]
+    after = ended - float(stalled.group(1))
+    assert after < 4 + LEAVE_BOUND_S, f"the job ended {after:.0f} s after rank 1 stalled\n{out[-3000:]}"
     assert "rank 0 of 2" in out and "waited" in out and "lookup_sparse tables=[failing]" in out, out[-3000:]
     assert "SOKPY_COLLECTIVE_TIMEOUT" in out
+
+
+@pytest.mark.parametrize("launch", LAUNCHERS)
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_ranks_ending_at_different_moments_end_quietly(launch, nranks):
+    # Rank 1 (and 2) end while rank 0 is still in the end of the last collective call, which
+    # they completed, and then in work of its own: no rank was left waiting, nothing is reported.
+    code, took, out = run_job(launch, "clean", nranks=nranks)
+    assert code == 0, out[-3000:]
+    assert took < BOUND_S["clean"], f"the job took {took:.0f} s\n{out[-3000:]}"
+    assert all(f"rank {r}: finished" in out for r in range(nranks)), out[-3000:]
+    assert "sokpy" not in out and "rror" not in out, out[-3000:]
+
+
+def test_leave_notices_count_the_calls():
+    """The watchdog's bookkeeping with a stand-in channel: calls counted from the outermost,
+    a peer that completed the call this rank is in is not missed, leave() tells the count once."""
+    code = """
+from sokpy import watchdog
+
+class Channel:
+    def __init__(self):
+        self.inbox, self.sent, self.freed = {}, [], False
+    def poll(self):
+        arrived, self.inbox = self.inbox, {}
+        return arrived
+    def announce(self, completed):
+        self.sent.append(completed)
+    def free(self):
+        self.freed = True
+
+ch = Channel()
+watchdog._thread = "not started"  # this test asks what the thread would; it must not act itself
+watchdog.install(0, notices=ch)
+for _ in range(3):
+    with watchdog.call("outer"):
+        with watchdog.call("inner"):
+            pass
+ch.inbox = {1: 3, 2: 4}
+with watchdog.call("fourth"):
+    print("in #4", watchdog._gone_before(watchdog._calls))
+    watchdog.leave()  # inside call #4: it completed three
+    watchdog.leave()
+print("sent", ch.sent, ch.freed)
+"""
+    res = run_python(code)
+    assert res.stdout.split("\n")[:2] == ["in #4 [(1, 3)]", "sent [3] True"], res.stdout + res.stderr
 
 
 def test_bad_timeout_values_are_refused():

@@ -5,14 +5,19 @@ checks the whole job ends promptly, with a non-zero code and a message naming th
   between  raises between a lookup and its backward
   inside   passes a bad key to a lookup: every rank raises the same InputError, uncaught
   killed   is killed (SIGKILL) in the middle of a step
-  early    leaves the training loop early and exits normally (uneven data)
+  early    leaves the training loop early and exits normally (uneven data): sys.exit(0)
+  stalls   stops in the training loop without ending (the collective timeout ends the job)
+  clean    no failure: rank 1 ends first, while rank 0 still lingers in the end of its last
+           collective call and then in work of its own; the job must end quietly, exit code 0
 """
 
 import os
 import signal
 import sys
+import time
 
 import sokpy
+from sokpy import collective
 
 sokpy.init()
 mode, rank = sys.argv[1], sokpy.rank()
@@ -21,10 +26,21 @@ v = sokpy.Variable(100, 4, name="failing")
 opt = sokpy.optim.Adagrad([v], lr=0.1)
 if mode == "before" and fails:
     raise RuntimeError("rank 1 fails before any collective call")
+call_exit = collective.Call.__exit__
+
+
+def slow_exit(self, *exc):
+    time.sleep(2)
+    return call_exit(self, *exc)
+
+
 for step in range(4):
     if mode == "early" and fails and step == 2:
-        print(f"rank {rank}: leaving the loop early", flush=True)
+        print(f"rank {rank}: leaving the loop early at {time.time():.3f}", flush=True)
         sys.exit(0)
+    if mode == "stalls" and fails and step == 2:
+        print(f"rank {rank}: stalls at {time.time():.3f}", flush=True)
+        time.sleep(120)
     ids = [[1, 2], [3]] if not (mode == "inside" and fails and step == 1) else [[1, 200]]
     out = sokpy.lookup_sparse(v, ids, combiners="sum")
     if mode == "between" and fails and step == 1:
@@ -32,6 +48,10 @@ for step in range(4):
     if mode == "killed" and fails and step == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     out.sum().backward()
+    if mode == "clean" and rank == 0 and step == 3:  # rank 0 lingers 2 s in the end of its last call
+        collective.Call.__exit__ = slow_exit
     opt.step()
     opt.zero_grad()
+if mode == "clean" and rank == 0:
+    time.sleep(2)  # work of its own, after rank 1 ended
 print(f"rank {rank}: finished", flush=True)
