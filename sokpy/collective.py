@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import weakref
 from contextlib import ExitStack
 from typing import NamedTuple
 
@@ -155,7 +156,7 @@ class Call:
         self._stack = ExitStack()
         watch = _watchdog_call()
         if watch is not None:
-            self._stack.enter_context(watch(self.describe))
+            self._stack.enter_context(watch(_described(self)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -235,6 +236,19 @@ class Call:
             )
         text = f"sokpy: the ranks made different collective calls; {hint}.\n" + "\n".join(lines + errors)
         raise CollectiveMismatchError(text)
+
+
+def _described(call: Call):
+    """A function describing ``call`` that does not keep it (nor its tables) alive: the
+    watchdog's thread holds it while it looks, and a program may drop those tables right
+    after the call (a resumed run makes new ones of the same names at once)."""
+    ref = weakref.ref(call)
+
+    def describe() -> str:
+        c = ref()
+        return "(a call that has just ended)" if c is None else c.describe()
+
+    return describe
 
 
 def _watchdog_call():

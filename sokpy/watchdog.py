@@ -165,35 +165,41 @@ def leave(free: bool = True) -> None:
 def _watch() -> None:
     while True:
         time.sleep(min(1.0, max(_timeout_s / 10, 0.05)) if _timeout_s > 0 else 1.0)
-        with _lock:
-            first = _current[0] if _current else None
-            index = _calls
-        if first is None:
-            continue
-        gone = _gone_before(index)
-        if gone:
-            what = first[0]() if callable(first[0]) else first[0]
-            r, completed = gone[0]
-            sys.stderr.write(
-                f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
-                f"which rank {r} will never make: rank {r} left (its program ended, e.g. sys.exit, or it "
-                f"called sokpy.shutdown) after completing {completed} collective calls. Every rank must make the "
-                f"same collective calls (on uneven data, stop every rank's loop at the same step). "
-                f"Ending the whole job.\n"
-            )
-            _abort(PEER_LEFT_EXIT_CODE)
-        if _timeout_s <= 0:
-            continue
-        what, start = first
-        what = what() if callable(what) else what
-        waited = time.monotonic() - start
-        if waited > _timeout_s:
-            sys.stderr.write(
-                f"sokpy: {_where()} has waited {waited:.0f} s in the collective call {what} "
-                f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the "
-                f"same call (it left the training loop early, hangs, or failed). Ending the whole job.\n"
-            )
-            _abort(TIMEOUT_EXIT_CODE)
+        _check()  # its own frame: nothing of the call it looked at stays referenced while the thread sleeps
+
+
+def _check() -> None:
+    """One look at the call this rank is in: ends the job when a rank that left will never
+    make it, or when it has waited past the timeout."""
+    with _lock:
+        first = _current[0] if _current else None
+        index = _calls
+    if first is None:
+        return
+    gone = _gone_before(index)
+    if gone:
+        what = first[0]() if callable(first[0]) else first[0]
+        r, completed = gone[0]
+        sys.stderr.write(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
+            f"which rank {r} will never make: rank {r} left (its program ended, e.g. sys.exit, or it "
+            f"called sokpy.shutdown) after completing {completed} collective calls. Every rank must make the "
+            f"same collective calls (on uneven data, stop every rank's loop at the same step). "
+            f"Ending the whole job.\n"
+        )
+        _abort(PEER_LEFT_EXIT_CODE)
+    if _timeout_s <= 0:
+        return
+    what, start = first
+    what = what() if callable(what) else what
+    waited = time.monotonic() - start
+    if waited > _timeout_s:
+        sys.stderr.write(
+            f"sokpy: {_where()} has waited {waited:.0f} s in the collective call {what} "
+            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the "
+            f"same call (it left the training loop early, hangs, or failed). Ending the whole job.\n"
+        )
+        _abort(TIMEOUT_EXIT_CODE)
 
 
 def _gone_before(index: int) -> list[tuple[int, int]]:

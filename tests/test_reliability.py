@@ -146,6 +146,33 @@ print("sent", ch.sent, ch.freed)
     assert res.stdout.split("\n")[:2] == ["in #4 [(1, 3)]", "sent [3] True"], res.stdout + res.stderr
 
 
+def test_what_the_watchdog_sees_of_a_call_keeps_no_table_alive():
+    """The watchdog's thread holds the entry of the call it last looked at while it sleeps. A
+    program that drops its tables right after the call (and makes new ones of the same names,
+    as a resumed run does) must find them freed: the entry describes the call without holding it."""
+    code = """
+import gc, weakref
+import sokpy
+from sokpy import collective, watchdog
+sokpy.init(timeout=30)
+v = sokpy.Variable(4, 2, name="watched")
+with collective.Call("probe", [v]):
+    entry = watchdog._current[0]  # what the thread sees
+    print("during:", entry[0]())
+ref = weakref.ref(v)
+del v
+gc.collect()
+print("freed", ref() is None, "after:", entry[0]())
+sokpy.Variable(4, 2, name="watched")  # the name is free again
+"""
+    res = run_python(code)
+    assert res.stdout.split("\n")[:2] == [
+        "during: probe tables=[watched]",
+        "freed True after: (a call that has just ended)",
+    ], res.stdout + res.stderr
+    assert res.returncode == 0, res.stderr
+
+
 def test_bad_timeout_values_are_refused():
     code = (
         "import sokpy\n"
