@@ -38,9 +38,9 @@ _addressof, _byte_view = ctypes.addressof, ctypes.c_char.from_buffer
 
 def _numpy_address(x: np.ndarray) -> int:
     """The data address of a numpy array. ``x.ctypes.data`` builds a ctypes helper object
-    (about 1 us, and a launch passes several arrays); a ctypes view of a writable contiguous
-    buffer gives the same address in a fifth of that. Read-only, empty or strided arrays take
-    the general path."""
+    every time, and a launch passes several arrays; a ctypes view of a writable contiguous
+    buffer gives the same address for less. Read-only, empty or strided arrays take the
+    general path."""
     try:
         return _addressof(_byte_view(x))
     except (TypeError, ValueError, BufferError):
