@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+import torch
 
 __all__ = ["info", "address_of", "numpy_dtype_of_torch"]
 
@@ -27,8 +28,6 @@ _torch_dtypes: dict = {}
 def numpy_dtype_of_torch(dtype) -> np.dtype:
     """The numpy dtype of a torch dtype (``torch.float32`` -> ``float32``)."""
     if dtype not in _torch_dtypes:
-        import torch
-
         _torch_dtypes[dtype] = torch.empty((), dtype=dtype).numpy().dtype
     return _torch_dtypes[dtype]
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import collective, handoff, runtime
+from . import collective, handoff, plan, runtime
 from .errors import CheckpointError
 from .storage import _bump
 
@@ -521,8 +521,6 @@ def load(path, variables, optimizer=None):
 
         extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
     """
-    from . import plan
-
     comm = runtime.comm()
     variables = list(variables)
     path = Path(path).absolute()
@@ -730,8 +728,6 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
     :class:`~sokpy.CheckpointError` on every rank, naming the table, and nothing changes.
     With ``missing_ok``, a table no rank holds an entry for keeps its rows and is returned
     (the list of such tables is the same on every rank)."""
-    from . import plan
-
     comm = runtime.comm()
     variables, entries = list(variables), list(entries)
     mine, error = [], None

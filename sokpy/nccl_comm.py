@@ -76,9 +76,9 @@ class NcclComm(Communicator):
         stream: Callable[[], int] | None = None,
     ):
         if nccl is None:
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl  # optional dependency, imported only on the device path
         if xp is None:
-            import cupy as xp
+            import cupy as xp  # optional dependency, imported only on the device path
         self.mpi, self.nccl, self.xp = mpi, nccl, xp
         self.rank, self.size = mpi.rank, mpi.size
         self._is_device = is_device or (lambda a: isinstance(a, xp.ndarray) and xp is not np)
