@@ -162,20 +162,27 @@ def _coo_entries(t: torch.Tensor, what: str):
     return index, values, order
 
 
+def _ragged_weights(ids: Ragged, weights):
+    """(weights, weight tensor needing a gradient or None, its layout) of a Ragged input:
+    its own weights or ``weights`` (``sp_weights``'s entry), not both; a Ragged's values."""
+    if weights is not None and ids.weights is not None:
+        raise ValueError("weights given both in the Ragged input and in sp_weights")
+    w = ids.weights if ids.weights is not None else weights
+    if isinstance(w, Ragged):
+        w = w.values
+    if isinstance(w, torch.Tensor) and w.requires_grad:
+        return w, w, ("dense", tuple(w.shape))
+    return w, None, None
+
+
 def _one_table(ids, weights):
     """(values, offsets, weights or None, weight tensor needing a gradient or None, layout)
     of one table's input. ``layout`` tells how to shape that gradient."""
     wt = None
     layout = None
     if isinstance(ids, Ragged):
-        if weights is not None and ids.weights is not None:
-            raise ValueError("weights given both in the Ragged input and in sp_weights")
-        w = ids.weights if ids.weights is not None else weights
-        if isinstance(w, Ragged):
-            w = w.values
+        w, wt, layout = _ragged_weights(ids, weights)
         values, offsets = _int_array(ids.values, "values"), _int_array(ids.offsets, "offsets")
-        if isinstance(w, torch.Tensor) and w.requires_grad:
-            wt, layout = w, ("dense", tuple(w.shape))
         return values, offsets, None if w is None else _float_array(w, "weights"), wt, layout
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
         index, values, order = _coo_entries(ids, "input")
@@ -494,16 +501,9 @@ class _DeviceParts:
         the faults)."""
         xp = self.xp
         if isinstance(ids, Ragged):
-            if weights is not None and ids.weights is not None:
-                raise ValueError("weights given both in the Ragged input and in sp_weights")
-            w = ids.weights if ids.weights is not None else weights
-            if isinstance(w, Ragged):
-                w = w.values
+            w, wt, layout = _ragged_weights(ids, weights)
             values, overflow = self.ints(ids.values, "values")
             offsets, _ = self.ints(ids.offsets, "offsets")
-            wt, layout = (
-                (w, ("dense", tuple(w.shape))) if isinstance(w, torch.Tensor) and w.requires_grad else (None, None)
-            )
             fw = None if w is None else self.floats(w, "weights")
             self.add(values, overflow, offsets, int(offsets.shape[0]) - 1, fw, wt, layout)
         elif isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
