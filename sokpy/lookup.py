@@ -31,7 +31,7 @@ import torch
 from . import runtime
 from .plan import COMBINERS, LookupPlan
 from .sparse import BatchError, one_bag_per_key, to_batch
-from .variable import _Table
+from .variable import Table
 from .wire import check_wire_dtype
 
 __all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
@@ -78,8 +78,8 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
     """Converts and checks this rank's input; returns (batch, combiner codes, error). Not
     ``pooled``: every key is a bag of its own, summed (its row as it is)."""
     try:
-        if not all(map(isinstance, params, repeat(_Table))):
-            bad = next(p for p in params if not isinstance(p, _Table))
+        if not all(map(isinstance, params, repeat(Table))):
+            bad = next(p for p in params if not isinstance(p, Table))
             raise TypeError(f"params must be sokpy Variables or DynamicVariables, got a {type(bad).__name__}")
         combs = _as_list(combiners if combiners is not None else "mean", len(params), "combiners")
         codes = list(map(COMBINERS.get, combs))
@@ -174,7 +174,7 @@ def lookup_sparse(
 
         outs = sokpy.lookup_sparse([user, item], [user_ids, item_ids], combiners=["sum", "mean"])
     """
-    single = isinstance(params, _Table)
+    single = isinstance(params, Table)
     if single:
         params, sp_ids = [params], [sp_ids]
         sp_weights = None if sp_weights is None else [sp_weights]
@@ -205,7 +205,7 @@ def lookup_sequence(
 
         rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))  # [3, dim]
     """
-    single = isinstance(params, _Table)
+    single = isinstance(params, Table)
     if single:
         params, sp_ids = [params], [sp_ids]
     outs = lookup(

@@ -35,7 +35,7 @@ import torch
 from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows
 from .plan import rows_of, table_set
-from .variable import _Table
+from .variable import Table as _Table
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
 

@@ -48,8 +48,9 @@ def _init_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-class _Table:
-    """What static and dynamic tables share: identity, placement, storage, gradients."""
+class Table:
+    """What static and dynamic tables share: identity, placement, storage, gradients. The
+    other modules test for a table with ``isinstance(x, Table)``; not exported by ``sokpy``."""
 
     dynamic = False
 
@@ -115,7 +116,7 @@ class _Table:
         return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"
 
 
-class Variable(_Table):
+class Variable(Table):
     """A static embedding table of ``rows`` x ``dim`` float32, sharded across ranks.
 
     ``target_gpu=-1`` spreads the rows over all ranks (key k on rank k % W, at local row
@@ -166,7 +167,7 @@ class Variable(_Table):
         )
 
 
-class DynamicVariable(_Table):
+class DynamicVariable(Table):
     """An embedding table of ``dim`` float32 for any int64 keys, sharded across ranks.
 
     A row is created the first time its key is looked up (or assigned) and starts at its
@@ -221,7 +222,7 @@ class DynamicVariable(_Table):
 
 
 @runtime.entry
-def export(var: _Table):
+def export(var: Table):
     """This rank's rows of ``var``: ``(keys, values)``, global int64 keys ``[n]`` and a float32
     copy ``[n, dim]`` (``[0, dim]`` on a rank that holds no rows). A dynamic table's rows come
     sorted by key. Local, not collective.
@@ -250,7 +251,7 @@ def _last_of_equal(keys: np.ndarray) -> np.ndarray:
 
 
 @runtime.entry
-def assign(var: _Table, keys, values) -> None:
+def assign(var: Table, keys, values) -> None:
     """Sets rows of ``var``: collective; each rank may pass any keys (any count, none too)
     and they reach their owners; a dynamic table creates rows for new keys (their optimizer
     state starts at its initial value). A bad key or shape on any rank raises the same error
@@ -264,7 +265,7 @@ def assign(var: _Table, keys, values) -> None:
     comm = runtime.comm()
     error = None
     try:
-        if not isinstance(var, _Table):
+        if not isinstance(var, Table):
             raise TypeError(f"assign needs a sokpy Variable or DynamicVariable, got a {type(var).__name__}")
         keys = handoff.from_torch(keys, np.int64).reshape(-1)
         values = handoff.from_torch(values, np.float32)
@@ -274,7 +275,7 @@ def assign(var: _Table, keys, values) -> None:
         if not bool(np.isfinite(values).all()):
             raise ValueError("values must be finite")
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
-        error = f"table {var.name!r}: {e}" if isinstance(var, _Table) else f"{type(e).__name__}: {e}"
+        error = f"table {var.name!r}: {e}" if isinstance(var, Table) else f"{type(e).__name__}: {e}"
     if error is None:
         order = np.argsort(owner, kind="stable")
         counts = np.bincount(owner, minlength=comm.size).astype(np.int64)

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from .. import collective, runtime
-from ..variable import _Table
+from ..variable import Table
 from .modules import _Collection
 
 __all__ = ["clip_grad_norm_"]
 
 
-def _split(parameters) -> tuple[list[torch.Tensor], list[_Table]]:
+def _split(parameters) -> tuple[list[torch.Tensor], list[Table]]:
     """(dense tensors, sokpy tables) of a module (its parameters, and the tables of its sokpy
     collections) or of an iterable of tensors and tables."""
     if isinstance(parameters, torch.nn.Module):
@@ -41,16 +41,16 @@ def _split(parameters) -> tuple[list[torch.Tensor], list[_Table]]:
                 for t in m.tables():
                     tables[id(t)] = t
         return list(parameters.parameters()), list(tables.values())
-    if isinstance(parameters, (torch.Tensor, _Table)):
+    if isinstance(parameters, (torch.Tensor, Table)):
         parameters = [parameters]
     dense, tables = [], []
     for p in parameters:
-        (tables if isinstance(p, _Table) else dense).append(p)
+        (tables if isinstance(p, Table) else dense).append(p)
     return dense, tables
 
 
 def clip_grad_norm_(
-    parameters: torch.nn.Module | Iterable | torch.Tensor | _Table,
+    parameters: torch.nn.Module | Iterable | torch.Tensor | Table,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,

@@ -62,7 +62,7 @@ from .. import checkpoint, collective, runtime
 from ..errors import CheckpointError
 from ..lookup import lookup
 from ..sparse import _one_table
-from ..variable import DynamicVariable, Variable, _Table
+from ..variable import DynamicVariable, Table, Variable
 from ..wire import check_wire_dtype
 from .config import apply_init_fn, table_spec
 from .jagged import JaggedTensor, feature_inputs, torchrec_types
@@ -149,8 +149,8 @@ class _Collection(torch.nn.Module):
         specs = [table_spec(c, self._pooled) for c in tables]
         self.grad_reduction, self.insert = grad_reduction, insert
         self.wire_dtype = check_wire_dtype(wire_dtype)
-        self._tables: dict[str, _Table] = {}
-        self._features: list[tuple[str, _Table, str | None]] = []  # (feature, its table, its pooling)
+        self._tables: dict[str, Table] = {}
+        self._features: list[tuple[str, Table, str | None]] = []  # (feature, its table, its pooling)
         for s in specs:
             table_seed = seed if s.seed is None else s.seed
             if s.rows is None:
@@ -168,7 +168,7 @@ class _Collection(torch.nn.Module):
         self._dims = [var.dim for _, var, _ in self._features]
 
     # ---- what the module holds -------------------------------------------------------------------
-    def tables(self) -> list[_Table]:
+    def tables(self) -> list[Table]:
         """The module's sokpy tables, for a sokpy optimizer (``sokpy.optim.Adagrad(ebc.tables())``)."""
         return list(self._tables.values())
 
