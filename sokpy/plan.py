@@ -138,6 +138,11 @@ _UID = attrgetter("uid")
 _is_none = partial(is_, None)
 
 
+def forget_table_sets() -> None:
+    """Drops every cached table set (their keys are table uids; ``sokpy.testing.start_over``)."""
+    _table_sets.clear()
+
+
 def table_set(tables) -> TableSet:
     key = tuple(map(_UID, tables))
     ts = _table_sets.get(key)

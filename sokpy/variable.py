@@ -48,6 +48,12 @@ def _init_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def live_table_names() -> list[str]:
+    """The names of the tables alive in this process (after a garbage collection)."""
+    gc.collect()
+    return sorted(_names)
+
+
 class _Table:
     """What static and dynamic tables share: identity, placement, storage, gradients."""
 

@@ -3,7 +3,8 @@
 ``run_mpi(nranks, "worker.py", *args)`` runs ``tests/workers/worker.py`` under
 ``sokrun -np N --timeout T python ...`` (so workers run under ``python -m mpi4py`` and an
 uncaught error on any rank aborts the whole job) and fails the test with the job's output
-when the job fails. ``launcher="mpich"`` runs it with MPICH's plain ``mpiexec -n N python
+when the job fails; sokrun jobs run in resident rank pools (``rank_pool.py``) unless
+``fresh=True``. ``launcher="mpich"`` runs it with MPICH's plain ``mpiexec -n N python
 ...`` instead, and ``launcher="horovodrun"`` with ``horovodrun --mpi -np N python ...``, both
 from the environment ``launch/install-horovod`` builds (``make test`` builds it once per
 machine; tests that need it are marked ``needs_horovod_env``).
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import rank_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -74,13 +76,24 @@ def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=ROOT)
 
 
-def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
-    """Runs a worker under ``launcher`` (sokrun by default) and fails the test if the job
-    fails; returns its stdout."""
-    res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher)
+# SOKPY_TEST_POOLS=0 gives every sokrun job its own processes (to compare, or to rule the pools out).
+POOLED = os.environ.get("SOKPY_TEST_POOLS", "1") != "0"
+
+
+def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False):
+    """Runs a worker at ``nranks`` ranks and fails the test if the job fails; returns its
+    stdout. Under sokrun (the default) the worker runs in a resident rank pool of that world
+    size and environment (``rank_pool.py``: the same ranks serve many tests, so start-up is
+    paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
+    its own."""
+    if launcher == "sokrun" and not fresh and POOLED:
+        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, launch_command)
+    else:
+        res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher)
     if res.returncode != 0:
+        how = "sokrun rank pool" if isinstance(res, rank_pool.Result) else launcher
         pytest.fail(
-            f"{script} {' '.join(map(str, args))} at {nranks} ranks ({launcher}) failed (exit {res.returncode})\n"
+            f"{script} {' '.join(map(str, args))} at {nranks} ranks ({how}) failed (exit {res.returncode})\n"
             f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"
         )
     return res.stdout
