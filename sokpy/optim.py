@@ -6,7 +6,8 @@ They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a m
 ``torch.save``/``torch.load`` resumes exactly at the same world size; ``sokpy.save`` /
 ``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
 rows in the table's storage and are created when the table joins the optimizer, so the memory
-is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``.
+is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``
+(``[local rows, 1]`` for a row-wise slot).
 
 ``step()`` is collective and costs a fixed number of launches whatever the number of tables:
 it merges the gradient rows that arrived for each row (from every rank and every backward
@@ -55,8 +56,9 @@ class _StepCounts:
 
 class _TableState(dict):
     """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
-    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` of the table's
-    storage (a dynamic table's storage moves when it grows, so a view is made at each access)."""
+    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
+    for a row-wise slot) of the table's storage (a dynamic table's storage moves when it grows,
+    so a view is made at each access)."""
 
     def __init__(self, var: _Table, counts: _StepCounts):
         super().__init__()
@@ -67,7 +69,8 @@ class _TableState(dict):
         if name == "step":
             return int(self.counts.values[self.index])
         if name in self.var.storage.slot_names:
-            return handoff.to_torch(self.var.storage.data)[: self.var.storage.size][:, self._cols(name)]
+            s = self.var.storage
+            return handoff.to_torch(s.data)[: s.size][:, s.columns(name)]
         return super().__getitem__(name)
 
     def __setitem__(self, name, value):
@@ -75,10 +78,6 @@ class _TableState(dict):
             self.counts.values[self.index] = int(value)
         else:
             super().__setitem__(name, value)
-
-    def _cols(self, name):
-        k = 1 + self.var.storage.slot_names.index(name)
-        return slice(k * self.var.dim, (k + 1) * self.var.dim)
 
     def __contains__(self, name):
         return name == "step" or name in self.var.storage.slot_names or super().__contains__(name)
@@ -119,10 +118,16 @@ class SparseOptimizer(torch.optim.Optimizer):
     any change.
 
     A step's host work is vectorised over tables (the per-table bookkeeping is a few list and
-    array operations), so its cost hardly grows with the number of tables."""
+    array operations), so its cost hardly grows with the number of tables.
+
+    A slot named in ``row_slots`` holds one float per row instead of one per element; an update
+    kernel that reduces over a row's dimension sets ``row_kernel`` and is launched with one
+    thread per row (``block.x = 1``)."""
 
     kernel: str = ""
     slots: dict = {}  # noqa: RUF012 - a class-level constant of each subclass
+    row_slots: tuple = ()
+    row_kernel: bool = False
 
     def __init__(self, params, defaults: dict, check_finite: bool = True):
         self._var_of: dict[int, _Table] = {}
@@ -161,7 +166,11 @@ class SparseOptimizer(torch.optim.Optimizer):
         super().add_param_group(group)
         group = self.param_groups[-1]  # with the defaults filled in
         for v in tables:
-            v.storage.add_slots(list(self.slots), [float(init(group)) for init in self.slots.values()])
+            v.storage.add_slots(
+                list(self.slots),
+                [float(init(group)) for init in self.slots.values()],
+                [name in self.row_slots for name in self.slots],
+            )
             v.optimizer = self
             self._var_of[id(v.handle)] = v
             self.state[v.handle] = _TableState(v, self._steps)
@@ -237,7 +246,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         runtime.launch(
             self.kernel,
             n,
-            int(ts.dims.max(initial=1)),
+            1 if self.row_kernel else int(ts.dims.max(initial=1)),
             (otab, rows, buffer, goff, n, xp.asarray(ts.tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
@@ -336,7 +345,7 @@ class SparseOptimizer(torch.optim.Optimizer):
     @runtime.entry
     def state_dict(self) -> dict:
         """Hyper-parameters, and per table its step count and this rank's slots with their keys
-        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot): a per-rank ``torch.save`` of it
+        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot, ``[n, 1]`` for a row-wise one): a per-rank ``torch.save`` of it
         resumes at the same world size. ``sokpy.save`` writes a resharding checkpoint."""
         index, groups = {}, []
         for group in self.param_groups:
@@ -371,10 +380,11 @@ class SparseOptimizer(torch.optim.Optimizer):
             if entry is None:
                 continue
             for name in var.storage.slot_names:
-                if name not in entry or tuple(entry[name].shape) != (len(entry["keys"]), var.dim):
+                shape = (len(entry["keys"]), var.storage.slot_width(name))
+                if name not in entry or tuple(entry[name].shape) != shape:
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: table {var.name!r}: slot {name!r} "
-                        f"missing or not of shape [{len(entry['keys'])}, {var.dim}]"
+                        f"missing or not of shape [{shape[0]}, {shape[1]}]"
                     )
         for saved_group, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
@@ -389,10 +399,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             if keys.size:
                 rows = rows_of(var, keys, insert=True)
                 for name in var.storage.slot_names:
-                    k = 1 + var.storage.slot_names.index(name)
-                    var.storage.data[rows, k * var.dim : (k + 1) * var.dim] = handoff.from_torch(
-                        entry[name], np.float32
-                    )
+                    var.storage.data[rows, var.storage.columns(name)] = handoff.from_torch(entry[name], np.float32)
 
 
 def _export_keys(var: _Table):
