@@ -1,4 +1,5 @@
-"""Sparse optimizers for sokpy tables: SGD, Adagrad, FTRL and lazy Adam, as fused kernels.
+"""Sparse optimizers for sokpy tables: SGD, Adagrad, row-wise Adagrad, FTRL and lazy Adam, as fused
+kernels.
 
 They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a mutable
 ``"lr"``, so ``torch.optim.lr_scheduler`` works), ``add_param_group``, ``state_dict()`` /
@@ -7,7 +8,7 @@ They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a m
 ``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
 rows in the table's storage and are created when the table joins the optimizer, so the memory
 is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``
-(``[local rows, 1]`` for a row-wise slot).
+(``[local rows, 1]`` for a row-wise slot: RowWiseAdagrad's accumulator).
 
 ``step()`` is collective and costs a fixed number of launches whatever the number of tables:
 it merges the gradient rows that arrived for each row (from every rank and every backward
@@ -38,7 +39,7 @@ from .gradients import GradChunk, merge_rows
 from .plan import rows_of, table_set
 from .variable import _Table
 
-__all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
+__all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Ftrl", "Adam"]
 
 
 class _StepCounts:
@@ -437,6 +438,14 @@ class SGD(SparseOptimizer):
         return [group["lr"]]
 
 
+def _adagrad_defaults(lr: float, eps: float, initial_accumulator_value: float) -> dict:
+    """The checked hyper-parameters of Adagrad and RowWiseAdagrad."""
+    _check("lr", lr, lr >= 0, ">= 0")
+    _check("eps", eps, eps >= 0, ">= 0")
+    _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
+    return {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
+
+
 class Adagrad(SparseOptimizer):
     """``acc += g*g; w -= lr * g / (sqrt(acc) + eps)``; ``acc`` starts at ``initial_accumulator_value``.
 
@@ -456,12 +465,53 @@ class Adagrad(SparseOptimizer):
         eps: float = 1e-10,
         check_finite: bool = True,
     ):
-        _check("lr", lr, lr >= 0, ">= 0")
-        _check("eps", eps, eps >= 0, ">= 0")
-        _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
-        super().__init__(
-            params, {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}, check_finite
-        )
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
+
+    def hyper(self, group, step):
+        return [group["lr"], group["eps"]]
+
+
+class RowWiseAdagrad(SparseOptimizer):
+    """Row-wise Adagrad: one accumulator per row, FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's
+    ``EmbOptimType.EXACT_ROWWISE_ADAGRAD``) with ``weight_decay`` 0. For each row that got a
+    gradient ``g`` (the gradients of its duplicate keys summed first, as every sokpy optimizer
+    merges them), in float32::
+
+        m = (g[0]^2 + ... + g[dim-1]^2) / dim      # the mean square, summed in column order
+        acc += m
+        w -= g * (lr / (sqrt(acc) + eps))          # eps outside the square root, as FBGEMM
+
+    ``acc`` (slot ``"sum"``, ``[local rows, 1]``) starts at ``initial_accumulator_value``;
+    ``lr`` and ``eps`` default to FBGEMM's TBE defaults (0.01 and 1e-8; TorchRec's own
+    ``torchrec.optim.RowWiseAdagrad`` defaults to ``eps=1e-10``). The state is ``dim`` times
+    smaller than :class:`Adagrad`'s. The order of operations is FBGEMM's CPU kernel's (its GPU
+    kernel sums the squares in another order: the last bits may differ).
+
+    Example::
+
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="rowwise_doc")
+        opt = sokpy.optim.RowWiseAdagrad([v], lr=0.1)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()
+        print(opt.state[v.handle]["sum"].shape)  # torch.Size([100, 1]) on one rank
+    """
+
+    kernel = "rowwise_adagrad_update"
+    slots = {"sum": lambda g: g["initial_accumulator_value"]}  # noqa: RUF012
+    row_slots = ("sum",)
+    row_kernel = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.01,
+        eps: float = 1e-8,
+        initial_accumulator_value: float = 0.0,
+        check_finite: bool = True,
+    ):
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
 
     def hyper(self, group, step):
         return [group["lr"], group["eps"]]

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from reference import _mix64, uniform_init  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "ftrl", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "ftrl", "adam"])
 def test_training_matches_dict_reference_at_two_ranks(kind):
     out = run_mpi(2, "dynamic_worker.py", "train", kind, 21, timeout=300)
     assert out.count(f"{kind} ok") == 2
