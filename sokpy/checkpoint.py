@@ -36,13 +36,12 @@ a checkpoint can point outside its folder).
 
 Example::
 
-    import os, tempfile, torch, sokpy
+    import sokpy
     sokpy.init()
     v = sokpy.Variable(100, 8, name="ckpt_user")
     opt = sokpy.optim.Adagrad([v], lr=0.1)
-    path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    sokpy.save(path, [v], optimizer=opt)
-    sokpy.load(path, [v], optimizer=opt)
+    sokpy.save("ckpt", [v], optimizer=opt)   # a folder every rank sees (a shared file system)
+    sokpy.load("ckpt", [v], optimizer=opt)   # also at another number of ranks
 """
 
 from __future__ import annotations
@@ -263,7 +262,12 @@ def read_table(path, name: str):
 
     Example::
 
-        keys, values = sokpy.checkpoint.read_table("ckpt", "user")
+        import sokpy
+        sokpy.init()
+        user = sokpy.Variable(100, 8, name="user")
+        sokpy.save("ckpt", [user])
+        keys, values = sokpy.checkpoint.read_table("ckpt", "user")   # numpy, every saved rank's rows
+        assert sorted(keys.tolist()) == list(range(100)) and values.shape == (100, 8)
     """
     path = Path(path).absolute()
     m = _read_manifest(path)
@@ -317,6 +321,11 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     in the same atomic step as the tables, and :func:`load` returns it.
 
     Example::
+
+        import sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(8, name="item")
+        emb_opt = sokpy.optim.Adagrad([user, item], lr=0.1)
 
         sokpy.save("ckpt", [user, item], optimizer=emb_opt, extra={"step": 1000})
     """
@@ -520,7 +529,14 @@ def load(path, variables, optimizer=None):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(8, name="item")
+        emb_opt = sokpy.optim.Adagrad([user, item], lr=0.1)
+
+        sokpy.save("ckpt", [user, item], optimizer=emb_opt, extra={"step": 1000})
         extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
+        assert extra == {"step": 1000}
     """
     from . import plan
 

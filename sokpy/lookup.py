@@ -192,7 +192,13 @@ def lookup_sparse(
 
     Example::
 
+        import torch, sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(4, name="item")
+        user_ids = torch.tensor([[1, 2], [3, 3]])                                   # 2 bags of 2 ids
+        item_ids = sokpy.Ragged(torch.tensor([7, 2**40, 9]), torch.tensor([0, 1, 3]))  # bags [7], [2**40, 9]
         outs = sokpy.lookup_sparse([user, item], [user_ids, item_ids], combiners=["sum", "mean"])
+        assert [tuple(o.shape) for o in outs] == [(2, 8), (2, 4)]
     """
     single = isinstance(params, _Table)
     if single:
@@ -223,7 +229,11 @@ def lookup_sequence(
 
     Example::
 
-        rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))  # [3, dim]
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="history")
+        rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))
+        assert rows.shape == (3, 4)                                    # one row per id
     """
     single = isinstance(params, _Table)
     if single:

@@ -425,7 +425,13 @@ class SGD(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="sgd_doc")
         opt = sokpy.optim.SGD([v], lr=0.1)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "sgd_update"
@@ -451,7 +457,13 @@ class Adagrad(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="adagrad_doc")
         opt = sokpy.optim.Adagrad([v], lr=0.01, initial_accumulator_value=0.1, eps=1e-7)  # TF's values
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "adagrad_update"
@@ -523,7 +535,13 @@ class Ftrl(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="ftrl_doc")
         opt = sokpy.optim.Ftrl([v], lr=0.05, l1=0.001, l2=0.01)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "ftrl_update"
@@ -577,7 +595,13 @@ class Adam(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="adam_doc")
         opt = sokpy.optim.Adam([v], lr=1e-3, betas=(0.9, 0.999))
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "adam_update"

@@ -23,6 +23,7 @@ the verdict.
 
 Example::
 
+    import torch, sokpy
     ids = sokpy.Ragged(values=torch.tensor([3, 1, 4, 1]), offsets=torch.tensor([0, 2, 2, 4]))
     # three bags: [3, 1], [], [4, 1]
 """

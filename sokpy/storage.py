@@ -24,9 +24,9 @@ the kernels read (:meth:`Storage.descriptor`): neither knows which kind of table
 Example::
 
     import sokpy
-    from sokpy.storage import HashStorage
+    from sokpy.storage import HashStorage, InitSpec
     sokpy.init()
-    s = HashStorage(dim=4, capacity=8)
+    s = HashStorage(dim=4, init=InitSpec(0, 0.0, 0.0, 0), capacity=8)   # rows start at 0
     s.reserve(100)                     # room for 100 new keys: the index and row store grow
     print(s.size, s.capacity >= 100)
 """

@@ -237,7 +237,11 @@ def export(var: _Table):
 
     Example::
 
-        keys, values = sokpy.export(v)
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="export_doc")
+        keys, values = sokpy.export(v)          # this rank's rows: keys [n], values [n, 4]
+        assert values.shape == (len(keys), 4)
     """
     xp = runtime.xp()
     keys = xp.array(var.storage.keys())
@@ -268,7 +272,10 @@ def assign(var: _Table, keys, values) -> None:
 
     Example::
 
-        sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="assign_doc")
+        sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))   # collective; keys from any rank
     """
     from . import plan
 

@@ -65,7 +65,7 @@ def launch_command(launcher, nranks, program, timeout):
     return [*head[launcher], str(nranks), python, *program[1:]], extra
 
 
-def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
+def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun", cwd=ROOT):
     """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
     CompletedProcess (does not check the exit code)."""
     cmd, extra = launch_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout)
@@ -73,23 +73,23 @@ def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
     full_env.update(env or {})
     full_env.update(extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=cwd)
 
 
 # SOKPY_TEST_POOLS=0 gives every sokrun job its own processes (to compare, or to rule the pools out).
 POOLED = os.environ.get("SOKPY_TEST_POOLS", "1") != "0"
 
 
-def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False):
+def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
     """Runs a worker at ``nranks`` ranks and fails the test if the job fails; returns its
     stdout. Under sokrun (the default) the worker runs in a resident rank pool of that world
     size and environment (``rank_pool.py``: the same ranks serve many tests, so start-up is
     paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
-    its own."""
+    its own. ``cwd``: the ranks' working directory (the checkout's root by default)."""
     if launcher == "sokrun" and not fresh and POOLED:
-        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, launch_command)
+        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, launch_command, cwd)
     else:
-        res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher)
+        res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
     if res.returncode != 0:
         how = "sokrun rank pool" if isinstance(res, rank_pool.Result) else launcher
         pytest.fail(

@@ -68,12 +68,16 @@ class RankPool:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, script, args, timeout: float) -> Result:
+    def run(self, script, args, timeout: float, cwd=None) -> Result:
         """Runs ``python script args`` on every rank; the job's result. A failed or timed-out
         task leaves the pool closed."""
         k, self.tasks = self.tasks, self.tasks + 1
         task = self.dir / f"task-{k}.json"
-        task.with_suffix(".tmp").write_text(json.dumps({"script": str(script), "args": [str(a) for a in args]}))
+        task.with_suffix(".tmp").write_text(
+            json.dumps(
+                {"script": str(script), "args": [str(a) for a in args], "cwd": None if cwd is None else str(cwd)}
+            )
+        )
         task.with_suffix(".tmp").replace(task)
         status = [self.dir / f"task-{k}.rank{r}.status" for r in range(self.nranks)]
         if self._wait(lambda: all(s.exists() for s in status), timeout) or not self.alive():
@@ -124,7 +128,7 @@ class RankPool:
 _pools: OrderedDict = OrderedDict()
 
 
-def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, launch_command) -> Result:
+def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, launch_command, cwd=None) -> Result:
     """The job ``sokrun -np nranks python script args`` with ``env``, run by a resident pool."""
     key = (nranks, tuple(sorted((env or {}).items())))
     pool = _pools.pop(key, None)
@@ -133,7 +137,7 @@ def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, lau
             _pools.popitem(last=False)[1].close()
         pool = RankPool(nranks, dict(env or {}), launch_command)
     _pools[key] = pool
-    result = pool.run(script, args, timeout)
+    result = pool.run(script, args, timeout, cwd)
     if not pool.alive():
         _pools.pop(key, None)
     return result

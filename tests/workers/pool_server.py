@@ -3,14 +3,14 @@ another in this process, so a test pays for a job's start-up (mpirun, Python, to
 once per pool instead of once per job.
 
 Run under ``sokrun -np N python pool_server.py CONTROL_DIR HARNESS_PID``. Every rank watches
-CONTROL_DIR for ``task-K.json`` (K = 0, 1, ...): ``{"script": path, "args": [...]}`` runs the
-script as ``__main__`` with that ``sys.argv`` (as ``python script args`` would), its file
+CONTROL_DIR for ``task-K.json`` (K = 0, 1, ...): ``{"script": path, "args": [...], "cwd": folder or null}`` runs
+the script as ``__main__`` with that ``sys.argv`` and working directory (as ``python script args`` would), its file
 descriptors 1 and 2 sent to ``task-K.rankR.out`` / ``.err``; then the rank writes its exit
 code to ``task-K.rankR.status``. ``{"exit": true}`` ends the pool.
 
 What a fresh process would have, each task gets again: ``sys.argv``, ``sys.path`` with the
 script's folder first, the working directory and environment variables, torch's and numpy's global random states as
-they were at start-up, float32 as torch's default dtype; a ``gc.collect()`` after it frees the
+they were at start-up, float32 as torch's default dtype, no torch.distributed group; a ``gc.collect()`` after it frees the
 tables it made, and ``sokpy.testing.process.start_over`` numbers the next task's tables from 1
 again; a task whose tables outlive it (a worker that patched sokpy and left the patch) makes
 the harness end the pool after it. What a fresh process would not do, a task does
@@ -79,6 +79,7 @@ def run(task: dict, out: Path, err: Path) -> int:
         try:
             sys.argv = [script, *map(str, task["args"])]
             sys.path[:0] = [os.path.dirname(os.path.abspath(script))]
+            os.chdir(task.get("cwd") or cwd)
             runpy.run_path(script, run_name="__main__")
         except SystemExit as done:
             code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
@@ -115,6 +116,9 @@ def main() -> None:
         np.random.set_state(numpy_rng)
         torch.set_default_dtype(torch.float32)
         code = run(task, control / f"task-{k}.rank{rank}.out", control / f"task-{k}.rank{rank}.err")
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # a new process has no default group
         gc.collect()
         try:
             process.start_over()  # the next task numbers its tables from 1, as a new process
