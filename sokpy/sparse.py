@@ -80,7 +80,7 @@ class Batch(NamedTuple):
     weighted: np.ndarray
     weight_grads: list
     weight_layouts: list
-    faults: object = None
+    faults: DeviceFaults | None = None
 
     def host_key_start(self) -> np.ndarray:
         """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""
