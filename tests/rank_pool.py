@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).resolve().parent / "workers" / "pool_server.py"
 START_TIMEOUT = 300  # seconds for every rank of a new pool to import torch and sokpy
-MAX_POOLS = 4  # pools kept alive at once (least recently used ends first)
+MAX_POOLS = 6  # pools kept alive at once (least recently used ends first)
 
 
 @dataclass
@@ -61,7 +61,9 @@ class RankPool:
         self.proc = subprocess.Popen(
             cmd, env=full_env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        began = time.monotonic()
         self._wait(lambda: all((self.dir / f"ready.rank{r}").exists() for r in range(nranks)), START_TIMEOUT)
+        _note(f"start {nranks} ranks {sorted(env.items())} in {time.monotonic() - began:.1f} s")
         if not self.alive():
             raise RuntimeError(f"a {nranks}-rank pool did not start:\n{self._log_tail()}")
 
@@ -91,7 +93,9 @@ class RankPool:
             note = f"\n[rank pool: the task ran past its {timeout} s timeout; the pool is killed]\n"
         out = "".join(self._read(f"task-{k}.rank{r}.out") for r in range(self.nranks))
         err = "".join(self._read(f"task-{k}.rank{r}.err") for r in range(self.nranks)) + note
-        if code != 0 or any((self.dir / f"task-{k}.rank{r}.restart").exists() for r in range(self.nranks)):
+        restart = [self._read(f"task-{k}.rank{r}.restart") for r in range(self.nranks)]
+        if code != 0 or any(restart):
+            _note(f"end {self.nranks} ranks after {script} {list(args)}: exit {code} {[r for r in restart if r][:1]}")
             self.close()
         return Result(code, out, err)
 
@@ -128,13 +132,23 @@ class RankPool:
 _pools: OrderedDict = OrderedDict()
 
 
+def _note(line: str) -> None:
+    """Appends a line to the file SOKPY_TEST_POOL_LOG names (pool starts and ends, to study)."""
+    log = os.environ.get("SOKPY_TEST_POOL_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+
 def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, launch_command, cwd=None) -> Result:
     """The job ``sokrun -np nranks python script args`` with ``env``, run by a resident pool."""
     key = (nranks, tuple(sorted((env or {}).items())))
     pool = _pools.pop(key, None)
     if pool is None or not pool.alive():
         while len(_pools) >= MAX_POOLS:
-            _pools.popitem(last=False)[1].close()
+            old_key, old = _pools.popitem(last=False)
+            _note(f"evict {old_key}")
+            old.close()
         pool = RankPool(nranks, dict(env or {}), launch_command)
     _pools[key] = pool
     result = pool.run(script, args, timeout, cwd)
