@@ -154,8 +154,7 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
 // first use, the key and its group (owner * ntables + table). The key of a static table whose
 // sort value is its exact stored row (tabs EXACT) comes back from that row and the owner
 // (sokpy_static_key), not from a read of keys at a random position: on the host that read is a
-// cache miss per unique key (this kernel, one rank, AMD EPYC VM: t100 0.83 -> 0.21 ms, t500 3.9
-// -> 2.6, W1 0.26 -> 0.09).
+// cache miss per unique key.
 extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* brk,
                                             const i64* before, i64 count, const i64* keys, int pos_bits, int sv_bits,
                                             int ntables, const i64* tabs, int world, i64* seg, i64* first, i64* ukeys,
@@ -514,12 +513,11 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
 // its slot of pieces, where segment_piece_sums (launched first, with the same arguments up to
 // own) left the others. kbag, when not null, holds the same bags in the order of k (kbag[k] =
 // bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the chain from a
-// position to its gradient row (one rank, t500: the backward 41.5 -> 39 ms). grad[t] is the
-// address of dL/d(output of table t), laid out as the output was (OUT_STRIDE); 0 means the
-// output got no gradient: a zero row. When bad is not null (zeroed by the caller), bad[u] = 1
-// marks a row that is not finite. The unique keys are the first nuniq, or, when count is not
-// null, the first *count (a number the device knows and the host does not: the launch covers
-// nuniq, an upper bound).
+// position to its gradient row. grad[t] is the address of dL/d(output of table t), laid out
+// as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row. When bad is
+// not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite. The unique keys
+// are the first nuniq, or, when count is not null, the first *count (a number the device knows
+// and the host does not: the launch covers nuniq, an upper bound).
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
                                        const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,

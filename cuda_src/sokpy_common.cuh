@@ -30,9 +30,10 @@ __device__ __forceinline__ i64 sokpy_first_row(i64 n, int next) {
 // fn<dim>(args...) for the common embedding sizes (16, 32, 64, 128) and fn<0>(args...)
 // otherwise; fn is a template over DIM whose loops run over SOKPY_DIM(DIM, dim) columns. A
 // known count lets the host compiler emit straight vector code, without the runtime alias
-// check and remainder loop it adds for an unknown one (t500's combine_forward: 35 -> 30 ms).
-// A row function takes its rows as restrict-qualified parameters: the same loop in a lambda
-// lost that and ran scalar, twice as slow.
+// check and remainder loop it adds for an unknown one. A row function takes its rows as
+// restrict-qualified parameters: a lambda loses the qualifier and its loop runs scalar.
+// (The timings behind this and every prefetch distance below: docs/benchmarks.md,
+// "Measurements behind design choices".)
 #define SOKPY_DIM(DIM, dim) ((DIM) > 0 ? (DIM) : (dim))
 #define SOKPY_WITH_DIM(fn, dim, ...)                   \
     switch (dim) {                                     \
@@ -83,8 +84,8 @@ __device__ __forceinline__ void sokpy_prefetch_row(const float* row, int dim) {
 // A hint that a row will be written soon (host only): the output rows of a keyed lookup over
 // many tables lie a whole batch row apart, beyond the page the hardware prefetcher stays in,
 // so without it every bag's write waits for its cache line. For rows closer together than
-// SOKPY_FAR_STRIDE floats (1.5 KB) the hardware does it and the hint only costs instructions
-// (W1's forward, rows 1 KB apart: 0.4-0.7 ms slower with it 4 bags ahead, 0.08 ms at 32).
+// SOKPY_FAR_STRIDE floats (1.5 KB) the hardware does it and the hint only costs instructions,
+// so callers give it only for rows at least that far apart.
 __device__ __forceinline__ void sokpy_prefetch_row_for_write(float* row, int dim) {
 #ifdef SOKPY_HOST
     for (int d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 1);
@@ -102,51 +103,36 @@ __device__ __forceinline__ void sokpy_prefetch_word(const void* p) {
 __device__ __forceinline__ int sokpy_finite(float x) { return fabsf(x) <= 3.40282346638528859811704183484516925e+38f; }
 
 // Output rows at least this many floats apart are prefetched for writing (combine_forward),
-// SOKPY_PREFETCH_OUT_BAGS bags ahead. Against 1024 floats (with 32 bags ahead, kernels
-// alternated in one process, AMD EPYC VM): criteo26 (rows 416 floats apart) 1.30 -> 1.19 ms;
-// W1's rows, 256 floats apart, stay without (with: 2.35 -> 2.43 ms).
+// SOKPY_PREFETCH_OUT_BAGS bags ahead: criteo26's rows (416 floats apart) gain from the hint,
+// W1's (256 floats apart) lose.
 #define SOKPY_FAR_STRIDE 384
 #define SOKPY_PREFETCH_OUT_BAGS 32
 // How many rows ahead copy_rows prefetches.
 #define SOKPY_PREFETCH_DISTANCE 4
 // How many keys past the current bag combine_forward prefetches the rows of. Counted in keys,
-// not bags, so that one-key bags look as far ahead as long ones: against 4 bags ahead,
-// criteo26 (one key a bag) 3.05 -> 2.17 ms, t100 (two) 6.58 -> 4.68, t500 25.3 -> 15.6, W1
-// (eight) level (AMD EPYC VM, kernels A/B in one process). 16 keys did as well on one-key
-// bags and worse on t100. 64 against 32, later (same VM and method): t500 14.2 -> 13.2 and
-// 15.1 -> 13.9 ms, t100 3.61 -> 3.30, criteo26 and W1 level; at 2 ranks t100 2.83 -> 2.56,
-// W1 1.06 -> 1.00. 128: as 64 on t500, 3.19 on t100, 1.61 against 1.59 on criteo26.
+// not bags, so that one-key bags look as far ahead as long ones.
 #define SOKPY_PREFETCH_KEYS 64
-// How many keys ahead gather_rows (the owner's rows for the exchange) prefetches: against 4,
-// at 2 ranks criteo26 0.91 -> 0.68 ms, t100 3.1-3.3 -> 2.2-2.4, W1 1.97-2.17 -> 1.89-2.05
-// (kernel A/B in one job, AMD EPYC VM); 32 no better.
+// How many keys ahead gather_rows (the owner's rows for the exchange) prefetches at least.
 #define SOKPY_PREFETCH_GATHER 16
 // ... and at least as many keys as keep this many cache lines of rows in flight: rows of one
-// line (16 floats) look 64 keys ahead, rows of 4 lines or more SOKPY_PREFETCH_GATHER. Against
-// 16 keys for every row (kernel A/B in one 2-rank job, AMD EPYC VM): t100 2.05 -> 1.73 ms,
-// criteo26 0.56 -> 0.49, W1 level (its 4-line rows: 32 or 64 keys ahead were 2-3% slower).
+// line (16 floats) look 64 keys ahead, rows of 4 lines or more SOKPY_PREFETCH_GATHER (further
+// ahead is slower for them).
 #define SOKPY_PREFETCH_GATHER_LINES 64
 // How many key positions ahead segment_sum prefetches a gradient row. Each look-ahead is a
 // chain of two random reads (the position's bag, then the row; the bag is prefetched twice as
 // far ahead), and most keys have one or two positions, so it looks further than a row
-// prefetch: 4 -> 16 took t500's segment_sum from 52 to 38 ms (32: no better).
+// prefetch.
 #define SOKPY_PREFETCH_POSITIONS 16
 // The same with the bags in sorted order (segment_sum's kbag, one rank): the look-ahead is one
-// read, not a chain, and looks further. Against 16 (kernel A/B in one process, AMD EPYC VM):
-// t500 13.0 -> 12.1 ms, criteo26 0.94 -> 0.70, W1 level (32: 12.0, 0.77). Without kbag (two
-// ranks) 16 stays best: W1 1.47-1.49 against 1.55 (32) and 1.58 (64).
+// read, not a chain, and looks further. Without kbag (two ranks) SOKPY_PREFETCH_POSITIONS stays
+// the best.
 #define SOKPY_PREFETCH_SORTED_POSITIONS 64
 // How many sorted positions ahead mark_unique_keys hints the bag of (one rank): the bags were
-// written in the forward and are read in sort order, a cache miss each without it. t500's
-// mark_unique_keys: no hint 6.7 ms, 16 ahead 5.5, 32 4.6, 64 4.1, 128 3.7, 256 3.6; W1 0.39 /
-// 0.32 / 0.28 / 0.26 / 0.25 for 16-256; criteo26 0.25 / 0.22 / 0.19 for 32-128 (kernel A/B
-// in one process, AMD EPYC VM).
+// written in the forward and are read in sort order, a cache miss each without it; the gain
+// levels off from 128.
 #define SOKPY_PREFETCH_BAGS 128
 // How many rows ahead an optimizer update prefetches the row it will read and write (values
-// and slots): 4 -> 8 took t500's adagrad_update from 19.5 to 16.5 ms. 8 -> 32, later
-// (kernels alternated in one process, AMD EPYC VM): criteo26 0.85 -> 0.57 ms, t100 3.34 ->
-// 2.61, t500 9.0 -> 7.2, W1 level; at 2 ranks criteo26 0.57 -> 0.47, W1 1.38 -> 1.33. 16 was
-// between the two; 64 no better than 32.
+// and slots); looking further gains nothing.
 #define SOKPY_PREFETCH_UPDATES 32
 
 // splitmix64's finalizer: a fixed 64-bit mixing hash (dynamic-table placement, initializers).

@@ -19,6 +19,7 @@ import ctypes
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 __all__ = ["info", "address_of", "numpy_dtype_of_torch"]
 
@@ -28,8 +29,6 @@ _torch_dtypes: dict = {}
 def numpy_dtype_of_torch(dtype) -> np.dtype:
     """The numpy dtype of a torch dtype (``torch.float32`` -> ``float32``)."""
     if dtype not in _torch_dtypes:
-        import torch
-
         _torch_dtypes[dtype] = torch.empty((), dtype=dtype).numpy().dtype
     return _torch_dtypes[dtype]
 
@@ -40,9 +39,9 @@ _byte_view: Callable[..., ctypes.c_char] = ctypes.c_char.from_buffer  # takes a 
 
 def _numpy_address(x: np.ndarray) -> int:
     """The data address of a numpy array. ``x.ctypes.data`` builds a ctypes helper object
-    (about 1 us, and a launch passes several arrays); a ctypes view of a writable contiguous
-    buffer gives the same address in a fifth of that. Read-only, empty or strided arrays take
-    the general path."""
+    every time, and a launch passes several arrays; a ctypes view of a writable contiguous
+    buffer gives the same address for less. Read-only, empty or strided arrays take the
+    general path."""
     try:
         return _addressof(_byte_view(x))
     except (TypeError, ValueError, BufferError):

@@ -179,7 +179,7 @@ def device_requirements(world_size: int = 1) -> list[str]:
         why = "a CPU-only build of torch" if getattr(torch.version, "cuda", None) is None else "no GPU visible to torch"
         missing.append(f"torch cannot use a GPU here ({why}; check the driver and CUDA_VISIBLE_DEVICES)")
     try:
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         if cupy.cuda.runtime.getDeviceCount() < 1:
             missing.append("CuPy sees no GPU (check CUDA_VISIBLE_DEVICES)")
@@ -192,7 +192,7 @@ def device_requirements(world_size: int = 1) -> list[str]:
         missing.append(f"NVRTC does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     if world_size > 1:
         try:
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl  # optional dependency, imported only on the device path
 
             if not getattr(nccl, "available", True):
                 raise ImportError("cupy.cuda.nccl reports NCCL unavailable")
@@ -219,7 +219,7 @@ class _EventClock:
     work runs on, read only when the totals are asked for."""
 
     def __init__(self):
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         self._cupy = cupy
         self._pending: list = []
@@ -252,7 +252,7 @@ class DeviceBackend(Backend):
     free_reads = False
 
     def __init__(self, device_index: int):
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         self.xp = cupy
         self.index = int(device_index)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import collective, handoff, runtime
+from . import collective, handoff, plan, runtime
 from .errors import CheckpointError
 from .storage import _bump
 
@@ -538,8 +538,6 @@ def load(path, variables, optimizer=None):
         extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
         assert extra == {"step": 1000}
     """
-    from . import plan
-
     comm = runtime.comm()
     variables = list(variables)
     path = Path(path).absolute()
@@ -749,8 +747,6 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
     :class:`~sokpy.CheckpointError` on every rank, naming the table, and nothing changes.
     With ``missing_ok``, a table no rank holds an entry for keeps its rows and is returned
     (the list of such tables is the same on every rank)."""
-    from . import plan
-
     comm = runtime.comm()
     variables, entries = list(variables), list(entries)
     mine, error = [], None

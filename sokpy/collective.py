@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import runtime
+from . import runtime, watchdog
 from .comm import max_count
 from .errors import CollectiveMismatchError, InputError
 
@@ -162,9 +162,7 @@ class Call:
 
     def __enter__(self) -> Call:
         self._stack = ExitStack()
-        watch = _watchdog_call()
-        if watch is not None:
-            self._stack.enter_context(watch(_described(self)))
+        self._stack.enter_context(watchdog.call(_described(self)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -257,12 +255,3 @@ def _described(call: Call):
         return "(a call that has just ended)" if c is None else c.describe()
 
     return describe
-
-
-def _watchdog_call():
-    """``sokpy.watchdog.call`` when the watchdog module is present, else None."""
-    try:
-        from . import watchdog
-    except ImportError:
-        return None
-    return getattr(watchdog, "call", None)

@@ -15,6 +15,7 @@ Example (under ``sokrun -np 2``)::
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -63,7 +64,7 @@ def mpi_world():
     """``(MpiComm over a duplicate of MPI's world, this process's rank on its node)``; raises
     MpiUnavailable where MPI cannot be loaded."""
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
     except Exception as e:  # noqa: BLE001 - mpi4py missing, or no MPI library for it to load
         raise MpiUnavailable(f"{type(e).__name__}: {e}") from e
     world = MPI.COMM_WORLD
@@ -139,8 +140,6 @@ class SoloComm(Communicator):
         pass
 
     def abort(self, code: int) -> None:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -182,7 +181,7 @@ class MpiComm(Communicator):
     """Communicator over an mpi4py communicator, for host (numpy) arrays."""
 
     def __init__(self, mpi_comm):
-        from mpi4py import MPI
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
 
         self._MPI = MPI
         self._comm = mpi_comm
@@ -330,7 +329,7 @@ class LeaveNotices:
     more) stay in MPI's queue of unexpected messages and are dropped with the communicator."""
 
     def __init__(self, mpi_comm):
-        from mpi4py import MPI
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
 
         self._MPI = MPI
         self._comm = mpi_comm

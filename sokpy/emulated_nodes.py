@@ -52,6 +52,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from . import launcher
+
 __all__ = ["EmulatedNodes", "Interrupted", "available", "cleanup", "end_processes", "main"]
 
 PREFIX = "sokpyn"  # every namespace this module creates starts with it
@@ -373,8 +375,6 @@ class EmulatedNodes:
     def command(self, program: list[str], ranks_per_node: int = 1, mpirun_args=()) -> tuple[list[str], dict]:
         """The command line (run from the machine's own namespace) and environment that run
         ``program`` with ``ranks_per_node`` ranks on every node, through sokrun's defaults."""
-        from . import launcher
-
         hosts = ",".join(f"{n}:{ranks_per_node}" for n in self.names)
         cidr = f"{self.subnet}.0/24"
         # ranks_per_node on every node, even where that is more than the node's cores.

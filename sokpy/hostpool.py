@@ -3,8 +3,8 @@
 A step allocates the same large arrays every time (the pooled output, the sort and dedup
 arrays, the gradient rows): tens of megabytes with many tables. glibc's malloc serves
 blocks that large with a fresh ``mmap`` and returns them to the kernel when they are freed,
-so every step page-faults them in anew (zeroing each page), which cost a 500-table step more
-than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does on a GPU:
+so every step page-faults them in anew (zeroing each page). This pool keeps the blocks
+instead, as CuPy's pool does on a GPU:
 
 * ``empty(shape, dtype)`` returns an uninitialised numpy array on a block from the pool (a
   new block when none of its size class is free). Arrays under ``MIN_BYTES`` (128 KiB;
@@ -16,8 +16,7 @@ than its pooling kernel. This pool keeps the blocks instead, as CuPy's pool does
   exactly when malloc would have been free to reuse the memory.
 * Every array starts on a cache line (``ALIGN``, 64 bytes; numpy's own arrays are only 16-byte
   aligned), so that a 64-byte row of 16 float32 is one line, not two: a keyed lookup
-  writes one output row per bag, and t100's pooling kernel took 12.1-13.1 ms with 16-byte
-  aligned output against 6.4-8.3 ms with aligned output.
+  writes one output row per bag, and a row split over two lines costs two.
 * Sizes are rounded up to one of eight classes per doubling (at most 12.5% more).
 * At most ``SOKPY_HOST_POOL_MB`` megabytes (default 1024, read at import; ``set_limit`` changes
   it) are kept idle; a block returned beyond that is freed. 0 turns the pool off.

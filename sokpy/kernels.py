@@ -39,6 +39,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -213,8 +214,6 @@ def _cpu_signature() -> str:
                 return line
     except OSError:
         pass
-    import platform
-
     return platform.machine()
 
 
@@ -448,7 +447,7 @@ class _DeviceKernel:
 
 
 def _nvrtc():
-    import cupy
+    import cupy  # optional dependency, imported only on the device path
 
     return cupy.cuda.nvrtc
 
@@ -499,7 +498,7 @@ class DeviceKernels(_KernelSet):
         self.arch = arch
 
     def _load(self, cu: Path) -> dict:
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         path = device_binary(cu, self.arch)
         check_private(path, "kernel binary")  # loading a binary runs its code

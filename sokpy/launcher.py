@@ -87,9 +87,9 @@ def _split(args: list[str]) -> tuple[list[str], list[str]]:
 # arrays (sorted keys, pooled outputs, gradient rows) come from its host pool
 # (sokpy/hostpool.py) and are reused with or without this setting; the setting does the same
 # for the rest of the rank: the model's torch temporaries and numpy's intermediate results.
-# Below 1 GiB these come from the heap and stay there. Measured on t500 (500 tables, 1M bags a
-# step, one rank) before the pool: lookup forward 125 -> 81 ms, backward 121 -> 88 ms. The
-# cost is that a rank's resident memory stays at its peak instead of shrinking between steps.
+# Below 1 GiB these come from the heap and stay there (docs/benchmarks.md, "Measurements
+# behind design choices", has what it saved). The cost is that a rank's resident memory stays
+# at its peak instead of shrinking between steps.
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 
 # Variables through which a scheduler hands its node list to mpirun.

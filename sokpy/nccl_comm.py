@@ -76,11 +76,11 @@ class NcclComm(Communicator):
         stream: Callable[[], int] | None = None,
     ):
         if nccl is None:
-            from cupy.cuda import nccl as cupy_nccl
+            from cupy.cuda import nccl as cupy_nccl  # optional dependency, imported only on the device path
 
             nccl = cupy_nccl
         if xp is None:
-            import cupy
+            import cupy  # optional dependency, imported only on the device path
 
             xp = cupy
         self.mpi, self.nccl, self.xp = mpi, nccl, xp

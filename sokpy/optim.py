@@ -356,7 +356,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         state = {}
         for _, var in self.variables():
             st = self.state[var.handle]
-            keys, _ = _export_keys(var)
+            keys = _export_keys(var)
             entry = {"step": st["step"], "keys": keys, "table": var.name}
             for name in var.storage.slot_names:
                 entry[name] = st[name].clone()
@@ -404,8 +404,7 @@ class SparseOptimizer(torch.optim.Optimizer):
 
 
 def _export_keys(var: _Table):
-    keys = handoff.to_torch(runtime.xp().array(var.storage.keys()))
-    return keys, None
+    return handoff.to_torch(runtime.xp().array(var.storage.keys()))
 
 
 def _check(name: str, value: float, ok: bool, rule: str) -> None:

@@ -206,7 +206,7 @@ class _Dedup:
         self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
         self.pos_bits, self.sv_bits = pos_bits, sv_bits
         self.pos = runtime.scratch(n, np.int64)
-        self.brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts 6x faster than ints
+        self.brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts faster than ints
         self.collided_flag = xp.zeros(1, np.int32)
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
         args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.brk, self.collided_flag)

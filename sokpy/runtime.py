@@ -14,6 +14,11 @@ import os
 
 import numpy as np
 
+from . import timing, watchdog
+from .backends import DeviceBackend, HostBackend, check_device, device_shapes_requested
+from .comm import MpiUnavailable, SoloComm, mpi_world
+from .nccl_comm import NcclComm
+
 __all__ = [
     "init",
     "shutdown",
@@ -70,7 +75,7 @@ AUTO_PICKS_DEVICE = False
 
 def _gpu_usable() -> bool:
     try:
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
@@ -95,8 +100,6 @@ def _mpi_world():
     """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
     single process where no MPI library can be loaded (one GPU checked where only torch and
     CuPy are installed); a launch that asked for several processes then fails clearly."""
-    from .comm import MpiUnavailable, mpi_world
-
     try:
         mpi, local_rank = mpi_world()
     except MpiUnavailable as e:
@@ -159,8 +162,6 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     if backend == "auto":
         backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
     if backend == "device" and not _gpu_usable():
-        from .backends import check_device
-
         check_device(1)  # names what is missing
     mpi, local_rank = _mpi_world()
     world = 1 if mpi is None else mpi.size
@@ -172,35 +173,25 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
             mpi.free()
         raise
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
-    from . import watchdog
-
     watchdog.install(timeout, comm, notices=None if mpi is None else mpi.leave_notices())
     return be.name
 
 
 def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int):
     """The backend object and its communicator."""
-    from .comm import SoloComm
-
     if backend == "device":
-        from .backends import DeviceBackend, check_device
-
         check_device(world)
-        import cupy
+        import cupy  # optional dependency, imported only on the device path
 
         be = DeviceBackend(device_index(local_rank, cupy.cuda.runtime.getDeviceCount()))
         if mpi is None:
             return be, SoloComm(be.xp)
-        from .nccl_comm import NcclComm
-
         return be, NcclComm(mpi, stream=be.stream_handle)
     if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
         from .testing.emulated import EmulatedDeviceBackend
 
         emulated_be = EmulatedDeviceBackend()
         return emulated_be, emulated_be.communicator(mpi)
-    from .backends import HostBackend, device_shapes_requested
-
     host_be = HostBackend(device_shapes=device_shapes_requested())
     return host_be, mpi if mpi is not None else SoloComm(np)
 
@@ -218,16 +209,12 @@ def shutdown() -> None:
     """Releases the communicator; ``init`` may be called again afterwards. The other ranks
     learn that this one makes no more collective calls (``sokpy.watchdog.leave``): one still
     waiting in a call this rank did not make ends the job instead of waiting for the timeout."""
-    from . import watchdog
-
     watchdog.leave()
     if _state.comm is not None:
         _state.comm.free()
     _state.comm = None
     _state.backend = None
     _state.local_rank = 0
-    from . import timing
-
     timing.set_clock(None)
 
 

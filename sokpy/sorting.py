@@ -6,8 +6,8 @@ its position in the array, so the values are unique and already in order within 
 bits: a stable sort by the high bits alone gives the same result as a full sort. Those high
 bits are few (a table index and a row number: 22 bits for 26 tables of 100,000 rows), so a
 least-significant-digit radix sort over them takes two or three passes over the data where a
-comparison sort takes log2(n). On the 2-core AMD EPYC VM numpy's sort of 106,496 values took
-4.0 ms and of 2,048,000 about 110 ms; two radix passes take 0.3 and about 18 ms.
+comparison sort takes log2(n) (docs/benchmarks.md, "Measurements behind design choices", has
+the timings behind this module's thresholds).
 
 The passes are the flat kernels of ``cuda_src/sort.cu`` (one launch to count digits, the scan
 by the array module, one launch to scatter), the same on both backends. Where the values
@@ -34,17 +34,15 @@ __all__ = ["sort_by_bits"]
 
 # Digit width: 2^11 counters stay in L1 and two passes cover 22 bits, the usual width of a
 # lookup's values, while the data is cache-sized; above that the scatter's 2^11 write streams
-# miss the TLB, and 8-bit digits were faster (1M values: 5.9 against 6.5 ms for 22 bits). A
-# chunk of few values gets a narrower digit: its counters are zeroed and scanned every pass.
+# miss the TLB, so larger chunks take 8-bit digits. A chunk of few values gets a narrower
+# digit: its counters are zeroed and scanned every pass.
 _WIDE_DIGITS, _NARROW_DIGITS, _WIDE_UP_TO = 11, 8, 1 << 18
-# Below this many values the array module's comparison sort is faster than four launches
-# (the same result: the values are unique): 2,000 values 0.04 against 0.10 ms, 8,000 0.19
-# against 0.09 ms.
+# Below this many values the array module's comparison sort is faster than the radix passes'
+# launches (the same result: the values are unique).
 _RADIX_FROM = 4096
-# Values in this many ascending runs are merged by the array module's stable sort: two runs
-# (2 ranks' gradient entries, the runs' hot rows interleaved, cold cache) took 0.04 against the
-# radix passes' 0.16 ms for 33,000 values (4 tables), 2.0 against 3.1 ms for 550,000 (500
-# tables); three runs 0.25 / 1.15 / 4.30 against 0.18 / 1.27 / 4.23 ms; four runs were slower.
+# Values in this many ascending runs (2 ranks' gradient entries) are merged by the array
+# module's stable sort, which beats the radix passes there; from three runs on it no longer
+# does.
 _MERGED_RUNS = 2
 
 
@@ -71,7 +69,7 @@ def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
     ``ascending_runs = k`` says that the values come as k ascending runs, one after another
     (an owner's gradient entries, one run per rank that sent them). Two runs are merged by the
     array module's stable sort instead (numpy's is a timsort, which finds the runs and merges
-    them in one pass); from three runs on, the radix passes were as fast or faster."""
+    them in one pass); from three runs on, the radix passes sort them."""
     be = runtime.current()
     xp = be.xp
     n = int(values.shape[0])

@@ -35,6 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import handoff, runtime
+
 __all__ = ["Ragged", "Batch", "to_batch", "one_bag_per_key", "BatchError"]
 
 
@@ -84,8 +86,6 @@ class Batch(NamedTuple):
 
     def host_key_start(self) -> np.ndarray:
         """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""
-        from . import handoff
-
         return self.key_start if isinstance(self.key_start, np.ndarray) else handoff.to_host(self.key_start)
 
 
@@ -96,8 +96,6 @@ def one_bag_per_key(batch: Batch) -> Batch:
         t = int(np.flatnonzero(batch.weighted)[0]) if batch.weighted.any() else 0
         raise BatchError(t, "a sequence lookup (one row per id) takes no weights")
     key_start = batch.host_key_start()
-    from . import runtime
-
     xp = np if isinstance(batch.keys, np.ndarray) else runtime.xp()  # a batch parsed on the device stays there
     offsets = xp.arange(int(key_start[-1]) + 1, dtype=np.int64)
     return batch._replace(offsets=offsets, bag_start=key_start)
@@ -339,8 +337,6 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
     KeyedJaggedTensor for all); raises :class:`BatchError` naming the table on a fault.
     Ids that live on the backend's device (``cuda`` tensors on a GPU) stay there: they are
     parsed and checked by the device, which writes what it found into ``Batch.faults``."""
-    from . import runtime
-
     be = runtime.current()
     on_device = _on_device(sp_ids, sp_weights, be)
     if _is_keyed_jagged(sp_ids):
@@ -681,8 +677,6 @@ def raise_fault(batch: Batch, vector: np.ndarray) -> None:
     host (this is the error path: it reads the values it names)."""
     if (vector < 0).all():
         return
-    from . import handoff
-
     faults = batch.faults
     ntab = len(batch.bag_start) - 1
     key_start = batch.host_key_start()

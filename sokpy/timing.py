@@ -78,8 +78,8 @@ def enabled() -> bool:
 
 class timed:
     """``with timed("kernels"): ...`` adds the block's seconds to the category. A class, not a
-    generator-based context manager: kernels enter it at every launch, and an empty block
-    costs 0.34 us this way against 0.9 us."""
+    generator-based context manager: kernels enter it at every launch, and a class's
+    ``__enter__``/``__exit__`` cost a fraction of a generator's."""
 
     __slots__ = ("category", "start")
 

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import collective, handoff, runtime
+from . import collective, handoff, plan, runtime
 from .gradients import SparseGrad, table_grad
 from .initializers import resolve
 from .storage import HashStorage, InitSpec, StaticStorage
@@ -99,10 +99,7 @@ class _Table:
         self._grad_view = None  # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
         self.optimizer = None  # the optimizer that trains this table, once it joins one
 
-    # ---- placement (host-side rules, for routing in assign/load) -------------------------------
-    def describe(self) -> str:
-        return self.name
-
+    # ---- this rank's rows and gradients --------------------------------------------------------
     @property
     def weight(self) -> torch.Tensor:
         """This rank's rows, a tensor view ``[local rows, dim]`` (the values columns of the
@@ -277,8 +274,6 @@ def assign(var: _Table, keys, values) -> None:
         v = sokpy.Variable(10, 4, name="assign_doc")
         sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))   # collective; keys from any rank
     """
-    from . import plan
-
     comm = runtime.comm()
     error = None
     try:

@@ -114,7 +114,7 @@ torch.utils._pytree.register_pytree_node(  # so torch.export and torch.compile s
 def torchrec_types():
     """TorchRec's sparse types module, or None when torchrec is not installed."""
     try:
-        from torchrec.sparse import jagged_tensor
+        from torchrec.sparse import jagged_tensor  # optional dependency (the torchrec extra)
     except ImportError:
         return None
     return jagged_tensor

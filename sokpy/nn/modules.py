@@ -52,6 +52,7 @@ Example (any number of ranks)::
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Mapping
 
 import numpy as np
@@ -60,6 +61,7 @@ import torch
 from .. import checkpoint, collective, runtime
 from ..errors import CheckpointError
 from ..lookup import lookup
+from ..sparse import _one_table
 from ..variable import DynamicVariable, Variable, _Table
 from ..wire import check_wire_dtype
 from .config import apply_init_fn, table_spec
@@ -86,8 +88,6 @@ class TableState(collections.OrderedDict):
         return (collections.OrderedDict, (list(self.items()),))
 
     def __deepcopy__(self, memo):
-        import copy
-
         return TableState((k, copy.deepcopy(v, memo)) for k, v in self.items())
 
 
@@ -378,6 +378,4 @@ def _offsets_of(features, ids, names: list[str]) -> list[torch.Tensor]:
 
 def _bag_offsets(x) -> np.ndarray:
     """The bag offsets of one table's input in any form the lookup takes."""
-    from ..sparse import _one_table
-
     return _one_table(x, None)[1]

@@ -14,6 +14,8 @@ import atexit
 import os
 import socket
 
+import torch.distributed as dist
+
 from .. import runtime
 
 __all__ = ["init_process_group"]
@@ -39,8 +41,6 @@ def init_process_group(backend: str = "gloo") -> None:
         sokpy.nn.init_process_group()            # gloo over the ranks sokpy runs on
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     """
-    import torch.distributed as dist
-
     comm = runtime.comm()
     host = socket.gethostname()
     one_node = len(set(comm.allgather_object(host))) == 1
@@ -58,7 +58,5 @@ def init_process_group(backend: str = "gloo") -> None:
 
 def _destroy_process_group() -> None:
     """Joins the default group's threads, unless the program has destroyed it itself."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()

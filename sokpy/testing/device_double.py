@@ -62,6 +62,7 @@ import weakref
 from collections import deque
 
 import numpy as np
+import torch
 
 __all__ = [
     "ndarray",
@@ -96,7 +97,7 @@ def _cupy():
     global _CUPY
     if _CUPY is False:
         try:
-            import cupy
+            import cupy  # optional dependency: only its names are consulted
         except Exception:  # not installed, or a build that does not import here
             cupy = None
         _CUPY = cupy
@@ -311,8 +312,6 @@ def is_device_address(address: int) -> bool:
 def to_device(t):
     """A torch tensor in emulated device memory with the values of ``t`` (the double's
     ``t.to("cuda")``): sokpy treats it as a tensor on the GPU (its ids are parsed there)."""
-    import torch
-
     buf = _device_empty(tuple(t.shape), t.detach().cpu().numpy().dtype)
     buf[...] = t.detach().cpu().numpy()  # a fresh buffer nothing else touches yet: copied at once
     return torch.from_dlpack(buf)

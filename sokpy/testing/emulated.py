@@ -45,8 +45,11 @@ import numpy as np
 import torch
 
 from ..backends import Backend
+from ..comm import SoloComm
 from ..kernels import HostKernels, KernelError
+from ..nccl_comm import NcclComm
 from . import device_double
+from .nccl_double import MpiBackedNccl
 
 __all__ = ["EmulatedDeviceBackend"]
 
@@ -152,12 +155,7 @@ class EmulatedDeviceBackend(Backend):
         """NcclComm over the NCCL double (its calls queued on the stream they name), or a
         one-process communicator without MPI."""
         if mpi is None:
-            from ..comm import SoloComm
-
             return SoloComm(device_double)
-        from ..nccl_comm import NcclComm
-        from .nccl_double import MpiBackedNccl
-
         return NcclComm(
             mpi,
             MpiBackedNccl(enqueue=_enqueue_on),

@@ -50,7 +50,7 @@ def _view(address: int, count: int, datatype: int) -> np.ndarray:
 
 class _Communicator:
     def __init__(self, owner: MpiBackedNccl, ndev: int, uid, rank: int):
-        from mpi4py import MPI
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
 
         self._MPI = MPI
         self._owner = owner
