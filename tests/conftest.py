@@ -65,14 +65,21 @@ def launch_command(launcher, nranks, program, timeout):
     return [*head[launcher], str(nranks), python, *program[1:]], extra
 
 
-def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun", cwd=ROOT):
-    """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
-    CompletedProcess (does not check the exit code)."""
-    cmd, extra = launch_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout)
+def job_command(launcher, nranks, program, timeout, env=None):
+    """``(command, full environment)`` of a job: :func:`launch_command`'s, with this
+    process's environment, ``env`` and sokpy from this checkout."""
+    cmd, extra = launch_command(launcher, nranks, program, timeout)
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.update(extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return cmd, full_env
+
+
+def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun", cwd=ROOT):
+    """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
+    CompletedProcess (does not check the exit code)."""
+    cmd, full_env = job_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout, env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=cwd)
 
 
@@ -87,7 +94,7 @@ def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fre
     paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
     its own. ``cwd``: the ranks' working directory (the checkout's root by default)."""
     if launcher == "sokrun" and not fresh and POOLED:
-        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, launch_command, cwd)
+        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd)
     else:
         res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
     if res.returncode != 0:

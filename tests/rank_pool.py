@@ -46,17 +46,12 @@ class Result:
 class RankPool:
     """``nranks`` resident ranks started with ``env`` (added to this process's environment)."""
 
-    def __init__(self, nranks: int, env: dict[str, str], launch_command):
+    def __init__(self, nranks: int, env: dict[str, str], job_command):
         self.nranks = nranks
         self.dir = Path(tempfile.mkdtemp(prefix=f"sokpy-pool{nranks}-"))
         self.tasks = 0
-        cmd, extra = launch_command(
-            "sokrun", nranks, ["python", str(SERVER), str(self.dir), str(os.getpid())], timeout=24 * 3600
-        )
-        full_env = dict(os.environ)
-        full_env.update(env)
-        full_env.update(extra)
-        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        program = ["python", str(SERVER), str(self.dir), str(os.getpid())]
+        cmd, full_env = job_command("sokrun", nranks, program, 24 * 3600, env)
         self.log = open(self.dir / "pool.log", "w")  # noqa: SIM115 - open for the pool's life
         self.proc = subprocess.Popen(
             cmd, env=full_env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
@@ -140,7 +135,7 @@ def _note(line: str) -> None:
             f.write(line + "\n")
 
 
-def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, launch_command, cwd=None) -> Result:
+def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, job_command, cwd=None) -> Result:
     """The job ``sokrun -np nranks python script args`` with ``env``, run by a resident pool."""
     key = (nranks, tuple(sorted((env or {}).items())))
     pool = _pools.pop(key, None)
@@ -149,7 +144,7 @@ def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, lau
             old_key, old = _pools.popitem(last=False)
             _note(f"evict {old_key}")
             old.close()
-        pool = RankPool(nranks, dict(env or {}), launch_command)
+        pool = RankPool(nranks, dict(env or {}), job_command)
     _pools[key] = pool
     result = pool.run(script, args, timeout, cwd)
     if not pool.alive():
