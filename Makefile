@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make demo   a short 2-rank training run on CPU
-#   make test   lint and format check (ruff), then the whole test suite (its MPICH and
+#   make test   lint and format check (ruff), type check (mypy), then the whole test suite (its MPICH and
 #               horovodrun tests use the environment launch/install-horovod builds, once
 #               per machine, under ~/.cache/sokpy)
 # and, on a GPU node (torch with CUDA and CuPy installed; no network needed):
@@ -23,6 +23,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 horovod-env:
 	PYTHON=$(PYTHON) launch/install-horovod >/dev/null

@@ -12,14 +12,15 @@
 // Fields of init_rows' segment descriptor (int64 [nseg, SOKPY_INIT_FIELDS]); one segment is a
 // run of consecutive stored rows of one table.
 #define SOKPY_INIT_WIDTH 0       // floats per stored row
-#define SOKPY_INIT_DIM 1         // values per row (optimizer slots follow, dim each)
+#define SOKPY_INIT_DIM 1         // values per row (optimizer slots follow: dim floats each, or one)
 #define SOKPY_INIT_KIND 2        // SOKPY_INIT_*
 #define SOKPY_INIT_FIRST_ROW 3   // the stored row of the segment's first entry
 #define SOKPY_INIT_KEY_STRIDE 4  // without a row_keys array, row r holds key r * stride + base
 #define SOKPY_INIT_KEY_BASE 5
 #define SOKPY_INIT_SEED 6        // the table's seed, already mixed with its name (sokpy/variable.py)
 #define SOKPY_INIT_SLOTS 7       // optimizer slots per row (each starts at a constant)
-#define SOKPY_INIT_FIELDS 8
+#define SOKPY_INIT_ROW_SLOTS 8   // bit k set: slot k is row-wise (one float per row), else dim floats
+#define SOKPY_INIT_FIELDS 9
 // Float parameters (float [nseg, SOKPY_INIT_FLOATS]): a, b, then each slot's initial value.
 #define SOKPY_INIT_FLOATS 6
 // Addresses (uint64 [nseg, 2]): the table's rows, and its row -> key array (0: keys by formula).
@@ -57,10 +58,12 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
             }
             out[d] = (float)v;
         }
+        float* slot = out + dim;
         for (int k = 0; k < (int)f[SOKPY_INIT_SLOTS]; ++k) {
-            float* slot = out + (i64)(k + 1) * dim;
+            const int cols = ((f[SOKPY_INIT_ROW_SLOTS] >> k) & 1) ? 1 : dim;
             const float v = p[2 + k];
-            SOKPY_FOR_COLS(d, dim) slot[d] = v;
+            SOKPY_FOR_COLS(d, cols) slot[d] = v;
+            slot += cols;
         }
     }
 }

@@ -11,7 +11,8 @@
 //   otab[u]   the table (index into tabs / ptrs / hyper), rows[u] its stored row
 //   grad      gradient rows; row u's summed gradient starts at element goff[u]
 //   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
-// A stored row holds the values (dim floats), then each optimizer slot (dim floats each).
+// A stored row holds the values (dim floats), then each optimizer slot (dim floats each, or one
+// float for a row-wise slot: rowwise_adagrad_update).
 #include "sokpy_math.cuh"
 #include "sokpy_tables.cuh"
 
@@ -91,6 +92,34 @@ extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, cons
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
         SOKPY_WITH_DIM(adagrad_row, dim, w, w + dim, g, h[0], h[1], dim)
+    }
+}
+
+// Row-wise Adagrad, FBGEMM's EXACT_ROWWISE_ADAGRAD with weight_decay 0: one accumulator per
+// row, slot sum (one float after the values).  hyper: lr, eps.
+//   m = (g[0]^2 + g[1]^2 + ... + g[dim-1]^2) / dim   (float32, summed in column order)
+//   acc += m;  multiplier = lr / (sqrt(acc) + eps);  w[d] -= g[d] * multiplier
+// FBGEMM's CPU kernel in its order of operations (its GPU kernel sums the squares in a warp
+// reduction's order instead). The mean is a reduction over the row's dimension, and threads
+// of a sokpy kernel share nothing (no __shared__, no shuffles, no float atomics), so one
+// thread takes the whole row, as weight_grad does: rows over the grid, launched with block.x =
+// 1 (SOKPY_FOR_KEYS runs only threadIdx.x == 0, so another launch shape gives the same bits).
+template <int DIM>
+__device__ __forceinline__ void rowwise_adagrad_row(float* __restrict__ w, float* __restrict__ acc,
+                                                    const float* __restrict__ g, float lr, float eps, int dim) {
+    float sum = 0.0f;
+    for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) sum += g[d] * g[d];
+    const float a = *acc + sum / (float)dim;
+    *acc = a;
+    const float multiplier = lr / (sqrtf(a) + eps);
+    for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) w[d] -= g[d] * multiplier;
+}
+extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff,
+                                                  i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    SOKPY_UPDATE_TABLE
+    SOKPY_FOR_KEYS(u, n) {
+        SOKPY_UPDATE_ROW(u)
+        SOKPY_WITH_DIM(rowwise_adagrad_row, dim, w, w + dim, g, h[0], h[1], dim)
     }
 }
 

@@ -11,7 +11,7 @@
 
 // ---- table descriptor fields (int64) -------------------------------------------------------
 #define SOKPY_TAB_DIM 0         // embedding dimension
-#define SOKPY_TAB_WIDTH 1       // floats per stored row: the values, then each optimizer slot (dim each)
+#define SOKPY_TAB_WIDTH 1       // floats per stored row: the values, then each optimizer slot (dim each, or 1)
 #define SOKPY_TAB_KIND 2        // SOKPY_KIND_* below
 #define SOKPY_TAB_ROWS 3        // static tables: the number of keys (valid keys are [0, rows))
 #define SOKPY_TAB_TARGET 4      // localized tables: the rank that holds the whole table

@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ def numpy_dtype_of_torch(dtype) -> np.dtype:
     return _torch_dtypes[dtype]
 
 
-_addressof, _byte_view = ctypes.addressof, ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+_byte_view: Callable[..., ctypes.c_char] = ctypes.c_char.from_buffer  # takes a numpy array: a buffer
 
 
 def _numpy_address(x: np.ndarray) -> int:

@@ -59,7 +59,7 @@ class Backend:
     #: Whether reading an array's values costs no wait (the host's arrays are in host memory):
     #: a size may then be learnt where a device keeps it on the device and sizes by a bound.
     free_reads = True
-    kernels: kernels.HostKernels
+    kernels: kernels.HostKernels | kernels.DeviceKernels
 
     # ---- memory -----------------------------------------------------------------------------
     def empty_rows(self, shape, dtype):

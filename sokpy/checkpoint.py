@@ -7,7 +7,8 @@ A checkpoint is a folder::
       data-<token>/
         t<i>.r<rank>.keys.npy       int64 [n]: global keys of table i that rank <rank> held
         t<i>.r<rank>.values.npy     float32 [n, dim]: their rows
-        t<i>.r<rank>.<slot>.npy     float32 [n, dim]: an optimizer slot of those rows
+        t<i>.r<rank>.<slot>.npy     float32 [n, dim]: an optimizer slot of those rows ([n, 1] for
+                                    a row-wise slot: RowWiseAdagrad's accumulator)
 
 Every data file is a plain ``.npy`` array that numpy alone reads (``numpy.load(f)``; no
 pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``).
@@ -35,13 +36,12 @@ a checkpoint can point outside its folder).
 
 Example::
 
-    import os, tempfile, torch, sokpy
+    import sokpy
     sokpy.init()
     v = sokpy.Variable(100, 8, name="ckpt_user")
     opt = sokpy.optim.Adagrad([v], lr=0.1)
-    path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    sokpy.save(path, [v], optimizer=opt)
-    sokpy.load(path, [v], optimizer=opt)
+    sokpy.save("ckpt", [v], optimizer=opt)   # a folder every rank sees (a shared file system)
+    sokpy.load("ckpt", [v], optimizer=opt)   # also at another number of ranks
 """
 
 from __future__ import annotations
@@ -262,7 +262,12 @@ def read_table(path, name: str):
 
     Example::
 
-        keys, values = sokpy.checkpoint.read_table("ckpt", "user")
+        import sokpy
+        sokpy.init()
+        user = sokpy.Variable(100, 8, name="user")
+        sokpy.save("ckpt", [user])
+        keys, values = sokpy.checkpoint.read_table("ckpt", "user")   # numpy, every saved rank's rows
+        assert sorted(keys.tolist()) == list(range(100)) and values.shape == (100, 8)
     """
     path = Path(path).absolute()
     m = _read_manifest(path)
@@ -316,6 +321,11 @@ def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
     in the same atomic step as the tables, and :func:`load` returns it.
 
     Example::
+
+        import sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(8, name="item")
+        emb_opt = sokpy.optim.Adagrad([user, item], lr=0.1)
 
         sokpy.save("ckpt", [user, item], optimizer=emb_opt, extra={"step": 1000})
     """
@@ -519,7 +529,14 @@ def load(path, variables, optimizer=None):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(8, name="item")
+        emb_opt = sokpy.optim.Adagrad([user, item], lr=0.1)
+
+        sokpy.save("ckpt", [user, item], optimizer=emb_opt, extra={"step": 1000})
         extra = sokpy.load("ckpt", [user, item], optimizer=emb_opt)
+        assert extra == {"step": 1000}
     """
     comm = runtime.comm()
     variables = list(variables)
@@ -584,14 +601,14 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
     reads (saved rank s is read by rank s % W), each file checked; a fault is a CheckpointError
     naming the file and the table."""
     rank, world = runtime.rank(), runtime.world_size()
-    slot_names = var.storage.slot_names
+    s = var.storage
     keys, rows = [], []
     for group in spec["files"]:
         if group["rank"] % world != rank:
             continue
         k, values = _read_rank(data, spec, group)
         cols = [values]
-        for name, value in zip(slot_names, var.storage.slot_init):
+        for name, value in zip(s.slot_names, s.slot_init):
             entry = group.get("slots", {}).get(name)
             if with_slots and entry is None:
                 raise CheckpointError(
@@ -599,13 +616,13 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
                     f"has no optimizer slot {name!r}"
                 )
             if with_slots:
-                cols.append(_read_file(data, entry, spec["name"], np.float32, spec["dim"]))
+                cols.append(_read_file(data, entry, spec["name"], np.float32, s.slot_width(name)))
             else:
-                cols.append(np.full_like(values, value))
+                cols.append(np.full((values.shape[0], s.slot_width(name)), value, np.float32))
         keys.append(k)
         rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
-        return np.empty(0, np.int64), np.empty((0, var.dim * (1 + len(slot_names))), np.float32)
+        return np.empty(0, np.int64), np.empty((0, s.width), np.float32)
     return np.concatenate(keys), np.concatenate(rows)
 
 
@@ -662,14 +679,13 @@ def gather_state(variables) -> list:
             rk, rr = handoff.to_host(rk), handoff.to_host(rr)
             order = np.argsort(rk, kind="stable")
             rk, rr = rk[order], rr[order]
-            d = var.dim
             entry = _table_spec(var)
             entry.update(
                 format=STATE_FORMAT,
                 world_size=comm.size,
                 keys=rk,
-                values=np.ascontiguousarray(rr[:, :d]),
-                slots={n: np.ascontiguousarray(rr[:, (k + 1) * d : (k + 2) * d]) for k, n in enumerate(s.slot_names)},
+                values=np.ascontiguousarray(rr[:, s.columns("values")]),
+                slots={n: np.ascontiguousarray(rr[:, s.columns(n)]) for n in s.slot_names},
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
                 step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
             )
@@ -700,15 +716,18 @@ def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray] | None:
     if cols[0].shape != (keys.size, var.dim):
         raise ValueError(f"values of shape {list(cols[0].shape)} for {keys.size} keys of dim {var.dim}")
     slots = entry.get("slots") or {}
-    for name, init in zip(var.storage.slot_names, var.storage.slot_init):
+    kind = None if var.optimizer is None else type(var.optimizer).__name__
+    if entry.get("optimizer", kind) != kind:
+        slots = {}  # another optimizer's slots (Adagrad's "sum" is not RowWiseAdagrad's): they start afresh
+    s = var.storage
+    for name, init in zip(s.slot_names, s.slot_init):
+        shape = (keys.size, s.slot_width(name))
         if name in slots:
             cols.append(host(slots[name], np.float32))
-            if cols[-1].shape != cols[0].shape:
-                raise ValueError(
-                    f"optimizer slot {name!r} of shape {list(cols[-1].shape)}, values {list(cols[0].shape)}"
-                )
+            if cols[-1].shape != shape:
+                raise ValueError(f"optimizer slot {name!r} of shape {list(cols[-1].shape)}, expected {list(shape)}")
         else:  # saved without this optimizer: its state starts afresh, as a new optimizer's would
-            cols.append(np.full_like(cols[0], init))
+            cols.append(np.full(shape, init, np.float32))
     rows = np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
     if not bool(np.isfinite(rows).all()):
         raise ValueError("the state holds values that are not finite")

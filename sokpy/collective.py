@@ -70,6 +70,14 @@ def new_table_uid() -> int:
     return next(_table_uids)
 
 
+def restart_table_uids() -> None:
+    """Table identities start over from 1, as in a new process (``sokpy.testing.start_over``;
+    only while no table is alive). Forgets the fingerprints keyed by them."""
+    global _table_uids
+    _table_uids = itertools.count(1)
+    _fingerprints.clear()
+
+
 def fingerprint(text: str) -> int:
     """A 62-bit hash of ``text`` (non-negative, so -x never overflows)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2

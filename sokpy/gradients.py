@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -125,20 +125,20 @@ class GradChunk:
 
 class Merge(NamedTuple):
     """Gradient entries merged on the device (:func:`merge_rows`): one row per unique
-    (table, row), the first ``count[0]`` entries of each array (arrays sized by the entries,
+    (table, row), the first ``nunique[0]`` entries of each array (arrays sized by the entries,
     an upper bound, so that nothing is read from the device to size them)."""
 
-    table: object  # int64: the caller's table index of each unique row
-    rows: object  # int64: its stored row
-    offsets: object  # int64: where its summed gradient starts in the buffer
-    keys: object  # int64: its key
-    count: object  # int64 [1]: how many unique rows (on the device)
-    bad: object  # int32: 1 where a summed row is not finite (0 elsewhere)
+    table: Any  # int64: the caller's table index of each unique row
+    rows: Any  # int64: its stored row
+    offsets: Any  # int64: where its summed gradient starts in the buffer
+    keys: Any  # int64: its key
+    nunique: Any  # int64 [1]: how many unique rows (on the device)
+    bad: Any  # int32: 1 where a summed row is not finite (0 elsewhere)
 
     def flags(self):
         """``[count, any row not finite]`` as one int64 device array, to read beside others."""
         xp = runtime.xp()
-        return xp.concatenate([self.count, self.bad.any().astype(np.int64).reshape(1)])
+        return xp.concatenate([self.nunique, self.bad.any().astype(np.int64).reshape(1)])
 
     def take(self, count: int, any_bad: bool, tables) -> tuple:
         """``(table, rows, offsets, keys, error)`` of the ``count`` unique rows (views), with

@@ -33,8 +33,12 @@ import math
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # Arrays under this many bytes come from numpy: glibc's mmap threshold starts at 128 KiB and
 # only rises, so malloc never maps a smaller block afresh. SOKPY_HOST_POOL_MIN_BYTES=0 pools
@@ -122,10 +126,10 @@ def empty(shape, dtype) -> np.ndarray:
             block = aligned_empty(size, np.uint8)
         else:
             _idle_bytes -= size
-        lease = (ctypes.c_uint8 * size).from_buffer(block)
+        lease = (ctypes.c_uint8 * size).from_buffer(cast("Buffer", block))  # an ndarray is a buffer
         ref = weakref.ref(lease, _give_back)
         _live[id(ref)] = (ref, block)
-    a = np.frombuffer(lease, dtype, count)
+    a = np.frombuffer(lease, dtype, count)  # type: ignore[call-overload]  # numpy's stubs omit ctypes arrays
     return a if shape is None else a.reshape(shape)
 
 

@@ -130,8 +130,8 @@ class _Param:
         if base not in _SCALARS:
             raise KernelError(f"sokpy kernels: unsupported parameter type {text!r}")
         self.base = base
-        self.ctype, self.dtype = _SCALARS[base]
-        self.dtype = np.dtype(self.dtype)
+        self.ctype, dtype = _SCALARS[base]
+        self.dtype = np.dtype(dtype)
 
 
 def signatures(source: str) -> dict[str, list[_Param]]:

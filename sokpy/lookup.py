@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import sys
 from itertools import repeat
 
 import numpy as np
@@ -37,6 +39,24 @@ from .wire import check_wire_dtype
 __all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
 
 GRAD_REDUCTIONS = ("sum", "mean")
+
+
+def _opaque_to_compile(fn):
+    """``torch.compiler.disable(fn)`` without importing ``torch._dynamo`` at import time (it
+    is most of ``import sokpy``'s time, in every rank of every job). Nothing can compile a
+    caller of ``fn`` before ``torch._dynamo`` is imported, so until then ``fn`` runs as it is;
+    after that, through dynamo's ``disable``. The wrapper carries dynamo's marker, so a traced
+    caller ends its graph at the call (a graph break) instead of tracing into it."""
+    disabled = torch._disable_dynamo(fn) if hasattr(torch, "_disable_dynamo") else torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" in sys.modules:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    call._torchdynamo_disable = True
+    return call
 
 
 class _LookupFunction(torch.autograd.Function):
@@ -57,7 +77,7 @@ class _LookupFunction(torch.autograd.Function):
         return _backward(ctx.plan, ctx.nweights, grads)
 
 
-@torch.compiler.disable  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
+@_opaque_to_compile  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
 @runtime.entry  # on the stream autograd runs this backward on
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
@@ -99,7 +119,7 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
 # torch.compile sees a lookup as one opaque call (a graph break): it never traces into the
 # numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
 # after it (dynamo then marks that dimension dynamic).
-@torch.compiler.disable
+@_opaque_to_compile
 @runtime.entry
 def lookup(
     params,
@@ -172,7 +192,13 @@ def lookup_sparse(
 
     Example::
 
+        import torch, sokpy
+        sokpy.init()
+        user, item = sokpy.Variable(1000, 8, name="user"), sokpy.DynamicVariable(4, name="item")
+        user_ids = torch.tensor([[1, 2], [3, 3]])                                   # 2 bags of 2 ids
+        item_ids = sokpy.Ragged(torch.tensor([7, 2**40, 9]), torch.tensor([0, 1, 3]))  # bags [7], [2**40, 9]
         outs = sokpy.lookup_sparse([user, item], [user_ids, item_ids], combiners=["sum", "mean"])
+        assert [tuple(o.shape) for o in outs] == [(2, 8), (2, 4)]
     """
     single = isinstance(params, Table)
     if single:
@@ -203,7 +229,11 @@ def lookup_sequence(
 
     Example::
 
-        rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))  # [3, dim]
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="history")
+        rows = sokpy.lookup_sequence(v, sokpy.Ragged(torch.tensor([4, 4, 9]), torch.tensor([0, 1, 3])))
+        assert rows.shape == (3, 4)                                    # one row per id
     """
     single = isinstance(params, Table)
     if single:

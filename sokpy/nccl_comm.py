@@ -76,9 +76,13 @@ class NcclComm(Communicator):
         stream: Callable[[], int] | None = None,
     ):
         if nccl is None:
-            from cupy.cuda import nccl  # optional dependency, imported only on the device path
+            from cupy.cuda import nccl as cupy_nccl  # optional dependency, imported only on the device path
+
+            nccl = cupy_nccl
         if xp is None:
-            import cupy as xp  # optional dependency, imported only on the device path
+            import cupy  # optional dependency, imported only on the device path
+
+            xp = cupy
         self.mpi, self.nccl, self.xp = mpi, nccl, xp
         self.rank, self.size = mpi.rank, mpi.size
         self._is_device = is_device or (lambda a: isinstance(a, xp.ndarray) and xp is not np)

@@ -1,4 +1,5 @@
-"""Sparse optimizers for sokpy tables: SGD, Adagrad, FTRL and lazy Adam, as fused kernels.
+"""Sparse optimizers for sokpy tables: SGD, Adagrad, row-wise Adagrad, FTRL and lazy Adam, as fused
+kernels.
 
 They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a mutable
 ``"lr"``, so ``torch.optim.lr_scheduler`` works), ``add_param_group``, ``state_dict()`` /
@@ -6,7 +7,8 @@ They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a m
 ``torch.save``/``torch.load`` resumes exactly at the same world size; ``sokpy.save`` /
 ``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
 rows in the table's storage and are created when the table joins the optimizer, so the memory
-is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``.
+is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``
+(``[local rows, 1]`` for a row-wise slot: RowWiseAdagrad's accumulator).
 
 ``step()`` is collective and costs a fixed number of launches whatever the number of tables:
 it merges the gradient rows that arrived for each row (from every rank and every backward
@@ -35,9 +37,9 @@ import torch
 from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows
 from .plan import rows_of, table_set
-from .variable import Table as _Table
+from .variable import Table
 
-__all__ = ["SparseOptimizer", "SGD", "Adagrad", "Ftrl", "Adam"]
+__all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Ftrl", "Adam"]
 
 
 class _StepCounts:
@@ -55,10 +57,11 @@ class _StepCounts:
 
 class _TableState(dict):
     """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
-    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` of the table's
-    storage (a dynamic table's storage moves when it grows, so a view is made at each access)."""
+    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
+    for a row-wise slot) of the table's storage (a dynamic table's storage moves when it grows,
+    so a view is made at each access)."""
 
-    def __init__(self, var: _Table, counts: _StepCounts):
+    def __init__(self, var: Table, counts: _StepCounts):
         super().__init__()
         self.var = var
         self.counts, self.index = counts, counts.add()
@@ -67,7 +70,8 @@ class _TableState(dict):
         if name == "step":
             return int(self.counts.values[self.index])
         if name in self.var.storage.slot_names:
-            return handoff.to_torch(self.var.storage.data)[: self.var.storage.size][:, self._cols(name)]
+            s = self.var.storage
+            return handoff.to_torch(s.data)[: s.size][:, s.columns(name)]
         return super().__getitem__(name)
 
     def __setitem__(self, name, value):
@@ -75,10 +79,6 @@ class _TableState(dict):
             self.counts.values[self.index] = int(value)
         else:
             super().__setitem__(name, value)
-
-    def _cols(self, name):
-        k = 1 + self.var.storage.slot_names.index(name)
-        return slice(k * self.var.dim, (k + 1) * self.var.dim)
 
     def __contains__(self, name):
         return name == "step" or name in self.var.storage.slot_names or super().__contains__(name)
@@ -119,13 +119,19 @@ class SparseOptimizer(torch.optim.Optimizer):
     any change.
 
     A step's host work is vectorised over tables (the per-table bookkeeping is a few list and
-    array operations), so its cost hardly grows with the number of tables."""
+    array operations), so its cost hardly grows with the number of tables.
+
+    A slot named in ``row_slots`` holds one float per row instead of one per element; an update
+    kernel that reduces over a row's dimension sets ``row_kernel`` and is launched with one
+    thread per row (``block.x = 1``)."""
 
     kernel: str = ""
     slots: dict = {}  # noqa: RUF012 - a class-level constant of each subclass
+    row_slots: tuple = ()
+    row_kernel: bool = False
 
     def __init__(self, params, defaults: dict, check_finite: bool = True):
-        self._var_of: dict[int, _Table] = {}
+        self._var_of: dict[int, Table] = {}
         self._layout_cache: _Layout | None = None
         self._steps = _StepCounts()
         params = list(params)
@@ -142,12 +148,12 @@ class SparseOptimizer(torch.optim.Optimizer):
         now, in their storage."""
         group = dict(param_group)
         ps = group["params"]
-        ps = [ps] if isinstance(ps, _Table) else list(ps)
+        ps = [ps] if isinstance(ps, Table) else list(ps)
         tables = []
         for v in ps:
             if isinstance(v, torch.Tensor) and id(v) in self._var_of:
                 v = self._var_of[id(v)]
-            if not isinstance(v, _Table):
+            if not isinstance(v, Table):
                 raise TypeError(
                     f"{type(self).__name__} optimizes sokpy tables; got a {type(v).__name__} "
                     "(use a torch optimizer for dense parameters)"
@@ -161,7 +167,11 @@ class SparseOptimizer(torch.optim.Optimizer):
         super().add_param_group(group)
         group = self.param_groups[-1]  # with the defaults filled in
         for v in tables:
-            v.storage.add_slots(list(self.slots), [float(init(group)) for init in self.slots.values()])
+            v.storage.add_slots(
+                list(self.slots),
+                [float(init(group)) for init in self.slots.values()],
+                [name in self.row_slots for name in self.slots],
+            )
             v.optimizer = self
             self._var_of[id(v.handle)] = v
             self.state[v.handle] = _TableState(v, self._steps)
@@ -237,7 +247,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         runtime.launch(
             self.kernel,
             n,
-            int(ts.dims.max(initial=1)),
+            1 if self.row_kernel else int(ts.dims.max(initial=1)),
             (otab, rows, buffer, goff, n, xp.asarray(ts.tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
@@ -336,7 +346,7 @@ class SparseOptimizer(torch.optim.Optimizer):
     @runtime.entry
     def state_dict(self) -> dict:
         """Hyper-parameters, and per table its step count and this rank's slots with their keys
-        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot): a per-rank ``torch.save`` of it
+        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot, ``[n, 1]`` for a row-wise one): a per-rank ``torch.save`` of it
         resumes at the same world size. ``sokpy.save`` writes a resharding checkpoint."""
         index, groups = {}, []
         for group in self.param_groups:
@@ -371,10 +381,11 @@ class SparseOptimizer(torch.optim.Optimizer):
             if entry is None:
                 continue
             for name in var.storage.slot_names:
-                if name not in entry or tuple(entry[name].shape) != (len(entry["keys"]), var.dim):
+                shape = (len(entry["keys"]), var.storage.slot_width(name))
+                if name not in entry or tuple(entry[name].shape) != shape:
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: table {var.name!r}: slot {name!r} "
-                        f"missing or not of shape [{len(entry['keys'])}, {var.dim}]"
+                        f"missing or not of shape [{shape[0]}, {shape[1]}]"
                     )
         for saved_group, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
@@ -389,13 +400,10 @@ class SparseOptimizer(torch.optim.Optimizer):
             if keys.size:
                 rows = rows_of(var, keys, insert=True)
                 for name in var.storage.slot_names:
-                    k = 1 + var.storage.slot_names.index(name)
-                    var.storage.data[rows, k * var.dim : (k + 1) * var.dim] = handoff.from_torch(
-                        entry[name], np.float32
-                    )
+                    var.storage.data[rows, var.storage.columns(name)] = handoff.from_torch(entry[name], np.float32)
 
 
-def _export_keys(var: _Table):
+def _export_keys(var: Table):
     return handoff.to_torch(runtime.xp().array(var.storage.keys()))
 
 
@@ -416,7 +424,13 @@ class SGD(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="sgd_doc")
         opt = sokpy.optim.SGD([v], lr=0.1)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "sgd_update"
@@ -429,12 +443,26 @@ class SGD(SparseOptimizer):
         return [group["lr"]]
 
 
+def _adagrad_defaults(lr: float, eps: float, initial_accumulator_value: float) -> dict:
+    """The checked hyper-parameters of Adagrad and RowWiseAdagrad."""
+    _check("lr", lr, lr >= 0, ">= 0")
+    _check("eps", eps, eps >= 0, ">= 0")
+    _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
+    return {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
+
+
 class Adagrad(SparseOptimizer):
     """``acc += g*g; w -= lr * g / (sqrt(acc) + eps)``; ``acc`` starts at ``initial_accumulator_value``.
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="adagrad_doc")
         opt = sokpy.optim.Adagrad([v], lr=0.01, initial_accumulator_value=0.1, eps=1e-7)  # TF's values
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "adagrad_update"
@@ -448,12 +476,53 @@ class Adagrad(SparseOptimizer):
         eps: float = 1e-10,
         check_finite: bool = True,
     ):
-        _check("lr", lr, lr >= 0, ">= 0")
-        _check("eps", eps, eps >= 0, ">= 0")
-        _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
-        super().__init__(
-            params, {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}, check_finite
-        )
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
+
+    def hyper(self, group, step):
+        return [group["lr"], group["eps"]]
+
+
+class RowWiseAdagrad(SparseOptimizer):
+    """Row-wise Adagrad: one accumulator per row, FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's
+    ``EmbOptimType.EXACT_ROWWISE_ADAGRAD``) with ``weight_decay`` 0. For each row that got a
+    gradient ``g`` (the gradients of its duplicate keys summed first, as every sokpy optimizer
+    merges them), in float32::
+
+        m = (g[0]^2 + ... + g[dim-1]^2) / dim      # the mean square, summed in column order
+        acc += m
+        w -= g * (lr / (sqrt(acc) + eps))          # eps outside the square root, as FBGEMM
+
+    ``acc`` (slot ``"sum"``, ``[local rows, 1]``) starts at ``initial_accumulator_value``;
+    ``lr`` and ``eps`` default to FBGEMM's TBE defaults (0.01 and 1e-8; TorchRec's own
+    ``torchrec.optim.RowWiseAdagrad`` defaults to ``eps=1e-10``). The state is ``dim`` times
+    smaller than :class:`Adagrad`'s. The order of operations is FBGEMM's CPU kernel's (its GPU
+    kernel sums the squares in another order: the last bits may differ).
+
+    Example::
+
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="rowwise_doc")
+        opt = sokpy.optim.RowWiseAdagrad([v], lr=0.1)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()
+        print(opt.state[v.handle]["sum"].shape)  # torch.Size([100, 1]) on one rank
+    """
+
+    kernel = "rowwise_adagrad_update"
+    slots = {"sum": lambda g: g["initial_accumulator_value"]}  # noqa: RUF012
+    row_slots = ("sum",)
+    row_kernel = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.01,
+        eps: float = 1e-8,
+        initial_accumulator_value: float = 0.0,
+        check_finite: bool = True,
+    ):
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
 
     def hyper(self, group, step):
         return [group["lr"], group["eps"]]
@@ -465,7 +534,13 @@ class Ftrl(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="ftrl_doc")
         opt = sokpy.optim.Ftrl([v], lr=0.05, l1=0.001, l2=0.01)
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "ftrl_update"
@@ -519,7 +594,13 @@ class Adam(SparseOptimizer):
 
     Example::
 
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(100, 8, name="adam_doc")
         opt = sokpy.optim.Adam([v], lr=1e-3, betas=(0.9, 0.999))
+        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
+        opt.step()                          # collective: rows 1 and 2 move
+        opt.zero_grad()
     """
 
     kernel = "adam_update"

@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import partial
 from operator import attrgetter, is_
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,7 +121,7 @@ class TableSet:
                 self.tabs[i, c["SOKPY_TAB_ROWS"]] = t.rows
                 local[i] = -(-t.rows // world) if t.target_gpu == -1 else t.rows
         # Bits of the largest stored row a static table's key can have (dynamic: no exact row).
-        self.row_bits = np.array([_bits(x + 1) if not t.dynamic else 64 for x, t in zip(local, tables)], np.int64)
+        self.row_bits = np.array([_bits(int(x) + 1) if not t.dynamic else 64 for x, t in zip(local, tables)], np.int64)
         self.epoch = -1
         self.refresh(tables)
 
@@ -136,6 +137,11 @@ class TableSet:
 _table_sets: OrderedDict = OrderedDict()
 _UID = attrgetter("uid")
 _is_none = partial(is_, None)
+
+
+def forget_table_sets() -> None:
+    """Drops every cached table set (their keys are table uids; ``sokpy.testing.start_over``)."""
+    _table_sets.clear()
 
 
 def table_set(tables) -> TableSet:
@@ -205,7 +211,7 @@ class _Dedup:
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
         args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.brk, self.collided_flag)
         runtime.launch("mark_unique_keys", n, 1, args)
-        self.before = None
+        self.before: Any = None  # a device array once counted
 
     def counts(self, ngroups: int):
         """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
@@ -398,7 +404,7 @@ class LookupPlan:
         self.d_weights = None if b.weights is None else xp.asarray(b.weights)
         packed, bad = _route(self.d_tabs, self.keys, self.d_key_start, ntab, world, self.pos_bits, self.sv_bits)
         self.packed = packed
-        self.dedup = None
+        self.dedup: _Dedup | None = None
         # The call's one read from the device: the verdict on its ids (the range check, and the
         # faults the device found in ids that arrived there) and, on several ranks, whether
         # hashed keys collided and the unique keys per (owner, table).
@@ -496,6 +502,7 @@ class LookupPlan:
         comm, xp, c = runtime.comm(), runtime.xp(), _c()
         world, ntab = self.world, self.ntables
         d = self.dedup
+        assert d is not None  # prepare() deduplicated (several ranks)
         # Keys out: per peer, its per-table counts, then its unique keys table after table.
         msg = ntab + self.counts.sum(axis=1)
         blk = _exclusive(msg)[:-1]

@@ -190,10 +190,10 @@ def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int
     if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
         from .testing.emulated import EmulatedDeviceBackend
 
-        be = EmulatedDeviceBackend()
-        return be, be.communicator(mpi)
-    be = HostBackend(device_shapes=device_shapes_requested())
-    return be, mpi if mpi is not None else SoloComm(np)
+        emulated_be = EmulatedDeviceBackend()
+        return emulated_be, emulated_be.communicator(mpi)
+    host_be = HostBackend(device_shapes=device_shapes_requested())
+    return host_be, mpi if mpi is not None else SoloComm(np)
 
 
 def device_index(local_rank: int, device_count: int) -> int:

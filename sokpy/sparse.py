@@ -23,6 +23,7 @@ the verdict.
 
 Example::
 
+    import torch, sokpy
     ids = sokpy.Ragged(values=torch.tensor([3, 1, 4, 1]), offsets=torch.tensor([0, 2, 2, 4]))
     # three bags: [3, 1], [], [4, 1]
 """
@@ -81,7 +82,7 @@ class Batch(NamedTuple):
     weighted: np.ndarray
     weight_grads: list
     weight_layouts: list
-    faults: object = None
+    faults: DeviceFaults | None = None
 
     def host_key_start(self) -> np.ndarray:
         """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""

@@ -1,10 +1,13 @@
 """Table storage: a table's rows and its optimizer state on this rank, behind one interface.
 
 Every table shard is a buffer of stored rows ``data [capacity, width]``: each row holds the
-embedding values (``dim`` floats), then one column block per optimizer slot (``dim`` floats
-each: Adagrad's accumulator, Adam's two moments, ...). Optimizer state therefore lives beside
-its row, is gathered and scattered with it, and is created when the table joins an optimizer
-(:meth:`Storage.add_slots`), so the memory is claimed up front.
+embedding values (``dim`` floats), then one column block per optimizer slot, in the order the
+slots were added: ``dim`` floats for an element-wise slot (Adagrad's accumulator, Adam's two
+moments, ...), one float for a row-wise slot (RowWiseAdagrad's accumulator). Optimizer state
+therefore lives beside its row, is gathered and scattered with it, and is created when the
+table joins an optimizer (:meth:`Storage.add_slots`), so the memory is claimed up front. Only
+this module knows where a slot's columns are: everything else asks :meth:`Storage.columns`
+(a view, a saved file, a state dict entry) and :meth:`Storage.slot_width`.
 
 Two implementations:
 
@@ -21,9 +24,9 @@ the kernels read (:meth:`Storage.descriptor`): neither knows which kind of table
 Example::
 
     import sokpy
-    from sokpy.storage import HashStorage
+    from sokpy.storage import HashStorage, InitSpec
     sokpy.init()
-    s = HashStorage(dim=4, capacity=8)
+    s = HashStorage(dim=4, init=InitSpec(0, 0.0, 0.0, 0), capacity=8)   # rows start at 0
     s.reserve(100)                     # room for 100 new keys: the index and row store grow
     print(s.size, s.capacity >= 100)
 """
@@ -72,17 +75,31 @@ class Storage:
     data = None
     slot_names: list
     slot_init: list
+    slot_per_row: list  # per slot: True for one float per row, False for one per element
 
     def __init__(self, dim: int, init: InitSpec):
         self.dim = int(dim)
         self.init = init
-        self.slot_names, self.slot_init = [], []
+        self.slot_names, self.slot_init, self.slot_per_row = [], [], []
 
     # ---- layout ------------------------------------------------------------------------
     @property
     def width(self) -> int:
         """Floats per stored row: the values, then each optimizer slot."""
-        return self.dim * (1 + len(self.slot_names))
+        return self.dim + sum(self.slot_width(name) for name in self.slot_names)
+
+    def slot_width(self, name: str) -> int:
+        """Columns of slot ``name`` in a stored row: ``dim``, or 1 for a row-wise slot."""
+        return 1 if self.slot_per_row[self.slot_names.index(name)] else self.dim
+
+    def columns(self, name: str) -> slice:
+        """The columns of a stored row that hold ``"values"`` or slot ``name``: a slice for
+        ``data``, a gathered copy of whole rows, or any array laid out as ``data``."""
+        if name == "values":
+            return slice(0, self.dim)
+        k = self.slot_names.index(name)
+        start = self.dim + sum(1 if r else self.dim for r in self.slot_per_row[:k])
+        return slice(start, start + self.slot_width(name))
 
     @property
     def size(self) -> int:
@@ -98,29 +115,32 @@ class Storage:
         return self.data[: self.size, : self.dim]
 
     def slot(self, name: str):
-        """Optimizer slot ``name`` of the rows in use, a view ``[size, dim]``."""
-        k = 1 + self.slot_names.index(name)
-        return self.data[: self.size, k * self.dim : (k + 1) * self.dim]
+        """Optimizer slot ``name`` of the rows in use, a view ``[size, slot_width(name)]``."""
+        return self.data[: self.size, self.columns(name)]
 
     def keys(self, start: int = 0, stop: int | None = None):
         """Global keys of stored rows ``[start, stop)`` (an int64 array)."""
         raise NotImplementedError
 
-    def add_slots(self, names, initial) -> None:
-        """Widens every row by one ``dim`` block per slot name, filled with its initial value
-        (rows created later start there too). One copy of the shard."""
+    def add_slots(self, names, initial, per_row=None) -> None:
+        """Widens every row by one block per slot name (``dim`` columns, or one where
+        ``per_row`` says so), filled with its initial value (rows created later start there
+        too). One copy of the shard."""
         names, initial = list(names), [float(v) for v in initial]
+        per_row = [False] * len(names) if per_row is None else [bool(r) for r in per_row]
         if not names:
             return
-        old = self.data
-        cols = self.dim * (1 + len(self.slot_names) + len(names))
-        data = runtime.empty_rows((old.shape[0], cols), np.float32)
+        old, layout = self.data, (self.slot_names, self.slot_init, self.slot_per_row)
+        self.slot_names, self.slot_init, self.slot_per_row = (a + b for a, b in zip(layout, (names, initial, per_row)))
+        try:
+            data = runtime.empty_rows((old.shape[0], self.width), np.float32)
+        except BaseException:
+            self.slot_names, self.slot_init, self.slot_per_row = layout
+            raise
         data[:, : old.shape[1]] = old
-        for k, value in enumerate(initial, start=1 + len(self.slot_names)):
-            data[:, k * self.dim : (k + 1) * self.dim] = value
+        for name, value in zip(names, initial):
+            data[:, self.columns(name)] = value
         self.data = data
-        self.slot_names += names
-        self.slot_init += initial
         _bump()
 
     # ---- the kernels' view -----------------------------------------------------------------
@@ -183,7 +203,7 @@ class StaticStorage(Storage):
         s = object.__new__(StaticStorage)
         Storage.__init__(s, self.dim, self.init)
         s.kind, s.key_stride, s.key_base = self.kind, self.key_stride, self.key_base
-        s.slot_names, s.slot_init = list(self.slot_names), list(self.slot_init)
+        s.slot_names, s.slot_init, s.slot_per_row = list(self.slot_names), list(self.slot_init), list(self.slot_per_row)
         s.data = runtime.empty_rows(self.data.shape, np.float32)
         return s
 
@@ -287,7 +307,7 @@ class HashStorage(Storage):
         s = HashStorage(
             self.dim, self.init, capacity=16, localized=self.kind == kernels.constants()["SOKPY_KIND_DYNAMIC_AT"]
         )
-        s.add_slots(self.slot_names, self.slot_init)
+        s.add_slots(self.slot_names, self.slot_init, self.slot_per_row)
         return s
 
 
@@ -316,6 +336,7 @@ def init_rows(segments) -> None:
         info[i, c["SOKPY_INIT_KEY_BASE"]] = getattr(s, "key_base", 0)
         info[i, c["SOKPY_INIT_SEED"]] = np.uint64(s.init.seed).astype(np.int64)
         info[i, c["SOKPY_INIT_SLOTS"]] = len(s.slot_init)
+        info[i, c["SOKPY_INIT_ROW_SLOTS"]] = sum(1 << k for k, r in enumerate(s.slot_per_row) if r)
         param[i, :2] = (s.init.a, s.init.b)
         param[i, 2 : 2 + len(s.slot_init)] = s.slot_init
         addr[i, 0] = runtime.current().address_of(s.data)

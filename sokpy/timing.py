@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 __all__ = ["timed", "totals", "traffic", "count_traffic", "reset", "enable", "enabled", "set_clock", "HostClock"]
 
@@ -50,8 +51,8 @@ class HostClock:
 _host_clock = HostClock()
 # The clock in use (the backend sets it: the host's, or the device's events), and the one the
 # device would use when timing is off (kept, so that enable() can switch it on).
-_clock = _host_clock
-_device_clock = None
+_clock: Any = _host_clock  # a HostClock, a device clock or None (device, timing off)
+_device_clock: Any = None
 _enabled = os.environ.get("SOKPY_TIMING", "") == "1"
 
 

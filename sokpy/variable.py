@@ -48,6 +48,12 @@ def _init_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def live_table_names() -> list[str]:
+    """The names of the tables alive in this process (after a garbage collection)."""
+    gc.collect()
+    return sorted(_names)
+
+
 class Table:
     """What static and dynamic tables share: identity, placement, storage, gradients. The
     other modules test for a table with ``isinstance(x, Table)``; not exported by ``sokpy``."""
@@ -229,7 +235,11 @@ def export(var: Table):
 
     Example::
 
-        keys, values = sokpy.export(v)
+        import sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="export_doc")
+        keys, values = sokpy.export(v)          # this rank's rows: keys [n], values [n, 4]
+        assert values.shape == (len(keys), 4)
     """
     xp = runtime.xp()
     keys = xp.array(var.storage.keys())
@@ -260,7 +270,10 @@ def assign(var: Table, keys, values) -> None:
 
     Example::
 
-        sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))
+        import torch, sokpy
+        sokpy.init()
+        v = sokpy.Variable(10, 4, name="assign_doc")
+        sokpy.assign(v, torch.tensor([0, 5]), torch.ones(2, v.dim))   # collective; keys from any rank
     """
     comm = runtime.comm()
     error = None

@@ -3,7 +3,8 @@
 ``run_mpi(nranks, "worker.py", *args)`` runs ``tests/workers/worker.py`` under
 ``sokrun -np N --timeout T python ...`` (so workers run under ``python -m mpi4py`` and an
 uncaught error on any rank aborts the whole job) and fails the test with the job's output
-when the job fails. ``launcher="mpich"`` runs it with MPICH's plain ``mpiexec -n N python
+when the job fails; sokrun jobs run in resident rank pools (``rank_pool.py``) unless
+``fresh=True``. ``launcher="mpich"`` runs it with MPICH's plain ``mpiexec -n N python
 ...`` instead, and ``launcher="horovodrun"`` with ``horovodrun --mpi -np N python ...``, both
 from the environment ``launch/install-horovod`` builds (``make test`` builds it once per
 machine; tests that need it are marked ``needs_horovod_env``).
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import rank_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -63,24 +65,42 @@ def launch_command(launcher, nranks, program, timeout):
     return [*head[launcher], str(nranks), python, *program[1:]], extra
 
 
-def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
-    """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
-    CompletedProcess (does not check the exit code)."""
-    cmd, extra = launch_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout)
+def job_command(launcher, nranks, program, timeout, env=None):
+    """``(command, full environment)`` of a job: :func:`launch_command`'s, with this
+    process's environment, ``env`` and sokpy from this checkout."""
+    cmd, extra = launch_command(launcher, nranks, program, timeout)
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.update(extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=ROOT)
+    return cmd, full_env
 
 
-def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun"):
-    """Runs a worker under ``launcher`` (sokrun by default) and fails the test if the job
-    fails; returns its stdout."""
-    res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher)
+def mpi_job(nranks, script, *args, timeout=240, env=None, launcher="sokrun", cwd=ROOT):
+    """Runs a worker under ``launcher`` (see :func:`launch_command`); returns the
+    CompletedProcess (does not check the exit code)."""
+    cmd, full_env = job_command(launcher, nranks, ["python", str(WORKERS / script), *map(str, args)], timeout, env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, env=full_env, cwd=cwd)
+
+
+# SOKPY_TEST_POOLS=0 gives every sokrun job its own processes (to compare, or to rule the pools out).
+POOLED = os.environ.get("SOKPY_TEST_POOLS", "1") != "0"
+
+
+def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
+    """Runs a worker at ``nranks`` ranks and fails the test if the job fails; returns its
+    stdout. Under sokrun (the default) the worker runs in a resident rank pool of that world
+    size and environment (``rank_pool.py``: the same ranks serve many tests, so start-up is
+    paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
+    its own. ``cwd``: the ranks' working directory (the checkout's root by default)."""
+    if launcher == "sokrun" and not fresh and POOLED:
+        res = rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd)
+    else:
+        res = mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
     if res.returncode != 0:
+        how = "sokrun rank pool" if isinstance(res, rank_pool.Result) else launcher
         pytest.fail(
-            f"{script} {' '.join(map(str, args))} at {nranks} ranks ({launcher}) failed (exit {res.returncode})\n"
+            f"{script} {' '.join(map(str, args))} at {nranks} ranks ({how}) failed (exit {res.returncode})\n"
             f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"
         )
     return res.stdout

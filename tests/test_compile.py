@@ -3,6 +3,7 @@ results, and new batch sizes do not make dynamo re-trace again and again."""
 
 import torch
 import torch._dynamo
+from conftest import run_python
 from torch._dynamo.utils import counters
 
 from sokpy import lookup
@@ -35,4 +36,18 @@ def test_compiled_model_matches_eager_without_a_recompile_per_batch_size(sokpy_h
     # Dynamo traced the dense part after the lookup at most twice (the first batch size, then once
     # more with the batch dimension dynamic), never once per batch size.
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-    assert lookup.lookup.__wrapped__ is not None  # torch.compiler.disable wrapped the entry point
+    assert lookup.lookup.__wrapped__ is not None  # the entry point is wrapped (lookup._opaque_to_compile)
+
+
+def test_import_leaves_dynamo_unloaded_until_torch_compile_needs_it():
+    """``import sokpy`` and a lookup do not import torch._dynamo (it is about half of every
+    rank's start-up); torch.compile imports it, and the lookup is then opaque to it."""
+    res = run_python(
+        "import sys, torch, sokpy\n"
+        "sokpy.init(backend='host')\n"
+        "v = sokpy.Variable(10, 2, name='d')\n"
+        "sokpy.lookup_sparse(v, torch.tensor([[1, 2]]), combiners='sum').sum().backward()\n"
+        "print('dynamo loaded:', 'torch._dynamo' in sys.modules)\n"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "dynamo loaded: False" in res.stdout, res.stdout

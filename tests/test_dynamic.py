@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from reference import _mix64, uniform_init  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "ftrl", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "ftrl", "adam"])
 def test_training_matches_dict_reference_at_two_ranks(kind):
     out = run_mpi(2, "dynamic_worker.py", "train", kind, 21, timeout=300)
     assert out.count(f"{kind} ok") == 2
@@ -78,3 +78,37 @@ def test_keys_sharing_a_hashed_sort_value_train_as_one_key_each(sokpy_host):
     want = -0.1 * g / (np.sqrt(0.1 + g * g) + 1e-10)
     np.testing.assert_allclose(rows[k1], want, rtol=1e-6)
     np.testing.assert_allclose(rows[k2], want, rtol=1e-6)
+
+
+def test_row_wise_and_element_wise_slots_share_a_row(sokpy_host):
+    """A slot is ``dim`` floats or (row-wise) one, in the order the slots were added; new rows
+    (inserted, or in a grown row store, or in a shard built beside: ``new_like``) start every
+    slot at its constant, and existing rows keep theirs through growth."""
+    from sokpy import plan
+
+    sokpy = sokpy_host
+    for var in (
+        sokpy.DynamicVariable(3, initializer=0.5, name="slots_mixed_dyn", capacity=16),
+        sokpy.Variable(40, 3, initializer=0.5, name="slots_mixed_static"),
+    ):
+        s = var.storage
+        s.add_slots(["a", "r"], [1.0, 2.0], [False, True])
+        s.add_slots(["b"], [3.0])
+        assert s.width == 3 + 3 + 1 + 3 and s.slot_per_row == [False, True, False]
+        assert [s.columns(n) for n in ("values", "a", "r", "b")] == [
+            slice(0, 3),
+            slice(3, 6),
+            slice(6, 7),
+            slice(7, 10),
+        ]
+        assert [s.slot_width(n) for n in ("a", "r", "b")] == [3, 1, 3]
+        keys = np.arange(40, dtype=np.int64) * (7 if var.dynamic else 1)
+        first = plan.rows_of(var, keys[:10], insert=True)
+        s.data[first, s.columns("r")] = -1.0  # a trained row-wise value, kept through growth below
+        rows = plan.rows_of(var, keys, insert=True)  # a dynamic table grows (16 rows, 40 keys)
+        want = np.array([0.5] * 3 + [1.0] * 3 + [2.0] + [3.0] * 3, np.float32)
+        assert np.array_equal(s.data[rows[10:]], np.tile(want, (30, 1)))
+        assert np.array_equal(s.data[rows[:10]], np.tile(np.where(np.arange(10) == 6, -1.0, want), (10, 1)))
+        assert s.slot("r").shape == (s.size, 1) and s.slot("b").shape == (s.size, 3)
+        twin = s.new_like()
+        assert (twin.slot_names, twin.slot_per_row, twin.width) == (s.slot_names, s.slot_per_row, s.width)

@@ -44,7 +44,8 @@ def test_ddp_leaves_tables_alone_and_averages_dense():
 
 def test_exit_with_a_collective_callback_still_running():
     # Without the group destroyed at exit, the gloo thread aborted the process (exit 134).
-    out = run_mpi(2, "nn_worker.py", "exit_busy", timeout=120)
+    # A job of its own: what is tested is the processes' exit.
+    out = run_mpi(2, "nn_worker.py", "exit_busy", timeout=120, fresh=True)
     assert out.count("exit_busy ok") == 2, out
 
 
@@ -86,6 +87,64 @@ def test_single_process_state_dict_and_errors(sokpy_host):
         ebc({"user": [[1]], "item": [[2]]})
     with pytest.raises(ValueError, match="unknown pooling"):
         EmbeddingBagCollection([EmbeddingBagConfig("nn1_bad", 2, 5, pooling="max")])
+
+
+def test_rowwise_adagrad_state_travels_in_the_module_state_dict(sokpy_host):
+    """A module trained with RowWiseAdagrad (static and dynamic table): its state_dict holds the
+    per-row accumulators as [n, 1], a module of new tables loads them and trains on exactly
+    alike; a module trained by element-wise Adagrad loads the rows and starts its own slots
+    afresh; an accumulator of the wrong shape is refused and changes nothing."""
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, concat
+
+    def module(tag, optimizer):
+        ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(f"rw_{tag}_user", 4, 10, ["user"], "sum"),
+                EmbeddingBagConfig(f"rw_{tag}_item", 3, None, ["item"], "mean"),
+            ]
+        )
+        return ebc, optimizer(ebc.tables(), lr=0.1)
+
+    def step(ebc, opt, i):
+        concat(ebc({"user": [[1, 1], [i % 10]], "item": [[7, -(2**40)], [i % 3]]})).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    a, opt_a = module("a", sokpy.optim.RowWiseAdagrad)
+    for i in range(3):
+        step(a, opt_a, i)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf)
+    assert tuple(sd["rw_a_user"]["slots"]["sum"].shape) == (10, 1) and sd["rw_a_user"]["optimizer"] == "RowWiseAdagrad"
+    assert tuple(sd["rw_a_item"]["slots"]["sum"].shape) == (5, 1) and (sd["rw_a_item"]["slots"]["sum"] > 0).all()
+
+    def renamed(tag):  # the state under the names of another module's tables (unique in a job)
+        return {k.replace("rw_a_", f"rw_{tag}_"): v for k, v in sd.items()}
+
+    b, opt_b = module("b", sokpy.optim.RowWiseAdagrad)
+    b.load_state_dict(renamed("b"))
+    assert [opt_b.state[v.handle]["step"] for v in b.tables()] == [3, 3]
+    for i in range(3, 5):
+        step(a, opt_a, i)
+        step(b, opt_b, i)  # item keys seen before: new rows would start from their name
+    for va, vb in zip(a.tables(), b.tables()):
+        assert all(torch.equal(x, y) for x, y in zip(sokpy.export(va), sokpy.export(vb))), va.name
+    for ea, eb in zip(opt_a.state_dict()["state"].values(), opt_b.state_dict()["state"].values()):
+        oa, ob = ea["keys"].argsort(), eb["keys"].argsort()  # a dynamic table's rows: insertion order
+        assert torch.equal(ea["keys"][oa], eb["keys"][ob]) and torch.equal(ea["sum"][oa], eb["sum"][ob])
+    c, opt_c = module("c", sokpy.optim.Adagrad)
+    c.load_state_dict(renamed("c"))  # Adagrad's sum is per element: the row-wise one is not taken
+    assert torch.equal(sokpy.export(c.tables()[0])[1], sd["rw_a_user"]["values"])
+    assert not opt_c.state[c.tables()[0].handle]["sum"].any() and opt_c.state[c.tables()[0].handle]["step"] == 0
+    bad = renamed("b")
+    bad["rw_b_user"] = {**bad["rw_b_user"], "slots": {"sum": torch.zeros(10, 4)}}
+    before = sokpy.export(b.tables()[0])[1].clone()
+    with pytest.raises(sokpy.CheckpointError, match=r"slot 'sum' of shape \[10, 4\], expected \[10, 1\]"):
+        b.load_state_dict(bad)
+    assert torch.equal(sokpy.export(b.tables()[0])[1], before)
 
 
 def test_torchrec_style_config_is_accepted(sokpy_host):

@@ -5,14 +5,14 @@ import pytest
 import torch
 from conftest import run_mpi
 
-KINDS = "sgd,adagrad,ftrl,ftrl_power,adam"
+KINDS = "sgd,adagrad,rowwise_adagrad,ftrl,ftrl_power,adam"
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
 def test_optimizers_match_numpy_formulas(nranks):
     out = run_mpi(nranks, "optim_worker.py", "formula", KINDS, 7 + nranks)
     for kind in KINDS.split(","):
-        assert out.count(f"{kind} ok") == nranks
+        assert out.count(f": {kind} ok") == nranks  # ": adagrad ok" is not in "rowwise_adagrad ok"
 
 
 def test_same_global_batch_same_table_at_1_and_4_ranks(tmp_path):
@@ -51,8 +51,8 @@ def test_nonfinite_gradient_refused_on_every_rank(nranks):
 # ---- single process: parity with torch's own optimizers --------------------------------------
 
 
-def _train_both(sokpy, make_sok_opt, make_torch_opt, steps=20, combiner="sum"):
-    rows, dim = 30, 6
+def _train_both(sokpy, make_sok_opt, make_torch_opt, steps=20, combiner="sum", dim=6):
+    rows = 30
     v = sokpy.Variable(rows, dim, initializer=sokpy.initializers.uniform(-1, 1), seed=4)
     emb = torch.nn.EmbeddingBag(rows, dim, mode=combiner, sparse=True)
     with torch.no_grad():
@@ -90,6 +90,59 @@ def test_adam_matches_torch_sparse_adam(sokpy_host):
         combiner="mean",
     )
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+class _TorchRowWiseAdagrad:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD (weight decay 0) on a torch parameter with a sparse
+    gradient, written from FBGEMM's formula with torch operations, independently of sokpy:
+    the gradients of a row's duplicate keys summed (coalesce), ``acc += mean(g * g)`` per row,
+    ``w -= g * lr / (sqrt(acc) + eps)``."""
+
+    def __init__(self, params, lr, eps=1e-8, initial_accumulator_value=0.0):
+        (self.weight,) = list(params)
+        self.lr, self.eps = lr, eps
+        self.acc = torch.full((self.weight.shape[0],), initial_accumulator_value)
+
+    @torch.no_grad()
+    def step(self):
+        grad = self.weight.grad.coalesce()
+        rows, g = grad.indices()[0], grad.values()
+        self.acc[rows] += (g * g).mean(dim=1)
+        self.weight[rows] -= g * (self.lr / (self.acc[rows].sqrt() + self.eps))[:, None]
+
+    def zero_grad(self):
+        self.weight.grad = None
+
+
+@pytest.mark.parametrize("dim", [6, 16])  # 16: the kernel's compile-time dimension
+def test_rowwise_adagrad_matches_fbgemms_formula_in_torch(sokpy_host, dim):
+    ours, theirs = _train_both(
+        sokpy_host,
+        lambda p: sokpy_host.optim.RowWiseAdagrad(p, lr=0.1, initial_accumulator_value=0.01),
+        lambda p: _TorchRowWiseAdagrad(p, lr=0.1, initial_accumulator_value=0.01),
+        dim=dim,
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_rowwise_adagrad_keeps_one_accumulator_per_row_and_defaults_to_fbgemms(sokpy_host):
+    """One float of state per row (not per element); a row's duplicate keys (and the keys of
+    two backward passes) are summed before the update; the defaults are FBGEMM TBE's."""
+    sokpy = sokpy_host
+    v = sokpy.Variable(8, 4, initializer=0.0, name="rowwise_one_acc")
+    opt = sokpy.optim.RowWiseAdagrad([v])
+    assert opt.defaults == {"lr": 0.01, "eps": 1e-8, "initial_accumulator_value": 0.0}
+    assert v.storage.width == 5 and tuple(opt.state[v.handle]["sum"].shape) == (8, 1)
+    up = torch.tensor([[1.0, -2.0, 0.5, 4.0]])
+    (sokpy.lookup_sparse(v, [[3, 3]], combiners="sum") * up).sum().backward()
+    (sokpy.lookup_sparse(v, [[3]], combiners="sum") * up).sum().backward()
+    opt.step()
+    g = 3 * up[0]  # key 3 three times
+    acc = (g * g).mean()
+    torch.testing.assert_close(opt.state[v.handle]["sum"][3], acc.reshape(1))
+    torch.testing.assert_close(sokpy.export(v)[1][3], -g * (0.01 / (acc.sqrt() + 1e-8)))
+    others = [k for k in range(8) if k != 3]
+    assert not sokpy.export(v)[1][others].any() and not opt.state[v.handle]["sum"][others].any()
 
 
 def test_sgd_matches_torch(sokpy_host):
@@ -240,6 +293,34 @@ def test_state_dict_round_trip(sokpy_host):
         assert torch.equal(opt2.state[w.handle][name], opt.state[v.handle][name])
 
 
+def test_rowwise_adagrad_state_dict_round_trip(sokpy_host):
+    """The per-row accumulators travel in state_dict as ``[n, 1]`` and load back by key; a state
+    of element-wise Adagrad (the same slot name, ``[n, dim]``) is refused and changes nothing."""
+    sokpy = sokpy_host
+    v = sokpy.Variable(10, 3, name="rowwise_sd_a")
+    opt = sokpy.optim.RowWiseAdagrad([v], lr=0.3, eps=1e-6)
+    _one_step(sokpy, opt, v, key=3)
+    _one_step(sokpy, opt, v, key=5)
+    sd = opt.state_dict()
+    entry = sd["state"][0]
+    assert entry["step"] == 2 and sd["param_groups"][0]["eps"] == 1e-6
+    assert entry["keys"].tolist() == list(range(10)) and tuple(entry["sum"].shape) == (10, 1)
+    assert (entry["sum"][[3, 5], 0] > 0).all() and entry["sum"][[0, 4], 0].tolist() == [0.0, 0.0]
+    w = sokpy.Variable(10, 3, name="rowwise_sd_b")
+    sokpy.assign(w, *sokpy.export(v))
+    opt2 = sokpy.optim.RowWiseAdagrad([w], lr=0.1)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.3 and opt2.state[w.handle]["step"] == 2
+    assert torch.equal(opt2.state[w.handle]["sum"], opt.state[v.handle]["sum"])
+    # Both go on alike.
+    torch.testing.assert_close(_one_step(sokpy, opt2, w, key=3), _one_step(sokpy, opt, v, key=3), rtol=0, atol=0)
+    elementwise = {**sd, "state": {0: {**entry, "sum": torch.zeros(10, 3)}}}
+    before = opt2.state[w.handle]["sum"].clone()
+    with pytest.raises(ValueError, match=r"slot 'sum' missing or not of shape \[10, 1\]"):
+        opt2.load_state_dict(elementwise)
+    assert torch.equal(opt2.state[w.handle]["sum"], before)
+
+
 def test_gradient_kept_after_step_until_zero_grad(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(10, 2)
@@ -261,9 +342,22 @@ def test_gradient_kept_after_step_until_zero_grad(sokpy_host):
         lambda o, p: o.Ftrl(p, lr_power=0.5),
         lambda o, p: o.Adam(p, betas=(1.0, 0.9)),
         lambda o, p: o.Adagrad([torch.zeros(2, requires_grad=True)]),
+        lambda o, p: o.RowWiseAdagrad(p, lr=-0.1),
+        lambda o, p: o.RowWiseAdagrad(p, eps=-1e-8),
+        lambda o, p: o.RowWiseAdagrad(p, initial_accumulator_value=-1.0),
+        lambda o, p: o.RowWiseAdagrad([torch.zeros(2, requires_grad=True)]),
     ],
 )
 def test_bad_hyper_parameters_rejected(sokpy_host, make):
     v = sokpy_host.Variable(4, 2)
     with pytest.raises((ValueError, TypeError)):
         make(sokpy_host.optim, [v])
+    # Nothing changed: the table holds no optimizer slot and can join another optimizer.
+    assert v.optimizer is None and v.storage.width == 2 and v.storage.slot_names == []
+    sokpy_host.optim.SGD([v], lr=0.1)
+
+
+def test_rowwise_adagrad_bad_argument_names_it(sokpy_host):
+    v = sokpy_host.Variable(4, 2, name="rowwise_bad_arg")
+    with pytest.raises(ValueError, match="initial_accumulator_value must be >= 0, got -1.0"):
+        sokpy_host.optim.RowWiseAdagrad([v], initial_accumulator_value=-1.0)

@@ -11,6 +11,14 @@ tables' gradients sit in ``table.grad`` between backward and step, so one call c
 
 Example::
 
+    import torch, sokpy
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+    sokpy.init()
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("clip_t", 4, 10, ["a"])])
+    model = torch.nn.ModuleDict({"ebc": ebc, "top": torch.nn.Linear(4, 1)})
+    dense_opt = torch.optim.SGD(model["top"].parameters(), lr=0.1)
+    sparse_opt = sokpy.optim.SGD(ebc.tables(), lr=0.1)
+    loss = model["top"](ebc({"a": [[1, 2], [3]]})["a"]).sum()
     loss.backward()
     norm = sokpy.nn.clip_grad_norm_(model, max_norm=1.0)   # collective
     dense_opt.step(); sparse_opt.step()

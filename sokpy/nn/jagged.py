@@ -8,7 +8,11 @@ feature -> ids, where ids is anything ``lookup_sparse`` takes for one table or a
 
 Example::
 
+    import torch
+    from sokpy.nn import KeyedJaggedTensor
+    # 2 samples; "user": [1], []; "item": [7], [8]
     kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 7, 8]), lengths=torch.tensor([1, 0, 1, 1]))
+    assert kjt.keys() == ["user", "item"] and kjt.stride() == 2
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ class KeyedJaggedTensor(_Jagged):
 
     Example::
 
+        import torch
+        from sokpy.nn import KeyedJaggedTensor
+        # 2 samples; "user": [1], []; "item": [7], [8]
         kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 7, 8]), lengths=torch.tensor([1, 0, 1, 1]))
+        assert kjt.keys() == ["user", "item"] and kjt.stride() == 2
     """
 
     def __init__(self, keys, values: torch.Tensor, lengths=None, offsets=None, weights=None):
@@ -77,8 +85,10 @@ class JaggedTensor(_Jagged):
 
     Example::
 
-        jt = JaggedTensor(torch.ones(3, 2), offsets=torch.tensor([0, 1, 3]))
-        jt.to_padded_dense().shape      # [2, 2, 2]
+        import torch
+        from sokpy.nn import JaggedTensor
+        jt = JaggedTensor(torch.ones(3, 2), offsets=torch.tensor([0, 1, 3]))   # bags of 1 and 2 rows
+        assert jt.to_padded_dense().shape == (2, 2, 2)
     """
 
     def to_dense(self) -> list[torch.Tensor]:

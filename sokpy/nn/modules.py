@@ -301,8 +301,12 @@ class EmbeddingBagCollection(_Collection):
 
     Example::
 
+        import sokpy
+        from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+        sokpy.init()
         ebc = EmbeddingBagCollection([EmbeddingBagConfig("ebc_t", 4, 10, ["a", "b"])])
-        out = ebc({"a": [[1, 2]], "b": [[3]]})           # {"a": [1, 4], "b": [1, 4]}
+        out = ebc({"a": [[1, 2]], "b": [[3]]})           # one bag per feature
+        assert out["a"].shape == (1, 4) and out["b"].shape == (1, 4)
     """
 
     def forward(self, features, weights: Mapping | None = None):
@@ -331,9 +335,12 @@ class EmbeddingCollection(_Collection):
 
     Example::
 
+        import sokpy
+        from sokpy.nn import EmbeddingCollection, EmbeddingConfig
+        sokpy.init()
         ec = EmbeddingCollection([EmbeddingConfig("ec_t", 4, 10, ["history"])])
         out = ec({"history": [[1, 2, 2], [7]]})
-        out["history"].values().shape                    # [4, 4]
+        assert out["history"].values().shape == (4, 4)   # one row per id
     """
 
     _pooled = False

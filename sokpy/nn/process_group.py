@@ -2,9 +2,10 @@
 
 Example::
 
+    import torch, sokpy
     sokpy.init()
-    sokpy.nn.init_process_group()
-    model = torch.nn.parallel.DistributedDataParallel(model)
+    sokpy.nn.init_process_group()            # gloo over the ranks sokpy runs on
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def init_process_group(backend: str = "gloo") -> None:
 
     Example::
 
+        import torch, sokpy
         sokpy.init()
-        sokpy.nn.init_process_group()
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        sokpy.nn.init_process_group()            # gloo over the ranks sokpy runs on
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     """
     comm = runtime.comm()
     host = socket.gethostname()

@@ -18,9 +18,14 @@ a KJT, else a dict feature -> ``[B, dim]``). sokpy's JaggedTensor is a pytree no
 
 Example::
 
+    import torch, sokpy
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+    sokpy.init()
+    model = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection([EmbeddingBagConfig("user", 8, 100, ["user"])])})
     served = sokpy.nn.inference_module(model)             # collective; the copy on rank 0
     if sokpy.rank() == 0:
-        program = torch.export.export(served.ebc, ({"user": (ids, offsets)},))
+        ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])
+        program = torch.export.export(served["ebc"], ({"user": (ids, offsets)},))
 """
 
 from __future__ import annotations
@@ -166,8 +171,14 @@ def inference_module(source, configs=None, *, rank: int = 0):
 
     Example::
 
-        served = sokpy.nn.inference_module("ckpt", [EmbeddingBagConfig("user", 8, 100, ["user"])])
-        out = served({"user": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))})   # {"user": [2, 8]}
+        import torch, sokpy
+        from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+        sokpy.init()
+        configs = [EmbeddingBagConfig("user", 8, 100, ["user"])]
+        sokpy.save("ckpt", EmbeddingBagCollection(configs).tables())     # what training wrote
+        served = sokpy.nn.inference_module("ckpt", configs)              # no sokpy.init needed here
+        out = served({"user": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))})
+        assert out["user"].shape == (2, 8)
     """
     if isinstance(source, (str, os.PathLike)):
         if configs is None:

@@ -19,6 +19,9 @@ Modes (argv[1]):
                               `extra`, another table list, a failing read): the same error on every
                               rank, tables, optimizer and the checkpoint on disk unchanged, and the
                               next save and load work
+
+The optimizer of train and resume is Adam, or RowWiseAdagrad (one accumulator per row) with
+CK_OPTIMIZER=rowwise_adagrad in the environment.
 """
 
 import json
@@ -46,6 +49,8 @@ def make():
         sokpy.Variable(300, 3, target_gpu=WORLD - 1, initializer=init, name="ck_local"),
         sokpy.DynamicVariable(5, initializer=init, name="ck_dynamic", capacity=16),
     ]
+    if os.environ.get("CK_OPTIMIZER", "adam") == "rowwise_adagrad":
+        return tables, sokpy.optim.RowWiseAdagrad(tables, lr=0.05, initial_accumulator_value=0.01)
     return tables, sokpy.optim.Adam(tables, lr=0.05, betas=(0.8, 0.95))
 
 

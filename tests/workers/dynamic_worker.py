@@ -28,6 +28,7 @@ EDGES = np.array([-(2**63), 2**63 - 1, -1, 0, 1, -(2**62), 2**62], np.int64)
 CONFIGS = {
     "sgd": ("SGD", {"lr": 0.1}),
     "adagrad": ("Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.1, "eps": 1e-7}),
+    "rowwise_adagrad": ("RowWiseAdagrad", {"lr": 0.1, "initial_accumulator_value": 0.1}),
     "ftrl": ("Ftrl", {"lr": 0.05, "l1": 0.002, "l2": 0.01, "l2_shrinkage": 0.01, "beta": 0.1}),
     "adam": ("Adam", {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-7}),
 }

@@ -2,7 +2,8 @@
 
 Modes (argv[1]):
   formula KIND SEED   20 steps of KIND on two tables (distributed + localized), keys repeated
-                      across ranks; the final tables must match the numpy reference
+                      within bags and across ranks; the final tables (and RowWiseAdagrad's
+                      per-row accumulators) must match the numpy reference
   global PATH         the same global batch split over the ranks; rank 0 writes the final tables
   nonfinite           a NaN gradient on one rank is refused on every rank; nothing changes
   merge               Adagrad on tables large enough that each owner merges thousands of
@@ -24,6 +25,7 @@ RANK, WORLD = sokpy.rank(), sokpy.world_size()
 CONFIGS = {
     "sgd": ("SGD", dict(lr=0.1)),
     "adagrad": ("Adagrad", dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)),
+    "rowwise_adagrad": ("RowWiseAdagrad", dict(lr=0.1, initial_accumulator_value=0.05)),
     "ftrl": ("Ftrl", dict(lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1)),
     "ftrl_power": ("Ftrl", dict(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.2, l1=0.001)),
     "adam": ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-7)),
@@ -76,7 +78,25 @@ def check_formula(kind, seed):
                 f"rank {RANK}: {kind} table {t} differs from the reference after {STEPS} steps: "
                 f"max diff {np.abs(got - ref.w).max()}"
             )
+        if cls == "RowWiseAdagrad":
+            acc = full_slot(opt, t, "sum", v.rows)
+            if acc.shape != (v.rows, 1) or not np.allclose(acc[:, 0], ref.acc, rtol=2e-4, atol=2e-5):
+                raise AssertionError(
+                    f"rank {RANK}: {kind} table {t}: accumulators {acc.shape} differ from the reference: "
+                    f"max diff {np.abs(acc[:, 0] - ref.acc).max()}"
+                )
     print(f"rank {RANK}: {kind} ok")
+
+
+def full_slot(opt, index, name, rows):
+    """Slot ``name`` of the optimizer's table ``index``, whole (from every rank's state_dict)."""
+    entry = opt.state_dict()["state"][index]
+    parts = sokpy.comm().allgather_object((entry["keys"].numpy(), entry[name].numpy()))
+    out = np.full((rows, parts[0][1].shape[1]), np.nan, np.float32)
+    for k, s in parts:
+        out[k] = s
+    assert not np.isnan(out).any(), "the state dicts did not cover every row exactly once"
+    return out
 
 
 def train_global_batch(path):

@@ -68,13 +68,21 @@ def sum_gradient(rows, dim, bag_sets, upstreams):
 
 
 class NumpyOptimizer:
-    """DESIGN.md's update formulas, row-wise on the rows that got a gradient (float32)."""
+    """DESIGN.md's update formulas, row-wise on the rows that got a gradient (float32).
+
+    ``rowwise_adagrad`` (or ``rowwiseadagrad``) is FBGEMM's EXACT_ROWWISE_ADAGRAD as its CPU
+    kernel (``split_weight_update_cpu`` of ``rowwise_adagrad`` in FBGEMM's codegen) writes it,
+    weight decay 0: one accumulator per row, the mean of the squared gradient summed over the
+    columns in order, ``multiplier = lr / (sqrt(acc) + eps)``, ``w -= g * multiplier``."""
 
     def __init__(self, kind, table, **hp):
+        kind = kind.replace("_", "")
         self.kind, self.w, self.hp, self.t = kind, table.astype(np.float32).copy(), hp, 0
         f32 = np.float32
         if kind == "adagrad":
             self.acc = np.full_like(self.w, f32(hp.get("initial_accumulator_value", 0.0)))
+        elif kind == "rowwiseadagrad":
+            self.acc = np.full(self.w.shape[0], f32(hp.get("initial_accumulator_value", 0.0)), np.float32)
         elif kind == "ftrl":
             self.n = np.full_like(self.w, f32(hp.get("initial_accumulator_value", 0.1)))
             self.z = np.zeros_like(self.w)
@@ -96,6 +104,14 @@ class NumpyOptimizer:
             acc = self.acc[rows] + g * g
             self.acc[rows] = acc
             w = w - lr * g / (np.sqrt(acc) + f32(hp.get("eps", 1e-10)))
+        elif self.kind == "rowwiseadagrad":
+            square_sum = np.zeros(len(rows), np.float32)
+            for d in range(g.shape[1]):  # in column order, rounded to float32 at each addition
+                square_sum = square_sum + g[:, d] * g[:, d]
+            acc = self.acc[rows] + square_sum / f32(g.shape[1])
+            self.acc[rows] = acc
+            multiplier = lr / (np.sqrt(acc) + f32(hp.get("eps", 1e-8)))
+            w = w - g * multiplier[:, None]
         elif self.kind == "ftrl":
             p = f32(-hp.get("lr_power", -0.5))
             l1, l2 = f32(hp.get("l1", 0.0)), f32(hp.get("l2", 0.0))

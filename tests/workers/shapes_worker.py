@@ -31,15 +31,17 @@ tables = [
     sokpy.Variable(40, 5, target_gpu=world - 1, name="shape_localized"),
     sokpy.DynamicVariable(16, capacity=4, name="shape_dynamic"),
     sokpy.DynamicVariable(3, target_gpu=0, name="shape_dynamic_at"),
+    sokpy.DynamicVariable(6, capacity=4, name="shape_dynamic_rowwise"),  # a row-wise slot: 7 floats a row
 ]
 opts = [
     sokpy.optim.SGD([tables[0]], lr=0.1),
     sokpy.optim.Adagrad([tables[1]], lr=0.1, initial_accumulator_value=0.1),
     sokpy.optim.Adam([tables[2]], lr=0.01),
     sokpy.optim.Ftrl([tables[3]], lr=0.1, l1=0.001, l2=0.01),
+    sokpy.optim.RowWiseAdagrad([tables[4]], lr=0.1, initial_accumulator_value=0.01),
 ]
-combiners = ["sum", "mean", "sqrtn", "mean"]
-rows = [60, 40, None, None]
+combiners = ["sum", "mean", "sqrtn", "mean", "sum"]
+rows = [60, 40, None, None, None]
 results = {}
 
 
@@ -61,7 +63,7 @@ def bags(t, nbags, hot=False):
 for step in range(5):
     # The last step's batch is large enough for the radix sort's kernels (4,096 keys and up)
     # and has a hot key in every table.
-    ids = [bags(t, 1500, hot=True) if step == 4 else bags(t, 6 + step) for t in range(4)]
+    ids = [bags(t, 1500, hot=True) if step == 4 else bags(t, 6 + step) for t in range(len(tables))]
     weights = [[[float(x) for x in rng.uniform(0.5, 2.0, len(b))] for b in per] for per in ids]
     wt = torch.tensor([x for b in weights[1] for x in b], requires_grad=True)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(b) for b in ids[1]])]))
@@ -70,8 +72,9 @@ for step in range(5):
         sokpy.Ragged(torch.tensor([k for b in ids[1] for k in b], dtype=torch.int64), offsets),
         ids[2],
         ids[3],
+        ids[4],
     ]
-    sp_w = [weights[0], wt, None, weights[3]]
+    sp_w = [weights[0], wt, None, weights[3], None]
     wire = "bfloat16" if step == 3 else "float32"  # the 16-bit wire kernels run too
     outs = sokpy.lookup_sparse(tables, sp_ids, sp_weights=sp_w, combiners=combiners, wire_dtype=wire)
     loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs)
@@ -115,4 +118,5 @@ if rank == 0:
     merged = {f"r{r}_{k}": v for r, (res, _) in enumerate(everything) for k, v in res.items()}
     merged["launched"] = np.array(sorted({n for _, names in everything for n in names}))
     np.savez(sys.argv[1], **merged)
+kernels._HostKernel.convert = _convert
 print(f"rank {rank}: comm {type(sokpy.comm()).__name__} ok")
