@@ -239,7 +239,7 @@ class _EventClock:
         for category, a, b in pending:
             b.synchronize()
             seconds = self._cupy.cuda.get_elapsed_time(a, b) / 1e3
-            timing._totals[category] = timing._totals.get(category, 0.0) + seconds
+            timing.add(category, seconds)
 
 
 class DeviceBackend(Backend):

@@ -52,7 +52,7 @@ import torch
 from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows, nonfinite_message
 from .sorting import sort_by_bits
-from .sparse import N_FAULTS, Batch, BatchError, raise_fault
+from .sparse import N_FAULTS, Batch, BatchError, raise_fault, segment_starts
 from .storage import epoch, finish_inserts
 from .wire import from_wire, to_wire
 
@@ -63,12 +63,6 @@ COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 def _c() -> dict:
     return kernels.constants()
-
-
-def _exclusive(x, xp=np):
-    out = xp.zeros(int(x.shape[0]) + 1, np.int64)
-    xp.cumsum(x, out=out[1:])
-    return out
 
 
 def _add_per_block(x, cut, values) -> None:
@@ -376,12 +370,12 @@ class LookupPlan:
         if self.keyed:
             if ntab and (bags != bags[0]).any():
                 raise ValueError("a keyed output needs the same batch size in every table")
-            tabs[:, c["SOKPY_TAB_OUT_START"]] = _exclusive(ts.dims)[:-1]
+            tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(ts.dims)[:-1]
             tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = int(ts.dims.sum())
             self.out_size = int(bags[0] * ts.dims.sum()) if ntab else 0
         else:
             sizes = bags * ts.dims
-            tabs[:, c["SOKPY_TAB_OUT_START"]] = _exclusive(sizes)[:-1]
+            tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(sizes)[:-1]
             tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = ts.dims
             self.out_size = int(sizes.sum())
         # Every table of the call has this dimension (0: they differ): rows of consecutive
@@ -424,14 +418,14 @@ class LookupPlan:
         per = head[2 + len(faults) * N_FAULTS :].reshape(world, ntab)
         d.finish(int(per.sum()), bool(head[1]))
         self.counts = per
-        self.ucut = _exclusive(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
+        self.ucut = segment_starts(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
         # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
         # each a header (row_header) then the rows, table after table.
         self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
         if self.one_dim:
-            self.urow = _rows_after_headers(self.ucut, _exclusive(self.recv_elems)[:-1], self.hdr, self.one_dim, xp)
+            self.urow = _rows_after_headers(self.ucut, segment_starts(self.recv_elems)[:-1], self.hdr, self.one_dim, xp)
         else:
-            self.urow = _exclusive(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
+            self.urow = segment_starts(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
             _add_per_block(self.urow, self.ucut, self.hdr * np.arange(1, world + 1))
         msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
         volume = max(int(msg.sum()), int(self.recv_elems.sum()))
@@ -505,7 +499,7 @@ class LookupPlan:
         assert d is not None  # prepare() deduplicated (several ranks)
         # Keys out: per peer, its per-table counts, then its unique keys table after table.
         msg = ntab + self.counts.sum(axis=1)
-        blk = _exclusive(msg)[:-1]
+        blk = segment_starts(msg)[:-1]
         send = runtime.scratch(int(msg.sum()), np.int64)
         send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(self.counts.reshape(-1))
         for p, (lo, hi) in enumerate(zip(self.ucut[:-1].tolist(), self.ucut[1:].tolist())):
@@ -513,12 +507,12 @@ class LookupPlan:
         recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
         # Owner: the counts stay on the device; find and gather the rows.
         recv_msg = np.asarray(recv_msg)
-        rblk = _exclusive(recv_msg)[:-1]
+        rblk = segment_starts(recv_msg)[:-1]
         head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
         rcnt = recv[xp.asarray(head)]  # keys per (peer, table)
         self.okeys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
         self.peer_keys = recv_msg - ntab  # keys from each peer
-        self.d_seg_start = _exclusive(rcnt, xp)
+        self.d_seg_start = segment_starts(rcnt, xp)
         self.oseg = runtime.scratch(int(self.okeys.shape[0]), np.int64)  # each received key's (peer, table)
 
         def incoming():  # keys per table, for growing dynamic tables (a read only for them)
@@ -527,7 +521,7 @@ class LookupPlan:
         self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, incoming, self.oseg)
         hdr = self.hdr
         peer_len = np.asarray(replies, np.int64)  # hdr + the peer's rows, as it counted them
-        pstart = _exclusive(peer_len)[:-1]
+        pstart = segment_starts(peer_len)[:-1]
         elems = rcnt.reshape(world, ntab) * xp.asarray(self.dims)
         within = xp.cumsum(elems, axis=1) - elems
         self.seg_elem = (xp.asarray(pstart + hdr)[:, None] + within).reshape(-1)
@@ -561,7 +555,7 @@ class LookupPlan:
         if in_place:
             comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large, out=both[:recv_total], skip_self=True)
             rows_in = both
-            me, rstart = comm.rank, _exclusive(self.recv_elems)[:-1]
+            me, rstart = comm.rank, segment_starts(self.recv_elems)[:-1]
             lo, hi = self.ucut[me : me + 2]  # the own keys: group order is owner order
             if hi > lo:
                 urow = runtime.scratch(d.nuniq, np.int64)
@@ -621,7 +615,7 @@ class LookupPlan:
                     dim = self.one_dim
                     self.urow = xp.arange(hdr, hdr + d.nuniq * dim, dim, dtype=np.int64)
                 else:  # the entries past the unique keys are table 0: their rows lie past the rest
-                    self.urow = _exclusive(xp.asarray(self.dims)[d.group], xp)[:-1] + hdr
+                    self.urow = segment_starts(xp.asarray(self.dims)[d.group], xp)[:-1] + hdr
                 self.recv_elems = np.array([hdr + d.nuniq * int(self.dims.max(initial=1))], np.int64)
             d = self.dedup
             # float32 on the wire with other ranks: one buffer holds what arrives and then
@@ -630,7 +624,7 @@ class LookupPlan:
             recv_total = int(self.send_elems.sum()) if in_place else 0
             both = runtime.scratch(recv_total + int(self.recv_elems.sum()), np.float32)
             buf = both[recv_total:]
-            starts = _exclusive(self.recv_elems)[:-1]
+            starts = segment_starts(self.recv_elems)[:-1]
             flags = np.zeros((self.world, hdr), np.float32)  # the header: the used flags, then zeros
             flags[:, :ntab] = used
             buf[xp.asarray((starts[:, None] + np.arange(hdr)).reshape(-1))] = xp.asarray(flags.reshape(-1))
@@ -660,7 +654,7 @@ class LookupPlan:
                 large = agreement.large
                 comm.alltoallv(buf, self.recv_elems, self.send_elems, large, out=both[:recv_total], skip_self=True)
                 me = comm.rank
-                chunk = self._owner_chunk(both, recv_total + int(starts[me]) - int(_exclusive(self.send_elems)[me]))
+                chunk = self._owner_chunk(both, recv_total + int(starts[me]) - int(segment_starts(self.send_elems)[me]))
             else:
                 wire = to_wire(buf, self.wire_dtype, runtime.scratch)
                 grecv, _ = comm.alltoallv(wire, self.recv_elems, self.send_elems, large=agreement.large)
@@ -740,12 +734,12 @@ class LookupPlan:
         finite; the optimizer step then reads nothing."""
         xp, me = runtime.xp(), runtime.comm().rank
         world, ntab = self.world, self.ntables
-        starts = _exclusive(self.send_elems)[:-1]
+        starts = segment_starts(self.send_elems)[:-1]
         starts[me] += own
         flags = grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] != 0
         seg = self.oseg
         if self.one_dim:  # peer p's keys have their rows one after another after its header
-            offsets = _rows_after_headers(_exclusive(self.peer_keys), starts, self.hdr, self.one_dim, xp)
+            offsets = _rows_after_headers(segment_starts(self.peer_keys), starts, self.hdr, self.one_dim, xp)
         else:
             seg_elem = self.seg_elem.copy()
             seg_elem[me * ntab : (me + 1) * ntab] += own

@@ -101,13 +101,15 @@ def one_bag_per_key(batch: Batch) -> Batch:
     return batch._replace(offsets=offsets, bag_start=key_start)
 
 
-def _exclusive(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
+def segment_starts(counts, xp=np):
+    """Where each of ``len(counts)`` segments of those sizes starts, and the total: int64
+    ``[0, c0, c0 + c1, ...]`` (``xp``: the array module of ``counts``)."""
+    out = xp.zeros(int(counts.shape[0]) + 1, np.int64)
+    xp.cumsum(counts, out=out[1:])
     return out
 
 
-def _int_array(x, what: str) -> np.ndarray:
+def int_array(x, what: str) -> np.ndarray:
     """An int64 array of ``x`` (a tensor or array); refuses floats, bools and sparse tensors."""
     if type(x) is torch.Tensor and x.dtype == torch.int64 and x.layout == torch.strided and x.device.type == "cpu":
         return np.ascontiguousarray(x.numpy()).reshape(-1)  # the common case, first
@@ -141,7 +143,7 @@ def _float_array(x, what: str) -> np.ndarray:
 def _lists(bags, what: str) -> tuple[np.ndarray, np.ndarray]:
     """(flat values, offsets) of a list of lists; every entry must be an int."""
     lengths = [len(bag) for bag in bags]
-    offsets = _exclusive(np.asarray(lengths, np.int64))
+    offsets = segment_starts(np.asarray(lengths, np.int64))
     flat = [k for bag in bags for k in bag]
     if not flat:
         return np.empty(0, np.int64), offsets
@@ -176,19 +178,19 @@ def _ragged_weights(ids: Ragged, weights):
     return w, None, None
 
 
-def _one_table(ids, weights):
+def table_input(ids, weights):
     """(values, offsets, weights or None, weight tensor needing a gradient or None, layout)
     of one table's input. ``layout`` tells how to shape that gradient."""
     wt = None
     layout = None
     if isinstance(ids, Ragged):
         w, wt, layout = _ragged_weights(ids, weights)
-        values, offsets = _int_array(ids.values, "values"), _int_array(ids.offsets, "offsets")
+        values, offsets = int_array(ids.values, "values"), int_array(ids.offsets, "offsets")
         return values, offsets, None if w is None else _float_array(w, "weights"), wt, layout
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_coo:
         index, values, order = _coo_entries(ids, "input")
         batch = ids.shape[0]
-        offsets = _exclusive(np.bincount(index[0], minlength=batch).astype(np.int64))
+        offsets = segment_starts(np.bincount(index[0], minlength=batch).astype(np.int64))
         w = None
         if weights is not None:
             if not (isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_coo):
@@ -198,21 +200,21 @@ def _one_table(ids, weights):
                 raise ValueError("COO sp_weights must have the same indices as the ids")
             if weights.requires_grad:
                 wt, layout = weights, ("coo", w_order)
-        return (_int_array(values, "values"), offsets, None if w is None else _float_array(w, "weights"), wt, layout)
+        return (int_array(values, "values"), offsets, None if w is None else _float_array(w, "weights"), wt, layout)
     if isinstance(ids, torch.Tensor) and ids.layout == torch.sparse_csr:
         w = weights.values() if isinstance(weights, torch.Tensor) and weights.layout == torch.sparse_csr else weights
         if isinstance(w, torch.Tensor) and w.requires_grad:
             raise TypeError("weights that require a gradient must be a dense tensor or a COO tensor")
         return (
-            _int_array(ids.values(), "values"),
-            _int_array(ids.crow_indices(), "offsets"),
+            int_array(ids.values(), "values"),
+            int_array(ids.crow_indices(), "offsets"),
             None if w is None else _float_array(w, "weights"),
             None,
             None,
         )
     if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim in (1, 2):  # [B] one-hot, [B, H] fixed bags
         batch, hotness = ids.shape[0], (ids.shape[1] if ids.ndim == 2 else 1)
-        values = _int_array(ids, "ids")
+        values = int_array(ids, "ids")
         w = None
         if weights is not None:
             w = _float_array(weights, "weights")
@@ -297,15 +299,15 @@ _VBE = (
 
 
 def _from_keyed_jagged(kjt, ntables: int) -> Batch:
-    keys = _int_array(kjt.values(), "values")
+    keys = int_array(kjt.values(), "values")
     nfeat = len(kjt.keys()) if callable(getattr(kjt, "keys", None)) else ntables
     if nfeat != ntables:
         raise BatchError(0, f"the KeyedJaggedTensor has {nfeat} features but there are {ntables} tables")
     offsets = getattr(kjt, "offsets", None)
     if callable(offsets) and offsets() is not None:
-        offsets = _int_array(offsets(), "offsets")
+        offsets = int_array(offsets(), "offsets")
     else:
-        offsets = _exclusive(_int_array(kjt.lengths(), "lengths"))
+        offsets = segment_starts(int_array(kjt.lengths(), "lengths"))
     stride = kjt_stride(kjt, offsets.size - 1, ntables)
     w = kjt.weights_or_none()
     weights = None if w is None else _float_array(w, "weights")
@@ -363,12 +365,12 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
     parts = []
     for t, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
         try:
-            parts.append(_one_table(ids, w))
+            parts.append(table_input(ids, w))
         except (TypeError, ValueError, OverflowError) as e:
             raise BatchError(t, str(e)) from None
     counts = np.fromiter((p[0].size for p in parts), np.int64, ntables)
     sizes = np.fromiter((p[1].size for p in parts), np.int64, ntables)
-    key_start = _exclusive(counts)
+    key_start = segment_starts(counts)
     all_off = np.concatenate([p[1] for p in parts]) if ntables > 1 else parts[0][1]
     weighted = np.fromiter((p[2] is not None for p in parts), bool, ntables)
     weights = None
@@ -378,7 +380,7 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
             if parts[t][2].size == counts[t]:
                 weights[key_start[t] : key_start[t + 1]] = parts[t][2]
     # Every table's structure at once; the exact message of the first faulty table only on failure.
-    off_start = _exclusive(sizes)
+    off_start = segment_starts(sizes)
     ok = bool((sizes > 0).all())
     if ok:
         inner = np.diff(all_off)
@@ -397,7 +399,7 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
             except ValueError as e:
                 raise BatchError(t, str(e)) from None
     bags = sizes - 1
-    bag_start = _exclusive(bags)
+    bag_start = segment_starts(bags)
     offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
     keep = np.ones(all_off.size, bool)
     keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
@@ -472,7 +474,7 @@ class _DeviceParts:
                 raw = self.be.from_torch(x.view(torch.int64)).reshape(-1)
                 return raw, raw < 0  # above int64's range
             return self.be.from_torch(x, np.int64).reshape(-1), None
-        return self.be.from_torch(_int_array(x, what)).reshape(-1), None
+        return self.be.from_torch(int_array(x, what)).reshape(-1), None
 
     def floats(self, x, what: str):
         if isinstance(x, torch.Tensor):
@@ -556,7 +558,7 @@ class _DeviceParts:
                     wt, layout = weights, ("dense", tuple(weights.shape))
             self.add(values, overflow, xp.arange(batch + 1, dtype=np.int64) * hotness, batch, fw, wt, layout)
         else:  # lists of lists and host arrays: parsed on the host, then copied over
-            values, offsets, w, wt, layout = _one_table(ids, weights)
+            values, offsets, w, wt, layout = table_input(ids, weights)
             _check_table(values, offsets, w)
             to = self.be.from_torch
             self.add(to(values), None, to(offsets), offsets.size - 1, None if w is None else to(w), wt, layout)
@@ -593,8 +595,8 @@ def _device_tables(sp_ids, sp_weights, ntables: int, be) -> Batch:
     if (bags < 0).any():
         t = int(np.flatnonzero(bags < 0)[0])
         raise BatchError(t, "offsets must have length batch_size + 1 (at least 1)")
-    key_start, bag_start = _exclusive(counts), _exclusive(bags)
-    off_start = _exclusive(bags + 1)  # where each table's offsets start among all of them
+    key_start, bag_start = segment_starts(counts), segment_starts(bags)
+    off_start = segment_starts(bags + 1)  # where each table's offsets start among all of them
     cat = (lambda a: xp.concatenate(a)) if ntables > 1 else (lambda a: a[0])
     keys, all_off = cat(parts.values), cat(parts.offsets)
     weighted = np.array([w is not None for w in parts.weights], bool)

@@ -29,10 +29,15 @@ import os
 import time
 from typing import Any
 
-__all__ = ["timed", "totals", "traffic", "count_traffic", "reset", "enable", "enabled", "set_clock", "HostClock"]
+__all__ = ["timed", "add", "totals", "traffic", "count_traffic", "reset", "enable", "enabled", "set_clock", "HostClock"]
 
 _totals = {"exchange": 0.0, "kernels": 0.0}
 _traffic = {"alltoall_bytes": 0, "alltoall_calls": 0, "other_bytes": 0, "other_calls": 0}
+
+
+def add(category: str, seconds: float) -> None:
+    """Adds ``seconds`` to the total of ``category`` (a clock's measurement)."""
+    _totals[category] = _totals.get(category, 0.0) + seconds
 
 
 class HostClock:
@@ -42,7 +47,7 @@ class HostClock:
         return time.perf_counter()
 
     def stop(self, category: str, start) -> None:
-        _totals[category] = _totals.get(category, 0.0) + time.perf_counter() - start
+        add(category, time.perf_counter() - start)
 
     def settle(self) -> None:
         """Adds what is still pending to the totals (nothing: the host's clock is read at once)."""

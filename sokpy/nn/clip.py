@@ -34,7 +34,7 @@ import torch
 
 from .. import collective, runtime
 from ..variable import Table
-from .modules import _Collection
+from .modules import EmbeddingCollectionBase
 
 __all__ = ["clip_grad_norm_"]
 
@@ -45,7 +45,7 @@ def _split(parameters) -> tuple[list[torch.Tensor], list[Table]]:
     if isinstance(parameters, torch.nn.Module):
         tables = {}
         for m in parameters.modules():
-            if isinstance(m, _Collection):
+            if isinstance(m, EmbeddingCollectionBase):
                 for t in m.tables():
                     tables[id(t)] = t
         return list(parameters.parameters()), list(tables.values())

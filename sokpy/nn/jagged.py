@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.utils._pytree
 
-from ..sparse import Ragged, _exclusive, _int_array, kjt_stride
+from ..sparse import Ragged, int_array, kjt_stride, segment_starts
 
 __all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "torchrec_types"]
 
@@ -149,7 +149,7 @@ def feature_inputs(features, weights, names: list[str], module: str):
     values = features.values()
     offsets = features.offsets() if callable(getattr(features, "offsets", None)) else None
     if offsets is None:
-        offsets = torch.from_numpy(_exclusive(_int_array(features.lengths(), "lengths")))
+        offsets = torch.from_numpy(segment_starts(int_array(features.lengths(), "lengths")))
     w = features.weights_or_none()
     stride = kjt_stride(features, offsets.numel() - 1, len(keys))
     ids, ws = [], []

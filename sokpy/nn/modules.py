@@ -61,7 +61,7 @@ import torch
 from .. import checkpoint, collective, runtime
 from ..errors import CheckpointError
 from ..lookup import lookup
-from ..sparse import _one_table
+from ..sparse import table_input
 from ..variable import DynamicVariable, Table, Variable
 from ..wire import check_wire_dtype
 from .config import apply_init_fn, table_spec
@@ -122,7 +122,7 @@ def _torchrec_entry(value, var) -> dict:
     }
 
 
-class _Collection(torch.nn.Module):
+class EmbeddingCollectionBase(torch.nn.Module):
     """What both modules share: the tables of their configs, the features that read them, the
     training-mode insertion rule, dtype/device moves, and the collective state_dict."""
 
@@ -286,7 +286,7 @@ _WHERE = (
 )
 
 
-class EmbeddingBagCollection(_Collection):
+class EmbeddingBagCollection(EmbeddingCollectionBase):
     """Sharded embedding tables pooled per feature, with one lookup call per forward.
 
     ``tables`` are configs (:class:`~sokpy.nn.EmbeddingBagConfig` or TorchRec's; a sequence
@@ -323,7 +323,7 @@ class EmbeddingBagCollection(_Collection):
         return dict(zip(names, values.split(self._dims, dim=1)))
 
 
-class EmbeddingCollection(_Collection):
+class EmbeddingCollection(EmbeddingCollectionBase):
     """Sharded sequence embeddings: one row per id, nothing pooled (TorchRec's
     ``EmbeddingCollection``), with one lookup call (one exchange) per forward.
 
@@ -378,4 +378,4 @@ def _offsets_of(features, ids, names: list[str]) -> list[torch.Tensor]:
 
 def _bag_offsets(x) -> np.ndarray:
     """The bag offsets of one table's input in any form the lookup takes."""
-    return _one_table(x, None)[1]
+    return table_input(x, None)[1]

@@ -40,7 +40,7 @@ import torch
 from .. import checkpoint, runtime
 from .config import table_spec
 from .jagged import JaggedTensor, torchrec_types
-from .modules import _Collection
+from .modules import EmbeddingCollectionBase
 
 __all__ = ["InferenceCollection", "inference_module"]
 
@@ -144,7 +144,7 @@ def _built(reads, states) -> InferenceCollection:
     return InferenceCollection(reads, weights, keys)
 
 
-def _of_collection(coll: _Collection, rank: int) -> InferenceCollection | None:
+def _of_collection(coll: EmbeddingCollectionBase, rank: int) -> InferenceCollection | None:
     """Collective: ``coll``'s served form on ``rank`` (None elsewhere)."""
     tables = coll.tables()
     entries = checkpoint.gather_state(tables)  # every table whole on rank 0
@@ -192,13 +192,13 @@ def inference_module(source, configs=None, *, rank: int = 0):
             states.append((s.rows is None, keys[order], values[order]))
             reads.extend((f, i, s.pooling) for f in s.features)
         return _built(reads, states)
-    if isinstance(source, _Collection):
+    if isinstance(source, EmbeddingCollectionBase):
         return _of_collection(source, rank)
     if not isinstance(source, torch.nn.Module):
         raise TypeError(f"inference_module takes a sokpy collection, a model or a checkpoint path, not {source!r}")
     memo = {}
     for m in source.modules():
-        if isinstance(m, _Collection) and id(m) not in memo:
+        if isinstance(m, EmbeddingCollectionBase) and id(m) not in memo:
             memo[id(m)] = _of_collection(m, rank)
     if not memo:
         raise ValueError("the model holds no sokpy collection (EmbeddingBagCollection or EmbeddingCollection)")
