@@ -98,20 +98,31 @@ while True:
     print(f"saved {version}", flush=True)
 """
 
+# Loads each checkpoint path it reads from stdin into new tables and answers with one JSON line:
+# {"version": v} when the path holds a single whole save, {"error": traceback} otherwise. One
+# process serves every trial (the tables of one check are gone before the next).
 CHECKER = r"""
-import sys, numpy as np, torch, sokpy
+import gc, json, sys, traceback
+import numpy as np, torch, sokpy
 sokpy.init()
-v = sokpy.Variable(300_000, 32, name="crash_static")
-d = sokpy.DynamicVariable(16, name="crash_dynamic")
-extra = sokpy.load(sys.argv[1], [v, d])
-values = {float(x) for t in (v, d) for x in np.unique(sokpy.export(t)[1].numpy())}
-assert len(values) == 1, f"a mix of saves: {sorted(values)[:5]}"
-assert len(d) == 50_000
-assert values == {float(extra["version"])}, f"extra {extra} saved with tables of {values}"
-print(f"loaded {values.pop():g}")
+for line in sys.stdin:
+    try:
+        v = sokpy.Variable(300_000, 32, name="crash_static")
+        d = sokpy.DynamicVariable(16, name="crash_dynamic")
+        extra = sokpy.load(line.strip(), [v, d])
+        values = {float(x) for t in (v, d) for x in np.unique(sokpy.export(t)[1].numpy())}
+        assert len(values) == 1, f"a mix of saves: {sorted(values)[:5]}"
+        assert len(d) == 50_000
+        assert values == {float(extra["version"])}, f"extra {extra} saved with tables of {values}"
+        print(json.dumps({"version": values.pop()}), flush=True)
+    except Exception:
+        print(json.dumps({"error": traceback.format_exc()}), flush=True)
+    v = d = None
+    gc.collect()
 """
 
 
+@pytest.mark.own_jobs
 def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
     """A saver writes versions 1, 2, 3, ... of two tables (every value = the version) to one
     path and is killed (SIGKILL) at a random moment, many times. Each time the checkpoint at
@@ -119,8 +130,22 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
     or was writing (never older than the last one it reported)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     path = tmp_path / "ckpt"
-    rng = np.random.default_rng(0)
     loaded_versions = []
+    checker = subprocess.Popen(
+        [sys.executable, "-c", CHECKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
+    try:
+        _kill_saves_and_check(path, env, tmp_path, checker, loaded_versions)
+    finally:
+        checker.kill()
+        checker.wait(timeout=60)
+    # The kills landed at different moments: not always right after a save completed.
+    assert len(set(loaded_versions)) > 1
+
+
+def _kill_saves_and_check(path, env, tmp_path, checker, loaded_versions):
+    """Twelve trials of test_save_killed_at_random_moments_leaves_a_whole_checkpoint."""
+    rng = np.random.default_rng(0)
     for trial in range(12):
         saver = subprocess.Popen(
             [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
@@ -131,16 +156,11 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         saver.send_signal(signal.SIGKILL)
         out, _ = saver.communicate(timeout=60)
         reported = [int(line.split()[1]) for line in (first + out).splitlines() if line.startswith("saved")]
-        res = subprocess.run(
-            [sys.executable, "-c", CHECKER, str(path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=120,
-        )
-        assert res.returncode == 0, f"trial {trial}: the checkpoint did not load\n{res.stdout}\n{res.stderr}"
-        version = int(float(res.stdout.split("loaded")[1]))
+        checker.stdin.write(f"{path}\n")
+        checker.stdin.flush()
+        answer = json.loads(checker.stdout.readline() or '{"error": "the checker ended"}')
+        assert "version" in answer, f"trial {trial}: the checkpoint did not load\n{answer['error']}"
+        version = int(answer["version"])
         assert reported[-1] <= version <= reported[-1] + 1, (
             f"trial {trial}: loaded {version}, saves reported {reported}"
         )
@@ -148,8 +168,6 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         manifest = json.loads((path / "manifest.json").read_text())
         assert (path / manifest["data"]).is_dir()
         assert not list(path.glob(".staging-*")), "the load left the killed save's staging folder"
-    # The kills landed at different moments: not always right after a save completed.
-    assert len(set(loaded_versions)) > 1
 
 
 def test_extra_is_saved_with_the_tables_and_returned_by_load(sokpy_host, tmp_path):
