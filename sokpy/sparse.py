@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,9 +43,9 @@ __all__ = ["Ragged", "Batch", "to_batch", "one_bag_per_key", "BatchError"]
 class Ragged(NamedTuple):
     """A batch of bags: int64 ``values``, int64 ``offsets`` of length B+1, optional float ``weights``."""
 
-    values: object
-    offsets: object
-    weights: object = None
+    values: Any
+    offsets: Any
+    weights: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -334,8 +334,8 @@ def _from_keyed_jagged(kjt, ntables: int) -> Batch:
             raise BatchError(t, str(e)) from None
     if offsets[0] != 0 or offsets[-1] != keys.size:
         raise BatchError(0, f"offsets must run from 0 to len(values) = {keys.size}")
-    grads = [None] * ntables
-    layouts = [None] * ntables
+    grads: list[torch.Tensor | None] = [None] * ntables
+    layouts: list[tuple | None] = [None] * ntables
     if isinstance(w, torch.Tensor) and w.requires_grad:
         grads[0], layouts[0] = w, ("keyed", tuple(w.shape))
     return Batch(keys, offsets, weights, offsets[bag_start], bag_start, np.full(ntables, w is not None), grads, layouts)
@@ -376,7 +376,7 @@ def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
     weights = None
     if weighted.any():
         weights = np.ones(int(key_start[-1]), np.float32)
-        for t in np.flatnonzero(weighted):
+        for t in np.flatnonzero(weighted).tolist():
             if parts[t][2].size == counts[t]:
                 weights[key_start[t] : key_start[t + 1]] = parts[t][2]
     # Every table's structure at once; the exact message of the first faulty table only on failure.
@@ -428,8 +428,8 @@ class DeviceFaults(NamedTuple):
     start among them (``starts``, host), and whether a table's offsets are counted from its
     first one (``relative``: a KeyedJaggedTensor's features share one offsets array)."""
 
-    vector: object
-    offsets: object
+    vector: Any
+    offsets: Any
     starts: np.ndarray
     relative: bool
 
@@ -664,7 +664,8 @@ def _device_keyed_jagged(kjt, ntables: int, be) -> Batch:
             none,
         ]
     )
-    grads, layouts = [None] * ntables, [None] * ntables
+    grads: list[torch.Tensor | None] = [None] * ntables
+    layouts: list[tuple | None] = [None] * ntables
     if isinstance(w, torch.Tensor) and w.requires_grad:
         grads[0], layouts[0] = w, ("keyed", tuple(w.shape))
     key_start = offsets[xp.asarray(bag_start)]
@@ -680,6 +681,7 @@ def raise_fault(batch: Batch, vector: np.ndarray) -> None:
     if (vector < 0).all():
         return
     faults = batch.faults
+    assert faults is not None, "raise_fault reads the faults of a batch parsed on the device"
     ntab = len(batch.bag_start) - 1
     key_start = batch.host_key_start()
     starts = faults.starts
@@ -712,6 +714,7 @@ def raise_fault(batch: Batch, vector: np.ndarray) -> None:
     if vector[F_WEIGHT] >= 0:
         p = int(vector[F_WEIGHT])
         t = table_of_key(p)
+        assert batch.weights is not None  # a weight fault: the batch has weights
         value = float(handoff.to_host(batch.weights[p : p + 1])[0])
         candidates.append((t, 3, f"weight at position {p - int(key_start[t])} is not finite ({value})"))
     if vector[F_OVERFLOW] >= 0:
