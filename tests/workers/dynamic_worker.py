@@ -102,37 +102,41 @@ def check_train(kind, seed):
         sum((out * torch.from_numpy(u)).sum() for out, u in zip(outs, ups)).backward()
         opt.step()
         opt.zero_grad()
-        # Reference step: every rank's bags are known to every rank.
-        for t in range(3):
-            grads = {}
-            for r in range(WORLD):
-                v, o, w = step_keys(seed, step, r, t)
-                if t == 2:
-                    v = np.abs(v) % 50
-                u = upstream(seed, step, r, t, len(o) - 1)
-                for b in range(len(o) - 1):
-                    ks, ws = v[o[b] : o[b + 1]], w[o[b] : o[b + 1]]
-                    den = 1.0 if t != 1 else float(ws.astype(np.float32).sum(dtype=np.float32))
-                    for key, wk in zip(ks.tolist(), ws):
-                        g = (u[b] / np.float32(den)) * wk if den != 1.0 else u[b] * wk
-                        grads[key] = grads.get(key, 0) + g.astype(np.float64)
-                new = [k for k in dict.fromkeys(v.tolist()) if k not in refs[t]]
-                if new:
-                    rows = uniform_init(seed, names[t], np.array(new, np.int64), DIM, LOW, HIGH)
-                    for k, row in zip(new, rows):
-                        refs[t][k] = row
-            table_steps[t] += 1  # every table's output is used in every step
-            for key, g in grads.items():
-                o_ = ref_opt.get((t, key))
-                if o_ is None:
-                    o_ = ref_opt[(t, key)] = NumpyOptimizer(kind, refs[t][key][None, :], **hp)
-                else:
-                    o_.w = refs[t][key][None, :].copy()
-                o_.t = table_steps[t] - 1  # step() counts it up to the table's count
-                o_.step(g[None, :], np.array([True]))
-                refs[t][key] = o_.w[0]
+        # Reference step (rank 0 computes it and checks the whole table: every rank's bags are
+        # known to every rank, and gather_table gives every rank the same rows).
+        if RANK == 0:
+            for t in range(3):
+                grads = {}
+                for r in range(WORLD):
+                    v, o, w = step_keys(seed, step, r, t)
+                    if t == 2:
+                        v = np.abs(v) % 50
+                    u = upstream(seed, step, r, t, len(o) - 1)
+                    for b in range(len(o) - 1):
+                        ks, ws = v[o[b] : o[b + 1]], w[o[b] : o[b + 1]]
+                        den = 1.0 if t != 1 else float(ws.astype(np.float32).sum(dtype=np.float32))
+                        for key, wk in zip(ks.tolist(), ws):
+                            g = (u[b] / np.float32(den)) * wk if den != 1.0 else u[b] * wk
+                            grads[key] = grads.get(key, 0) + g.astype(np.float64)
+                    new = [k for k in dict.fromkeys(v.tolist()) if k not in refs[t]]
+                    if new:
+                        rows = uniform_init(seed, names[t], np.array(new, np.int64), DIM, LOW, HIGH)
+                        for k, row in zip(new, rows):
+                            refs[t][k] = row
+                table_steps[t] += 1  # every table's output is used in every step
+                for key, g in grads.items():
+                    o_ = ref_opt.get((t, key))
+                    if o_ is None:
+                        o_ = ref_opt[(t, key)] = NumpyOptimizer(kind, refs[t][key][None, :], **hp)
+                    else:
+                        o_.w = refs[t][key][None, :].copy()
+                    o_.t = table_steps[t] - 1  # step() counts it up to the table's count
+                    o_.step(g[None, :], np.array([True]))
+                    refs[t][key] = o_.w[0]
     for t, var in enumerate(tables):
         got = gather_table(var)
+        if RANK != 0:
+            continue
         assert set(got) == set(refs[t]), f"rank {RANK}: table {var.name}: keys differ ({len(got)} vs {len(refs[t])})"
         keys = list(refs[t])
         want, have = np.stack([refs[t][k] for k in keys]), np.stack([got[k] for k in keys])
