@@ -122,7 +122,6 @@ for line in sys.stdin:
 """
 
 
-@pytest.mark.own_jobs
 def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
     """A saver writes versions 1, 2, 3, ... of two tables (every value = the version) to one
     path and is killed (SIGKILL) at a random moment, many times. Each time the checkpoint at
