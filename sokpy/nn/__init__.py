@@ -8,7 +8,9 @@
 * :func:`clip_grad_norm_` over dense and sparse gradients together (:mod:`sokpy.nn.clip`);
 * :func:`inference_module`: a plain torch module of a trained model for serving
   (:mod:`sokpy.nn.serving`);
-* :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks.
+* :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks;
+* :func:`fused_optimizer`: the sokpy optimizer for TorchRec's ``fused_params``
+  (:mod:`sokpy.nn.fused`).
 
 Example (any number of ranks)::
 
@@ -23,6 +25,7 @@ Example (any number of ranks)::
 
 from .clip import clip_grad_norm_
 from .config import EmbeddingBagConfig, EmbeddingConfig
+from .fused import fused_optimizer
 from .jagged import JaggedTensor, KeyedJaggedTensor
 from .modules import EmbeddingBagCollection, EmbeddingCollection, TableState, concat
 from .process_group import init_process_group
@@ -37,6 +40,7 @@ __all__ = [
     "JaggedTensor",
     "TableState",
     "clip_grad_norm_",
+    "fused_optimizer",
     "concat",
     "inference_module",
     "init_process_group",
