@@ -30,12 +30,26 @@ MODES = {
 }
 
 
+@pytest.fixture(scope="module")
+def host_results(tmp_path_factory):
+    """The host launch shapes' results at a world size (one job per world size, shared by the
+    modes compared with it)."""
+    done = {}
+
+    def get(nranks):
+        if nranks not in done:
+            done[nranks] = tmp_path_factory.mktemp(f"host{nranks}") / "host.npz"
+            run_mpi(nranks, "shapes_worker.py", done[nranks])
+        return done[nranks]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "nranks,mode", [(1, "device_shapes"), (2, "device_shapes"), (1, "emulated_device"), (3, "emulated_device")]
 )
-def test_host_and_device_launch_shapes_give_identical_results(tmp_path, nranks, mode):
-    host, device = tmp_path / "host.npz", tmp_path / "device.npz"
-    run_mpi(nranks, "shapes_worker.py", host)
+def test_host_and_device_launch_shapes_give_identical_results(tmp_path, host_results, nranks, mode):
+    host, device = host_results(nranks), tmp_path / "device.npz"
     out = run_mpi(nranks, "shapes_worker.py", device, env=MODES[mode])
     if mode == "emulated_device":
         assert out.count("comm NcclComm") == nranks, out
