@@ -43,17 +43,21 @@ def _split(parameters) -> tuple[list[torch.Tensor], list[Table]]:
     """(dense tensors, sokpy tables) of a module (its parameters, and the tables of its sokpy
     collections) or of an iterable of tensors and tables."""
     if isinstance(parameters, torch.nn.Module):
-        tables = {}
+        found: dict[int, Table] = {}
         for m in parameters.modules():
             if isinstance(m, EmbeddingCollectionBase):
                 for t in m.tables():
-                    tables[id(t)] = t
-        return list(parameters.parameters()), list(tables.values())
+                    found[id(t)] = t
+        return list(parameters.parameters()), list(found.values())
     if isinstance(parameters, (torch.Tensor, Table)):
         parameters = [parameters]
-    dense, tables = [], []
+    dense: list[torch.Tensor] = []
+    tables: list[Table] = []
     for p in parameters:
-        (tables if isinstance(p, Table) else dense).append(p)
+        if isinstance(p, Table):
+            tables.append(p)
+        else:
+            dense.append(p)
     return dense, tables
 
 

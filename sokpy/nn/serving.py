@@ -130,7 +130,8 @@ class InferenceCollection(torch.nn.Module):
 def _built(reads, states) -> InferenceCollection:
     """An InferenceCollection from ``reads`` (feature, table index, pooling) and per table
     ``(dynamic, keys, values)`` (keys sorted)."""
-    weights, keys = [], []
+    weights: list[torch.Tensor] = []
+    keys: list[torch.Tensor | None] = []
     for dynamic, k, v in states:
         v = torch.as_tensor(np.ascontiguousarray(v), dtype=torch.float32)
         if dynamic:
@@ -185,7 +186,8 @@ def inference_module(source, configs=None, *, rank: int = 0):
             raise ValueError("inference_module of a checkpoint needs the configs of its module (features, pooling)")
         pooled = any(hasattr(c, "pooling") for c in configs)
         specs = [table_spec(c, pooled) for c in configs]
-        reads, states = [], []
+        reads: list[tuple[str, int, str | None]] = []
+        states = []
         for i, s in enumerate(specs):
             keys, values = checkpoint.read_table(source, s.name)
             order = np.argsort(keys, kind="stable")
