@@ -230,7 +230,8 @@ class HashStorage(Storage):
     the last rows move into the evicted rows' places, so rows stay dense."""
 
     MAX_LOAD = 0.5  # index slots in use (tombstones included) at most; linear probing stays short below it
-    POLICIES = ("lru", "lfu")
+    POLICIES = ("lru", "lfu", "step")  # "step" evicts as "lru" does, and by age (``evict_older``)
+    UNCAPPED = 1 << 62  # the share of a "step" table without max_rows: it keeps scores, never fills
 
     def __init__(
         self,
@@ -375,6 +376,15 @@ class HashStorage(Storage):
         order.append((last_seen == self.step).astype(np.int64))  # this step's rows last (never taken)
         return xp.lexsort(xp.stack(order))[:k]
 
+    def evict_older(self, ttl_steps: int) -> int:
+        """Evicts the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -
+        ttl_steps``); returns their number."""
+        xp = runtime.xp()
+        victims = xp.flatnonzero(self.last_seen[: self._size] <= self.step - int(ttl_steps))
+        if int(victims.shape[0]):
+            self.evict_rows(victims)
+        return int(victims.shape[0])
+
     def evict_rows(self, victims) -> None:
         """Removes stored rows ``victims`` (distinct, all in use; their optimizer slots go with
         them): their keys' slots become tombstones, and the last rows move into their places."""
@@ -439,6 +449,30 @@ class HashStorage(Storage):
             (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, insert, rows, None),
         )
         return rows
+
+    def insert_scored(self, keys, scores, step: int):
+        """Puts distinct ``keys`` with their scores (int64 ``[n, 2]``: last_seen, count) into
+        this empty capped shard at step ``step`` (a checkpoint load). Where they pass the share,
+        only the share of highest score stays: the others are evicted, lowest first by the
+        policy's rule. Returns ``(rows, kept)``: the rows of the kept keys ``keys[kept]``."""
+        xp = runtime.xp()
+        n = int(keys.shape[0])
+        kept = xp.arange(n, dtype=np.int64)
+        if n > self.max_rows:
+            order = [keys, scores[:, 0]] + ([scores[:, 1]] if self.policy == "lfu" else [])
+            kept = xp.sort(xp.lexsort(xp.stack(order))[n - self.max_rows :])
+            self.evicted += n - self.max_rows
+        self.step = int(step)
+        self.reserve(int(kept.shape[0]))
+        rows = self._find(xp.ascontiguousarray(keys[kept]), 1)
+        finish_inserts([self])
+        self.last_seen[rows] = scores[kept, 0]
+        self.seen_count[rows] = scores[kept, 1]
+        return rows, kept
+
+    def scores(self):
+        """A capped shard's scores of the rows in use: int64 ``[size, 2]`` (last_seen, count)."""
+        return runtime.xp().stack([self.last_seen[: self._size], self.seen_count[: self._size]], axis=1)
 
     def new_like(self) -> HashStorage:
         s = HashStorage(

@@ -208,6 +208,9 @@ class DynamicVariable(Table):
 
     * ``evict="lru"``: score ``last_seen``;
     * ``evict="lfu"``: score ``(count, last_seen)``, compared in that order;
+    * ``evict="step"``: score ``last_seen`` as "lru" (``max_rows`` is optional here), and
+      with ``ttl_steps=n``, :meth:`evict` (collective) drops every row not looked up in the
+      last n steps (``last_seen <= step - n``);
 
     on equal scores the smaller key (as a signed int64) goes first. Rows looked up in the
     step itself are never evicted by it: if a step's distinct keys (held and new) on some rank
@@ -218,7 +221,10 @@ class DynamicVariable(Table):
     when others are evicted, so the backward of a lookup must run before the next lookup
     that may evict from its capped tables, and gradients waiting for ``step()`` (until
     ``zero_grad()``) make such an eviction an error: train with lookup, backward, step,
-    zero_grad. :meth:`statistics` counts rows held, inserted and evicted.
+    zero_grad. :meth:`statistics` counts rows held, inserted and evicted. ``sokpy.save`` keeps
+    the scores and the step count; ``sokpy.load`` restores them at any world size, and a shard
+    that gets more rows than its share keeps those of highest score (a module's state dict
+    carries no scores: its rows load at score 0).
 
     Example::
 
@@ -246,17 +252,25 @@ class DynamicVariable(Table):
         capacity: int = 1024,
         max_rows: int | None = None,
         evict: str = "lru",
+        ttl_steps: int | None = None,
     ):
+        def positive(name, value):
+            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+
         def check():
             if int(capacity) != capacity or capacity < 0:
                 raise ValueError(f"capacity must be a non-negative integer, got {capacity!r}")
-            if max_rows is not None and (isinstance(max_rows, bool) or int(max_rows) != max_rows or max_rows < 1):
-                raise ValueError(f"max_rows must be None or a positive integer, got {max_rows!r}")
+            positive("max_rows", max_rows)
+            positive("ttl_steps", ttl_steps)
             if evict not in HashStorage.POLICIES:
                 raise ValueError(f"evict must be one of {', '.join(map(repr, HashStorage.POLICIES))}, got {evict!r}")
+            if ttl_steps is not None and evict != "step":
+                raise ValueError(f'ttl_steps needs evict="step", got evict={evict!r}')
 
         self._create(
-            f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict}",
+            f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict} "
+            f"ttl_steps={ttl_steps}",
             dim,
             target_gpu,
             initializer,
@@ -266,9 +280,12 @@ class DynamicVariable(Table):
         )
         self.max_rows = None if max_rows is None else int(max_rows)
         self.evict_policy = evict
+        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
         share = self.max_rows
         if share is not None and self.target_gpu == -1:
             share = -(-share // self._world)
+        if share is None and evict == "step":  # scores and steps kept, no cap
+            share = HashStorage.UNCAPPED
         self.storage = HashStorage(
             self.dim, self._init, capacity, localized=self.target_gpu != -1, max_rows=share, policy=evict
         )
@@ -293,6 +310,22 @@ class DynamicVariable(Table):
         ranks = np.asarray(runtime.comm().allgather(mine)).reshape(-1, 3)
         per_rank = tuple(TableStatistics(*map(int, r)) for r in ranks)
         return TableStatistics(*map(int, ranks.sum(axis=0)), per_rank=per_rank)
+
+    @runtime.entry
+    def evict(self) -> int:
+        """Drops the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -
+        ttl_steps``) on every rank, with their optimizer state; returns the number dropped over
+        all ranks. Collective; a table without ``ttl_steps``, or one whose gradients wait for
+        ``step()`` (rows move when others are evicted), raises the same error on every rank."""
+        error = None
+        if self.ttl_steps is None:
+            error = f'table {self.name!r}: evict() needs a table made with evict="step" and ttl_steps'
+        elif self._grad_refs:
+            error = f"table {self.name!r}: evict() while gradients wait for the optimizer: call step() and zero_grad() first"
+        with collective.Call("DynamicVariable.evict", [self]) as call:
+            call.agree(error)
+        dropped = self.storage.evict_older(self.ttl_steps)
+        return int(runtime.comm().allreduce(np.array([dropped], np.int64))[0])
 
     @runtime.entry
     def __len__(self) -> int:

@@ -15,6 +15,17 @@ def test_eviction_matches_the_reference(nranks, policy):
     assert out.count(f"stream {policy} ok") == nranks
 
 
+def test_step_policy_caps_as_lru_does():
+    out = run_mpi(2, "evict_worker.py", "stream", "step", 47, timeout=300)
+    assert out.count("stream step ok") == 2
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_evict_drops_the_rows_not_seen_for_ttl_steps(nranks):
+    out = run_mpi(nranks, "evict_worker.py", "ttl", 50 + nranks, timeout=300)
+    assert out.count("ttl ok") == nranks
+
+
 def test_bad_arguments_raise_on_every_rank():
     out = run_mpi(2, "evict_worker.py", "args", timeout=120)
     assert out.count("args ok") == 2
@@ -106,3 +117,31 @@ def test_a_backward_after_its_rows_moved_is_refused(sokpy_host):
     keys, values = sokpy.export(d)
     assert keys.tolist() == [3, 4, 5]  # 3 never got its gradient (refused), 4 did
     assert values.tolist() == [[0.0, 0.0], [-1.0, -1.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("policy,saved,loads", [("lfu", 3, (1, 2)), ("lru", 2, (3,))])
+def test_checkpoint_keeps_scores_and_evicts_by_them_at_another_world_size(tmp_path, policy, saved, loads):
+    """Saved at one world size, loaded at others into tables with a smaller cap: each shard
+    keeps the saved rows of highest score, and the steps after the load evict by the saved
+    scores and step, as the reference replayed from the saved job says."""
+    path = tmp_path / "ckpt"
+    run_mpi(saved, "evict_worker.py", "save", path, policy, 61, timeout=300)
+    for nranks in loads:
+        out = run_mpi(nranks, "evict_worker.py", "load", path, policy, 61, saved, timeout=300)
+        assert out.count(f"load {policy} ok") == nranks
+
+
+def test_nn_configs_pass_max_rows_and_evict_to_their_dynamic_tables(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("nn_evict_bag", 2, None, max_rows=2, evict="lfu")])
+    ec = EmbeddingCollection([EmbeddingConfig("nn_evict_seq", 2, None, evict="step", ttl_steps=1)])
+    (bag,), (seq,) = ebc.tables(), ec.tables()
+    assert (bag.max_rows, bag.evict_policy, bag.storage.max_rows) == (2, "lfu", 2)
+    assert (seq.max_rows, seq.evict_policy, seq.ttl_steps) == (None, "step", 1)
+    for keys in ([1, 2], [3], [4]):
+        ebc({"nn_evict_bag": [keys]})
+    assert _keys(sokpy, bag) == [3, 4] and bag.local_statistics() == sokpy.TableStatistics(2, 4, 2)
+    with pytest.raises(ValueError, match="for a dynamic table"):
+        EmbeddingBagCollection([EmbeddingBagConfig("nn_evict_static", 2, 10, max_rows=5)])
