@@ -417,15 +417,16 @@ class HashStorage(Storage):
 
     def find(self, keys, insert: bool, verdict=None):
         """As :meth:`Storage.find`. A capped shard that inserts takes a step: it first finds
-        what it holds, then ``verdict`` (a function of the error text or None; default: raise
-        ValueError on this rank) judges whether the new keys fit, then it evicts and inserts."""
+        what it holds, then ``verdict`` (a function of the :class:`Room`; default: raise
+        ValueError on this rank for its error) judges whether the new keys fit, then it evicts
+        and inserts."""
         xp = runtime.xp()
         keys = xp.ascontiguousarray(keys, dtype=np.int64)
         n = int(keys.shape[0])
         if insert and self.capped:
             room = plan_room({0: self}, keys, self._find(keys, 0), xp.zeros(n, np.int64), 1)[0]
             if verdict is not None:
-                verdict(room.error)
+                verdict(room)
             elif room.error is not None:
                 raise ValueError(room.error)
             self.make_room(room.seen, room.new)

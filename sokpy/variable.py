@@ -373,7 +373,10 @@ def _room_verdict(var: Table):
     if not (var.dynamic and var.storage.capped):
         return None
 
-    def verdict(error: str | None) -> None:
+    def verdict(room) -> None:
+        error = room.error
+        if error is None and var._grad_refs and var.storage.to_evict(room.new):
+            error = "it must evict rows while gradients wait for the optimizer: call step() and zero_grad() first"
         collective.agree_verdict("assign", None if error is None else f"table {var.name!r}: {error}")
 
     return verdict

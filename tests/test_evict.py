@@ -111,12 +111,15 @@ def test_a_backward_after_its_rows_moved_is_refused(sokpy_host):
     # Gradients waiting for step() pin the rows: an eviction before it is refused.
     with pytest.raises(sokpy.InputError, match="wait for the optimizer"):
         sokpy.lookup_sparse(d, [[5]], combiners="sum")
+    with pytest.raises(sokpy.InputError, match="wait for the optimizer"):
+        sokpy.assign(d, torch.tensor([6]), torch.ones(1, 2))
+    sokpy.assign(d, torch.tensor([4]), torch.zeros(1, 2) - 0.5)  # no eviction: allowed
     opt.step()
     opt.zero_grad()
     sokpy.lookup_sparse(d, [[5]], combiners="sum")
     keys, values = sokpy.export(d)
-    assert keys.tolist() == [3, 4, 5]  # 3 never got its gradient (refused), 4 did
-    assert values.tolist() == [[0.0, 0.0], [-1.0, -1.0], [0.0, 0.0]]
+    assert keys.tolist() == [3, 4, 5]  # 3 never got its gradient (refused), 4 did (after its assign)
+    assert values.tolist() == [[0.0, 0.0], [-1.5, -1.5], [0.0, 0.0]]
 
 
 @pytest.mark.parametrize("policy,saved,loads", [("lfu", 3, (1, 2)), ("lru", 2, (3,))])
