@@ -15,6 +15,13 @@ def test_eviction_matches_the_reference(nranks, policy):
     assert out.count(f"stream {policy} ok") == nranks
 
 
+def test_eviction_with_the_devices_launch_shapes():
+    """set_slot_states and the moves of copy_rows in the device's launch shapes (blocks of
+    threads, rows grid-stride) on the host: the same reference must hold."""
+    out = run_mpi(2, "evict_worker.py", "stream", "lru", 45, env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"}, timeout=300)
+    assert out.count("stream lru ok") == 2
+
+
 def test_step_policy_caps_as_lru_does():
     out = run_mpi(2, "evict_worker.py", "stream", "step", 47, timeout=300)
     assert out.count("stream step ok") == 2
