@@ -366,15 +366,23 @@ class HashStorage(Storage):
             self.evict_rows(self.lowest_rows(k))
 
     def lowest_rows(self, k: int):
-        """The ``k`` rows of lowest score not seen in the current step, lowest first: by
-        last_seen ("lru") or (seen_count, last_seen) ("lfu"), the smaller key first on a tie."""
+        """The ``k`` rows of lowest score not seen in the current step (in no particular order):
+        by last_seen ("lru", "step") or (seen_count, last_seen) ("lfu"), the smaller key first
+        on a tie. The scores pack into one int64 (while steps stay below 2^31), so one
+        partition (linear) finds the k-th score and only the rows tied with it are sorted."""
         xp, n = runtime.xp(), self._size
-        last_seen = self.last_seen[:n]
-        order = [self.row_keys[:n], last_seen]
-        if self.policy == "lfu":
-            order.append(self.seen_count[:n])
-        order.append((last_seen == self.step).astype(np.int64))  # this step's rows last (never taken)
-        return xp.lexsort(xp.stack(order))[:k]
+        last_seen, keys = self.last_seen[:n], self.row_keys[:n]
+        now = last_seen == self.step  # this step's rows: never taken
+        if self.step >= 1 << 31:  # the scores no longer pack: sort them all
+            order = [keys, last_seen] + ([self.seen_count[:n]] if self.policy == "lfu" else [])
+            return xp.lexsort(xp.stack([*order, now.astype(np.int64)]))[:k]
+        score = (self.seen_count[:n] << 31) | last_seen if self.policy == "lfu" else last_seen
+        score = xp.where(now, np.iinfo(np.int64).max, score)
+        kth = xp.partition(score, k - 1)[k - 1]
+        below = xp.flatnonzero(score < kth)
+        tied = xp.flatnonzero(score == kth)
+        tied = tied[xp.argsort(keys[tied], kind="stable")][: k - int(below.shape[0])]
+        return xp.concatenate([below, tied])
 
     def evict_older(self, ttl_steps: int) -> int:
         """Evicts the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -

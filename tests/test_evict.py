@@ -155,3 +155,21 @@ def test_nn_configs_pass_max_rows_and_evict_to_their_dynamic_tables(sokpy_host):
     assert _keys(sokpy, bag) == [3, 4] and bag.local_statistics() == sokpy.TableStatistics(2, 4, 2)
     with pytest.raises(ValueError, match="for a dynamic table"):
         EmbeddingBagCollection([EmbeddingBagConfig("nn_evict_static", 2, 10, max_rows=5)])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("step", [40, 2**31 + 40])  # packed scores and one partition / the full sort
+def test_lowest_rows_follow_the_rule_with_many_ties(sokpy_host, policy, step):
+    from sokpy.storage import HashStorage, InitSpec
+
+    n, rng = 3000, np.random.default_rng(7)
+    s = HashStorage(dim=2, init=InitSpec(0, 0.0, 0.0, 0), capacity=n, max_rows=n, policy=policy)
+    s.find(rng.choice(np.arange(-5000, 5000, dtype=np.int64), n, replace=False), True)
+    s.step = step
+    s.last_seen[:n] = step - rng.integers(0, 6, n)  # many ties; some rows seen in this step
+    s.seen_count[:n] = rng.integers(1, 4, n)
+    keys, last, count = s.row_keys[:n].tolist(), s.last_seen[:n].tolist(), s.seen_count[:n].tolist()
+    old = [r for r in range(n) if last[r] != step]
+    rule = {"lru": lambda r: (last[r], keys[r]), "lfu": lambda r: (count[r], last[r], keys[r])}[policy]
+    for k in (1, 17, 400, len(old)):
+        assert sorted(s.lowest_rows(k).tolist()) == sorted(sorted(old, key=rule)[:k])
