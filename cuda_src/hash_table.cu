@@ -2,9 +2,10 @@
 // an open-addressing hash index for dynamic tables (sokpy_tables.cuh has the index itself).
 //
 // A dynamic table's shard is an index of `slots` entries (key word + state word, linear
-// probing, a power of two) and a dense row store numbered in order of insertion. Rows never
-// move: growing the index re-inserts keys and row numbers only, growing the row store copies
-// the rows once to a larger buffer at the same row numbers.
+// probing, a power of two) and a dense row store numbered in order of insertion. Growing the
+// index re-inserts keys and row numbers only, growing the row store copies the rows once to a
+// larger buffer at the same row numbers. Only the eviction of a capped table moves rows: the
+// last rows fill the evicted ones' places, and set_slot_states re-points their keys.
 #include "sokpy_tables.cuh"
 
 // rows[i] = the stored row of keys[i]. Keys come in segments (segment s = peer * ntables + t
@@ -41,5 +42,15 @@ extern "C" __global__ void rehash_index(const i64* old_keys, const i64* old_rows
         }
         new_keys[s] = key;
         sokpy_store_release(new_rows + s, row);
+    }
+}
+
+// The state word of each key's slot (every key is in the index): SOKPY_SLOT_TOMBSTONE for a
+// key a capped table evicts, its new row for a key whose row moved into an evicted one's
+// place. The keys are distinct, so no two items touch one slot.
+extern "C" __global__ void set_slot_states(const i64* keys, const i64* states, i64 n, const i64* slot_keys,
+                                           i64* slot_rows, i64 mask) {
+    SOKPY_FOR_KEYS(i, n) {
+        slot_rows[sokpy_slot_of(slot_keys, slot_rows, mask, keys[i])] = states[i];
     }
 }

@@ -114,9 +114,13 @@ __device__ __forceinline__ u64 sokpy_slot_hash(i64 key) {
 // a key value, says whether the slot is used, so every int64 is a valid key:
 //   SOKPY_SLOT_EMPTY   free
 //   SOKPY_SLOT_WRITING claimed by a thread that is writing the key
+//   SOKPY_SLOT_TOMBSTONE held a key that a capped table evicted: a find probes past it, an
+//                      insert never reuses it (only empty slots are claimed), and the next
+//                      rehash of the index drops it (sokpy/storage.py counts them)
 //   r >= 0             full: the key is written and lives in row r
 #define SOKPY_SLOT_EMPTY (-1LL)
 #define SOKPY_SLOT_WRITING (-2LL)
+#define SOKPY_SLOT_TOMBSTONE (-3LL)
 
 // Loads with acquire / stores with release order: a thread that sees a slot full also sees
 // its key. (GCC atomics on the host; a volatile access and a fence on the device.)
@@ -167,9 +171,19 @@ __device__ __forceinline__ i64 sokpy_find_or_insert(i64* slot_keys, i64* slot_ro
                 return row;
             }
             // another thread claimed this slot first: look at it again
+        } else if (state == SOKPY_SLOT_TOMBSTONE) {
+            s = (s + 1) & (u64)mask;
         }
         // SOKPY_SLOT_WRITING: another thread is writing this slot's key; look again
     }
+}
+
+// The slot of a key the index holds. Other threads may meanwhile turn other keys' slots into
+// tombstones or give them new rows (set_slot_states), never free or claim a slot.
+__device__ __forceinline__ u64 sokpy_slot_of(const i64* slot_keys, const i64* slot_rows, i64 mask, i64 key) {
+    u64 s = sokpy_slot_hash(key) & (u64)mask;
+    while (sokpy_load_acquire(slot_rows + s) < 0 || slot_keys[s] != key) s = (s + 1) & (u64)mask;
+    return s;
 }
 
 // The stored row of a key of table t (static: from the placement rule; dynamic: the hash

@@ -32,7 +32,7 @@ from .runtime import (
     world_size,
 )
 from .sparse import Ragged
-from .variable import DynamicVariable, SparseGrad, Variable, assign, export
+from .variable import DynamicVariable, SparseGrad, TableStatistics, Variable, assign, export
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "comm",
     "Variable",
     "DynamicVariable",
+    "TableStatistics",
     "SparseGrad",
     "export",
     "assign",

@@ -27,8 +27,9 @@ current placement. Every check (a manifest that is valid JSON of the format vers
 reads, missing or extra table, dim, kind, rows, a corrupt or missing file, the optimizer's
 kind and groups) runs before anything changes; a failure raises the same
 :class:`~sokpy.errors.CheckpointError` on every rank, naming the file and the table, and no
-table or optimizer state changes. A dynamic table ends with exactly the saved rows; a static
-table's rows are all replaced.
+table or optimizer state changes. A dynamic table ends with exactly the saved rows (a capped
+one keeps, where a shard gets more than its share, the rows of highest saved score; its scores
+and step count are saved and restored); a static table's rows are all replaced.
 
 Loading never runs code from the checkpoint: arrays are read with ``allow_pickle=False``, the
 manifest is JSON, and every file name in it must match the pattern above (no path taken from
@@ -231,7 +232,8 @@ def _check_manifest(file: Path, m: dict) -> None:
         for g in t["files"]:
             ok = isinstance(g, dict) and is_int(g.get("rank")) and g["rank"] >= 0 and is_int(g.get("rows"))
             need(ok and isinstance(g.get("slots", {}), dict), f"{where}: a saved rank's entry is damaged")
-            for entry in [g.get("keys"), g.get("values"), *g.get("slots", {}).values()]:
+            scores = [g["scores"]] if "scores" in g else []
+            for entry in [g.get("keys"), g.get("values"), *scores, *g.get("slots", {}).values()]:
                 name = entry.get("file") if isinstance(entry, dict) else None
                 need(
                     isinstance(name, str) and _FILE_RE.match(name),
@@ -297,6 +299,8 @@ def _table_spec(var) -> dict:
     }
     if not var.dynamic:
         spec["rows"] = var.rows
+    elif var.storage.capped:  # the step is the same on every rank
+        spec.update(max_rows=var.max_rows, evict=var.evict_policy, step=var.storage.step)
     return spec
 
 
@@ -388,6 +392,8 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
         "keys": _write_npy(staging / f"t{i}.r{rank}.keys.npy", keys),
         "values": _write_npy(staging / f"t{i}.r{rank}.values.npy", handoff.to_host(s.values())),
     }
+    if var.dynamic and s.capped:
+        out["scores"] = _write_npy(staging / f"t{i}.r{rank}.scores.npy", handoff.to_host(s.scores()))
     if with_slots:
         out["slots"] = {
             name: _write_npy(staging / f"t{i}.r{rank}.{name}.npy", handoff.to_host(s.slot(name)))
@@ -563,8 +569,9 @@ def load(path, variables, optimizer=None):
         parts, error = {}, None
         for var in variables:
             try:
-                keys, rows = _read_share(data, saved[var.name], var, var.name in with_slots)
-                parts[var.name] = (keys, rows, plan.owners(var, keys))
+                keys, rows, scores = _read_share(data, saved[var.name], var, var.name in with_slots)
+                step = int(saved[var.name].get("step", 0))
+                parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
                 break
@@ -573,7 +580,7 @@ def load(path, variables, optimizer=None):
         new, error = {}, None
         for var in variables:
             try:
-                new[var.name] = _new_storage(var, *parts.pop(var.name), comm)
+                new[var.name] = _new_storage(var, *parts.pop(var.name))
             except Exception as e:  # noqa: BLE001
                 error = error or f"{data}: table {var.name!r}: {_reason(e)}"
         _agree(call, error)
@@ -602,11 +609,18 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
     naming the file and the table."""
     rank, world = runtime.rank(), runtime.world_size()
     s = var.storage
-    keys, rows = [], []
+    keys, rows, scores = [], [], []
     for group in spec["files"]:
         if group["rank"] % world != rank:
             continue
         k, values = _read_rank(data, spec, group)
+        if var.dynamic and s.capped:  # rows saved without scores start lowest: (0, 0)
+            entry = group.get("scores")
+            scores.append(
+                np.zeros((k.shape[0], 2), np.int64)
+                if entry is None
+                else _read_file(data, entry, spec["name"], np.int64, 2).reshape(k.shape[0], 2)
+            )
         cols = [values]
         for name, value in zip(s.slot_names, s.slot_init):
             entry = group.get("slots", {}).get(name)
@@ -622,14 +636,16 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
         keys.append(k)
         rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
-        return np.empty(0, np.int64), np.empty((0, s.width), np.float32)
-    return np.concatenate(keys), np.concatenate(rows)
+        return np.empty(0, np.int64), np.empty((0, s.width), np.float32), np.empty((0, 2), np.int64)
+    return np.concatenate(keys), np.concatenate(rows), np.concatenate(scores) if scores else None
 
 
-def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm):
+def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm, scores=None, step: int = 0):
     """This rank's new shard of ``var``, built beside the current one from the rows the
     readers send to their ``owner`` ranks (a collective exchange, made by every rank before
-    anything here can raise); raises ValueError when they do not fit it."""
+    anything here can raise); raises ValueError when they do not fit it. A capped table takes
+    the rows' ``scores`` (int64 ``[n, 2]``; None: zeros) and its ``step``, and keeps the share
+    of highest score where the rows pass it (``HashStorage.insert_scored``)."""
     xp = runtime.xp()
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
@@ -641,7 +657,14 @@ def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, com
     new = var.storage.new_like()
     if not var.dynamic and rk.shape[0] != new.size:
         raise ValueError(f"the checkpoint holds {rk.shape[0]} of the {new.size} rows this rank holds")
-    found = new.find(rk, insert=True)
+    if var.dynamic and new.capped:
+        if scores is None:
+            scores, step = np.zeros((keys.shape[0], 2), np.int64), var.storage.step
+        rs, _ = comm.alltoallv(xp.asarray(np.ascontiguousarray(scores[order])), counts)
+        found, kept = new.insert_scored(rk, xp.asarray(rs).reshape(-1, 2), step)
+        rr = rr[kept]
+    else:
+        found = new.find(rk, insert=True)
     new.data[xp.asarray(found)] = xp.asarray(rr)
     return new
 

@@ -53,7 +53,7 @@ from . import runtime, watchdog
 from .comm import max_count
 from .errors import CollectiveMismatchError, InputError
 
-__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint"]
+__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint", "agree_verdict"]
 
 HEADER_WORDS = 9
 _MAGIC = 0x736F6B7079  # "sokpy"
@@ -242,6 +242,24 @@ class Call:
             )
         text = f"sokpy: the ranks made different collective calls; {hint}.\n" + "\n".join(lines + errors)
         raise CollectiveMismatchError(text)
+
+
+def agree_verdict(op: str, error: str | None, error_type: type = InputError) -> None:
+    """A verdict found in the middle of a collective call, after its header (e.g. an owner's
+    on the keys that reached it): when any rank has an ``error``, every rank raises the same
+    ``error_type`` naming each rank's. Every rank of the call must call it at the same point,
+    before anything changes. One allreduce of a flag (none on one rank); the messages are
+    gathered only on an error."""
+    comm = runtime.comm()
+    if comm.size > 1:
+        if not int(comm.allreduce(np.array([int(error is not None)], np.int64))[0]):
+            return
+        errors = comm.allgather_object(error)
+    elif error is None:
+        return
+    else:
+        errors = [error]
+    raise error_type(f"sokpy.{op}: " + "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None))
 
 
 def _described(call: Call):

@@ -366,8 +366,8 @@ class SparseOptimizer(torch.optim.Optimizer):
     @runtime.entry
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores hyper-parameters, step counts and slots (by key: load the tables' rows first;
-        a dynamic table creates the rows of keys it does not hold). Checks everything before it
-        changes anything."""
+        a dynamic table creates the rows of keys it does not hold, except a capped one, which
+        skips them). Checks everything before it changes anything."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
@@ -398,9 +398,12 @@ class SparseOptimizer(torch.optim.Optimizer):
             st["step"] = int(entry.get("step", 0))
             keys = handoff.from_torch(entry["keys"], np.int64)
             if keys.size:
-                rows = rows_of(var, keys, insert=True)
+                capped = var.dynamic and var.storage.capped  # creates no rows: that would take a step
+                rows = rows_of(var, keys, insert=not capped)
+                held = rows >= 0 if capped else slice(None)
                 for name in var.storage.slot_names:
-                    var.storage.data[rows, var.storage.columns(name)] = handoff.from_torch(entry[name], np.float32)
+                    slot = handoff.from_torch(entry[name], np.float32)
+                    var.storage.data[rows[held], var.storage.columns(name)] = slot[held]
 
 
 def _export_keys(var: Table):

@@ -53,7 +53,7 @@ from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows, nonfinite_message
 from .sorting import sort_by_bits
 from .sparse import N_FAULTS, Batch, BatchError, raise_fault, segment_starts
-from .storage import epoch, finish_inserts
+from .storage import epoch, finish_inserts, plan_room
 from .wire import from_wire, to_wire
 
 __all__ = ["LookupPlan", "table_set", "owners", "rows_of", "COMBINERS"]
@@ -104,6 +104,7 @@ class TableSet:
         self.ptrs = np.zeros((ntab, c["SOKPY_PTR_FIELDS"]), np.uint64)
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
+        self.capped = [i for i in self.dynamic if tables[i].storage.capped]  # dynamic tables with max_rows
         self.distinct = len({id(t) for t in tables}) == ntab  # no table passed twice
         self.key = key  # the tables' uids
         self.uids = np.array(self.key, np.int64)
@@ -450,18 +451,54 @@ class LookupPlan:
         and may read them from the device, only then) and initialising the rows an insert
         creates. ``seg_of``, when given, gets each key's segment."""
         ts = self.ts
-        if ts.dynamic and self.insert:
-            incoming = incoming()
-            for i in ts.dynamic:
-                self.tables[i].storage.reserve(int(incoming[i]))
-        self._sync_tables()
         n = int(keys.shape[0])
+        if ts.dynamic and self.insert:
+            room = self._make_room(keys, seg_start, nseg) if ts.capped else {}
+            if len(room) < len(ts.dynamic):
+                incoming = incoming()
+            for i in ts.dynamic:
+                self.tables[i].storage.reserve(room[i].new if i in room else int(incoming[i]))
+        self._sync_tables()
         rows = runtime.scratch(n, np.int64)
         args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows)
         runtime.launch("find_rows", n, 1, (*args, seg_of))
         if ts.dynamic and self.insert:
             finish_inserts([self.tables[i].storage for i in ts.dynamic])
+        self.evictions = [self.tables[i].storage.evicted for i in ts.capped]  # rows move only when some are evicted
         return rows
+
+    def _make_room(self, keys, seg_start, nseg: int) -> dict:
+        """Capped tables (``max_rows``): a find without insert tells each owner the distinct
+        rows and new keys of each capped table (``storage.plan_room``); the ranks agree that
+        they fit (``collective.agree_verdict``: an error on any rank is raised on every rank,
+        with nothing changed); then each capped shard takes a step and evicts the rows of
+        lowest score to make room for its new keys. Returns the rooms by table index (the
+        first index of a table passed twice). Costs a find, a sort, a read of the counts and,
+        on several ranks, an allreduce: only calls with capped tables pay them."""
+        xp = runtime.xp()
+        self._sync_tables()
+        n = int(keys.shape[0])
+        rows, seg = runtime.scratch(n, np.int64), runtime.scratch(n, np.int64)
+        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, 0, rows, seg)
+        runtime.launch("find_rows", n, 1, args)
+        first: dict[int, int] = {}  # a table passed twice counts once, under its first index
+        alias = np.array([first.setdefault(id(t), i) for i, t in enumerate(self.tables)], np.int64)
+        capped = {i: self.tables[i].storage for i in self.ts.capped if alias[i] == i}
+        room = plan_room(capped, keys, rows, xp.asarray(alias)[seg % self.ntables], self.ntables)
+        errors = []
+        for i, r in room.items():
+            var = self.tables[i]
+            if r.error is None and var._grad_refs and var.storage.to_evict(r.new):
+                r = r._replace(
+                    error="it must evict rows while gradients of an earlier lookup wait for the optimizer "
+                    "(rows move when others are evicted): call step() and zero_grad() before the next lookup"
+                )
+            if r.error is not None:
+                errors.append(f"table {var.name!r}: {r.error}")
+        collective.agree_verdict("lookup_sparse", "\n".join(errors) if errors else None)
+        for r, storage in zip(room.values(), capped.values()):
+            storage.make_room(r.seen, r.new)
+        return {**room, **{i: room[int(alias[i])] for i in self.ts.capped}}
 
     def _sync_tables(self) -> None:
         """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
@@ -583,6 +620,12 @@ class LookupPlan:
         comm, xp = runtime.comm(), runtime.xp()
         ntab = self.ntables
         used, gptr, keep = self._grad_pointers(grads)
+        error = None
+        if self.ts.capped and [self.tables[i].storage.evicted for i in self.ts.capped] != self.evictions:
+            error = (
+                "a table with max_rows evicted rows (and moved others) between this lookup and its backward: "
+                "run each lookup's backward before the next lookup that inserts into its capped tables"
+            )
         with collective.Call(
             "lookup_sparse.backward",
             self.tables,
@@ -591,7 +634,7 @@ class LookupPlan:
             label_text=lambda: f"{self.call_text()} (call #{self.seq})",
             uids=self.ts.key,
         ) as call:
-            agreement = call.agree(None, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
+            agreement = call.agree(error, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
             hdr = self.hdr
             if self.dedup is None:  # one rank: a key's group is its table, so tables are runs of groups
                 runs = (self.d_key_start, self.pos_bits + self.sv_bits)
@@ -864,8 +907,10 @@ def owners(var, keys) -> np.ndarray:
     return handoff.to_host(packed >> (pos_bits + sv_bits))
 
 
-def rows_of(var, keys, insert: bool):
+def rows_of(var, keys, insert: bool, verdict=None):
     """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
-    dynamic table when ``insert`` (and initialising their rows)."""
+    dynamic table when ``insert`` (and initialising their rows). ``verdict``: see
+    ``HashStorage.find`` (a capped table's agreement that the new keys fit)."""
     xp = runtime.xp()
-    return var.storage.find(xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64)), insert)
+    keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))
+    return var.storage.find(keys, insert) if verdict is None else var.storage.find(keys, insert, verdict)

@@ -34,12 +34,23 @@ Example::
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import handoff, kernels, runtime
 
-__all__ = ["Storage", "StaticStorage", "HashStorage", "InitSpec", "epoch", "init_rows", "finish_inserts"]
+__all__ = [
+    "Storage",
+    "StaticStorage",
+    "HashStorage",
+    "InitSpec",
+    "Room",
+    "epoch",
+    "init_rows",
+    "finish_inserts",
+    "plan_room",
+]
 
 _epoch = itertools.count(1)
 _current_epoch = 0
@@ -209,25 +220,57 @@ class StaticStorage(Storage):
 
 
 class HashStorage(Storage):
-    """A dynamic table's shard: a hash index over any int64 keys and a dense row store."""
+    """A dynamic table's shard: a hash index over any int64 keys and a dense row store.
 
-    MAX_LOAD = 0.5  # index slots in use at most; linear probing stays short below it
+    With ``max_rows`` (this shard's share of the table's cap) the shard is capped: it keeps a
+    score per row (``last_seen``: the step a row was last looked up in; ``seen_count``: the
+    number of steps it was looked up in), and :meth:`make_room` evicts the rows of lowest score
+    (``policy`` "lru": last_seen; "lfu": (seen_count, last_seen); the smaller key first on a
+    tie) before an insert would pass the share. An evicted key's slot becomes a tombstone;
+    the last rows move into the evicted rows' places, so rows stay dense."""
 
-    def __init__(self, dim: int, init: InitSpec, capacity: int = 1024, localized: bool = False):
+    MAX_LOAD = 0.5  # index slots in use (tombstones included) at most; linear probing stays short below it
+    POLICIES = ("lru", "lfu", "step")  # "step" evicts as "lru" does, and by age (``evict_older``)
+    UNCAPPED = 1 << 62  # the share of a "step" table without max_rows: it keeps scores, never fills
+
+    def __init__(
+        self,
+        dim: int,
+        init: InitSpec,
+        capacity: int = 1024,
+        localized: bool = False,
+        max_rows: int | None = None,
+        policy: str = "lru",
+    ):
         super().__init__(dim, init)
         xp = runtime.xp()
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
+        self.max_rows = None if max_rows is None else int(max_rows)
+        self.policy = str(policy)
         rows = max(16, int(capacity))
+        if self.max_rows is not None:
+            rows = max(1, min(rows, self.max_rows))
         self.data = runtime.empty_rows((rows, self.dim), np.float32)
         self.row_keys = xp.empty(rows, np.int64)
         self.counter = xp.zeros(1, np.int64)  # rows in use, advanced by the insert kernel
         self._size = 0
         self._new_index(_pow2(int(rows / self.MAX_LOAD)))
         self.growths = 0  # index and row-store growths (for benchmarks)
+        self.inserted = 0  # rows created on this rank, ever
+        self.evicted = 0  # rows evicted on this rank, ever
+        # A capped shard's scores, beside the rows and moved with them: zero past the rows in use.
+        self.step = 0  # lookups with insert of this table so far
+        self.last_seen = xp.zeros(rows, np.int64) if self.capped else None
+        self.seen_count = xp.zeros(rows, np.int64) if self.capped else None
+
+    @property
+    def capped(self) -> bool:
+        return self.max_rows is not None
 
     def _new_index(self, slots: int) -> None:
         xp = runtime.xp()
+        self.tombstones = 0  # slots of evicted keys (a new index has none)
         self.index_keys = xp.empty(slots, np.int64)
         self.index_rows = xp.full(slots, kernels.constants()["SOKPY_SLOT_EMPTY"], np.int64)
 
@@ -256,10 +299,11 @@ class HashStorage(Storage):
         """Grows the index (rehash of keys only) and the row store (one copy of the rows) so
         that ``incoming`` more keys fit: the insert kernel never runs out of room."""
         need = self._size + int(incoming)
-        if need > self.MAX_LOAD * self.slots:
+        if need + self.tombstones > self.MAX_LOAD * self.slots:  # a rehash drops the tombstones
             self._grow_index(_pow2(int(need / self.MAX_LOAD) + 1))
         if need > self.capacity:
-            self._grow_rows(max(need, 2 * self.capacity))
+            rows = max(need, 2 * self.capacity)
+            self._grow_rows(rows if self.max_rows is None else max(need, min(rows, self.max_rows)))
 
     def _grow_index(self, slots: int) -> None:
         old_keys, old_rows = self.index_keys, self.index_rows
@@ -276,6 +320,11 @@ class HashStorage(Storage):
         row_keys = xp.empty(rows, np.int64)
         row_keys[: self._size] = self.row_keys[: self._size]
         self.data, self.row_keys = data, row_keys
+        if self.capped:
+            for name in ("last_seen", "seen_count"):
+                score = xp.zeros(rows, np.int64)
+                score[: self._size] = getattr(self, name)[: self._size]
+                setattr(self, name, score)
         self.growths += 1
         _bump()
 
@@ -283,32 +332,206 @@ class HashStorage(Storage):
         """After a kernel that may have inserted keys, with the row counter it left (``size``,
         read by finish_inserts): ``(first new row, new size)``."""
         first, self._size = self._size, int(size)
+        self.inserted += self._size - first
+        if self.capped:  # new rows are seen in this step for the first time
+            self.last_seen[first : self._size] = self.step
+            self.seen_count[first : self._size] = 1
         return first, self._size
 
-    def find(self, keys, insert: bool):
+    # ---- a capped shard: scores and eviction ----------------------------------------------
+    def room_error(self, seen: int, new: int) -> str | None:
+        """Why a call that looks up ``seen`` distinct held rows and ``new`` distinct new keys
+        cannot run on this capped shard (its rows cannot be evicted by itself), or None."""
+        if seen + new <= self.max_rows:
+            return None
+        return (
+            f"one call brings {seen + new} distinct keys to rank {runtime.rank()} ({seen} held, {new} new), "
+            f"more than its share of max_rows ({self.max_rows} rows); rows a call looks up are never "
+            "evicted by it: look up fewer distinct keys per call or raise max_rows"
+        )
+
+    def to_evict(self, new: int) -> int:
+        """Rows an insert of ``new`` keys must evict first."""
+        return max(0, self._size + int(new) - self.max_rows)
+
+    def make_room(self, seen, new: int) -> None:
+        """A new step of a capped shard: marks the distinct held rows ``seen`` (an int64 array)
+        as looked up in it, then evicts the rows of lowest score so that ``new`` more keys fit
+        (room_error said they do)."""
+        self.step += 1
+        self.last_seen[seen] = self.step
+        self.seen_count[seen] += 1
+        k = self.to_evict(new)
+        if k:
+            self.evict_rows(self.lowest_rows(k))
+
+    def lowest_rows(self, k: int):
+        """The ``k`` rows of lowest score not seen in the current step (in no particular order):
+        by last_seen ("lru", "step") or (seen_count, last_seen) ("lfu"), the smaller key first
+        on a tie. The scores pack into one int64 (while steps stay below 2^31), so one
+        partition (linear) finds the k-th score and only the rows tied with it are sorted."""
+        xp, n = runtime.xp(), self._size
+        last_seen, keys = self.last_seen[:n], self.row_keys[:n]
+        now = last_seen == self.step  # this step's rows: never taken
+        if self.step >= 1 << 31:  # the scores no longer pack: sort them all
+            order = [keys, last_seen] + ([self.seen_count[:n]] if self.policy == "lfu" else [])
+            return xp.lexsort(xp.stack([*order, now.astype(np.int64)]))[:k]
+        score = (self.seen_count[:n] << 31) | last_seen if self.policy == "lfu" else last_seen
+        score = xp.where(now, np.iinfo(np.int64).max, score)
+        kth = xp.partition(score, k - 1)[k - 1]
+        below = xp.flatnonzero(score < kth)
+        tied = xp.flatnonzero(score == kth)
+        tied = tied[xp.argsort(keys[tied], kind="stable")][: k - int(below.shape[0])]
+        return xp.concatenate([below, tied])
+
+    def evict_older(self, ttl_steps: int) -> int:
+        """Evicts the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -
+        ttl_steps``); returns their number."""
+        xp = runtime.xp()
+        victims = xp.flatnonzero(self.last_seen[: self._size] <= self.step - int(ttl_steps))
+        if int(victims.shape[0]):
+            self.evict_rows(victims)
+        return int(victims.shape[0])
+
+    def evict_rows(self, victims) -> None:
+        """Removes stored rows ``victims`` (distinct, all in use; their optimizer slots go with
+        them): their keys' slots become tombstones, and the last rows move into their places."""
+        xp, c = runtime.xp(), kernels.constants()
+        n, k = self._size, int(victims.shape[0])
+        keep = n - k
+        dead = xp.zeros(n, bool)
+        dead[victims] = True
+        holes = xp.flatnonzero(dead[:keep])  # evicted rows below the new size ...
+        movers = xp.flatnonzero(~dead[keep:]) + keep  # ... take the kept rows above it
+        keys = xp.concatenate([self.row_keys[victims], self.row_keys[movers]])
+        states = xp.concatenate([xp.full(k, c["SOKPY_SLOT_TOMBSTONE"], np.int64), holes])
+        runtime.launch(
+            "set_slot_states",
+            int(keys.shape[0]),
+            1,
+            (keys, states, int(keys.shape[0]), self.index_keys, self.index_rows, self.slots - 1),
+        )
+        m, w = int(movers.shape[0]), self.width
+        if m:
+            runtime.launch("copy_rows", m, w, (self.data, movers * w, self.data, holes * w, m, w))
+        for a in (self.row_keys, self.last_seen, self.seen_count):
+            a[holes] = a[movers]
+        self.last_seen[keep:n] = 0
+        self.seen_count[keep:n] = 0
+        self.counter[:] = keep
+        self._size = keep
+        self.tombstones += k
+        self.evicted += k
+
+    def find(self, keys, insert: bool, verdict=None):
+        """As :meth:`Storage.find`. A capped shard that inserts takes a step: it first finds
+        what it holds, then ``verdict`` (a function of the :class:`Room`; default: raise
+        ValueError on this rank for its error) judges whether the new keys fit, then it evicts
+        and inserts."""
         xp = runtime.xp()
         keys = xp.ascontiguousarray(keys, dtype=np.int64)
         n = int(keys.shape[0])
-        if insert:
+        if insert and self.capped:
+            room = plan_room({0: self}, keys, self._find(keys, 0), xp.zeros(n, np.int64), 1)[0]
+            if verdict is not None:
+                verdict(room)
+            elif room.error is not None:
+                raise ValueError(room.error)
+            self.make_room(room.seen, room.new)
+            self.reserve(room.new)
+        elif insert:
             self.reserve(n)
+        rows = self._find(keys, int(insert))
+        if insert:
+            finish_inserts([self])
+        return rows
+
+    def _find(self, keys, insert: int):
+        xp = runtime.xp()
+        n = int(keys.shape[0])
         tab, ptr = self._single_descriptor()
         rows = xp.empty(n, np.int64)
         runtime.launch(
             "find_rows",
             n,
             1,
-            (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, int(insert), rows, None),
+            (keys, n, xp.asarray(np.array([0, n], np.int64)), 1, 1, tab, ptr, 1, insert, rows, None),
         )
-        if insert:
-            finish_inserts([self])
         return rows
+
+    def insert_scored(self, keys, scores, step: int):
+        """Puts distinct ``keys`` with their scores (int64 ``[n, 2]``: last_seen, count) into
+        this empty capped shard at step ``step`` (a checkpoint load). Where they pass the share,
+        only the share of highest score stays: the others are evicted, lowest first by the
+        policy's rule. Returns ``(rows, kept)``: the rows of the kept keys ``keys[kept]``."""
+        xp = runtime.xp()
+        n = int(keys.shape[0])
+        kept = xp.arange(n, dtype=np.int64)
+        if n > self.max_rows:
+            order = [keys, scores[:, 0]] + ([scores[:, 1]] if self.policy == "lfu" else [])
+            kept = xp.sort(xp.lexsort(xp.stack(order))[n - self.max_rows :])
+            self.evicted += n - self.max_rows
+        self.step = int(step)
+        self.reserve(int(kept.shape[0]))
+        rows = self._find(xp.ascontiguousarray(keys[kept]), 1)
+        finish_inserts([self])
+        self.last_seen[rows] = scores[kept, 0]
+        self.seen_count[rows] = scores[kept, 1]
+        return rows, kept
+
+    def scores(self):
+        """A capped shard's scores of the rows in use: int64 ``[size, 2]`` (last_seen, count)."""
+        return runtime.xp().stack([self.last_seen[: self._size], self.seen_count[: self._size]], axis=1)
 
     def new_like(self) -> HashStorage:
         s = HashStorage(
-            self.dim, self.init, capacity=16, localized=self.kind == kernels.constants()["SOKPY_KIND_DYNAMIC_AT"]
+            self.dim,
+            self.init,
+            capacity=16,
+            localized=self.kind == kernels.constants()["SOKPY_KIND_DYNAMIC_AT"],
+            max_rows=self.max_rows,
+            policy=self.policy,
         )
         s.add_slots(self.slot_names, self.slot_init, self.slot_per_row)
         return s
+
+
+class Room(NamedTuple):
+    """What one step of a capped shard needs: the distinct held rows it looks up (``seen``, an
+    int64 array), its number of distinct new keys, and why they do not fit (None: they do)."""
+
+    seen: Any
+    new: int
+    error: str | None
+
+
+def plan_room(storages: dict, keys, rows, tab, ntables: int) -> dict:
+    """The :class:`Room` of each capped shard ``storages[t]`` (by table index t of a call of
+    ``ntables`` tables), from the call's keys, their rows found without insert (-1: not held)
+    and each key's table index ``tab``. Keys repeat (several peers send one key), so both
+    counts are of distinct rows and keys: one sort by (table, new, row or key) for all tables,
+    and one read of the counts from the device."""
+    xp = runtime.xp()
+    capped = np.zeros(ntables, bool)
+    capped[list(storages)] = True
+    sel = xp.asarray(capped)[tab]
+    t, new = tab[sel], rows[sel] < 0
+    value = xp.where(new, keys[sel], rows[sel])
+    new = new.astype(np.int64)
+    order = xp.lexsort(xp.stack([value, new, t]))
+    t, new, value = t[order], new[order], value[order]
+    head = xp.ones(int(t.shape[0]), bool)
+    head[1:] = (t[1:] != t[:-1]) | (new[1:] != new[:-1]) | (value[1:] != value[:-1])
+    t, new, value = t[head], new[head], value[head]
+    # Per table, the held rows come first, then the new keys.
+    counts = handoff.to_host(xp.bincount(t * 2 + new, minlength=2 * ntables)).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(counts)])
+    out = {}
+    for i, s in storages.items():
+        nseen, nnew = int(counts[2 * i]), int(counts[2 * i + 1])
+        seen = value[int(start[2 * i]) : int(start[2 * i]) + nseen]
+        out[i] = Room(seen, nnew, s.room_error(nseen, nnew))
+    return out
 
 
 def _pow2(n: int) -> int:

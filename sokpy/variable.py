@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from .gradients import SparseGrad, table_grad
 from .initializers import resolve
 from .storage import HashStorage, InitSpec, StaticStorage
 
-__all__ = ["Variable", "DynamicVariable", "SparseGrad", "export", "assign"]
+__all__ = ["Variable", "DynamicVariable", "TableStatistics", "SparseGrad", "export", "assign"]
 
 _names: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -173,6 +174,18 @@ class Variable(Table):
         )
 
 
+@dataclass(frozen=True)
+class TableStatistics:
+    """Rows of a dynamic table: held now, inserted and evicted since the table (or its
+    shard, after a checkpoint load) was created. ``per_rank`` (in rank order) is filled by
+    the summed form, :meth:`DynamicVariable.statistics`."""
+
+    rows: int
+    inserted: int
+    evicted: int
+    per_rank: tuple = ()
+
+
 class DynamicVariable(Table):
     """An embedding table of ``dim`` float32 for any int64 keys, sharded across ranks.
 
@@ -185,6 +198,34 @@ class DynamicVariable(Table):
     (collective), ``var.local_size()`` this rank's. ``lookup_sparse(..., insert=False)``
     reads an unseen key as a zero row and creates nothing (evaluation, serving).
 
+    **Capacity and eviction.** With ``max_rows``, each shard holds at most its share of it:
+    ``ceil(max_rows / W)`` rows (``target_gpu=-1``) or ``max_rows`` (the whole table on one
+    rank). Each such table counts *steps*: every lookup call with insert that includes it
+    (and every ``assign``) is one step. A row's ``last_seen`` is the last step it was looked up
+    in, its ``count`` the number of steps it was looked up in (a key looked up many times in
+    one call, from one rank or several, counts once). When a step's new keys would take a
+    shard past its share, the shard first evicts as many rows as needed, lowest score first:
+
+    * ``evict="lru"``: score ``last_seen``;
+    * ``evict="lfu"``: score ``(count, last_seen)``, compared in that order;
+    * ``evict="step"``: score ``last_seen`` as "lru" (``max_rows`` is optional here), and
+      with ``ttl_steps=n``, :meth:`evict` (collective) drops every row not looked up in the
+      last n steps (``last_seen <= step - n``);
+
+    on equal scores the smaller key (as a signed int64) goes first. Rows looked up in the
+    step itself are never evicted by it: if a step's distinct keys (held and new) on some rank
+    exceed its share, the call raises the same :class:`~sokpy.errors.InputError` on every
+    rank (naming the table, the rank and the numbers) and changes nothing. An evicted row
+    leaves with its optimizer state; a key that comes back starts again from its initial
+    value. Lookups with ``insert=False`` neither take a step nor change scores. Rows move
+    when others are evicted, so the backward of a lookup must run before the next lookup
+    that may evict from its capped tables, and gradients waiting for ``step()`` (until
+    ``zero_grad()``) make such an eviction an error: train with lookup, backward, step,
+    zero_grad. :meth:`statistics` counts rows held, inserted and evicted. ``sokpy.save`` keeps
+    the scores and the step count; ``sokpy.load`` restores them at any world size, and a shard
+    that gets more rows than its share keeps those of highest score (a module's state dict
+    carries no scores: its rows load at score 0).
+
     Example::
 
         import torch, sokpy
@@ -192,6 +233,10 @@ class DynamicVariable(Table):
         d = sokpy.DynamicVariable(8, name="clicks")
         out = sokpy.lookup_sparse(d, [[2**62, -1], [7]], combiners="sum")
         print(len(d))           # 3 rows now exist
+        capped = sokpy.DynamicVariable(8, name="recent", max_rows=4 * sokpy.world_size(), evict="lru")
+        for step in range(3):   # each rank holds at most 4 rows: the oldest go first
+            sokpy.lookup_sparse(capped, [[10 * step + k for k in range(4)]], combiners="sum")
+        print(capped.statistics())   # collective: rows held, inserted, evicted (summed, and per rank)
     """
 
     dynamic = True
@@ -205,19 +250,82 @@ class DynamicVariable(Table):
         seed: int = 0,
         name: str | None = None,
         capacity: int = 1024,
+        max_rows: int | None = None,
+        evict: str = "lru",
+        ttl_steps: int | None = None,
     ):
+        def positive(name, value):
+            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+
         def check():
             if int(capacity) != capacity or capacity < 0:
                 raise ValueError(f"capacity must be a non-negative integer, got {capacity!r}")
+            positive("max_rows", max_rows)
+            positive("ttl_steps", ttl_steps)
+            if evict not in HashStorage.POLICIES:
+                raise ValueError(f"evict must be one of {', '.join(map(repr, HashStorage.POLICIES))}, got {evict!r}")
+            if ttl_steps is not None and evict != "step":
+                raise ValueError(f'ttl_steps needs evict="step", got evict={evict!r}')
 
         self._create(
-            f"dim={dim} target_gpu={target_gpu} capacity={capacity}", dim, target_gpu, initializer, seed, name, check
+            f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict} "
+            f"ttl_steps={ttl_steps}",
+            dim,
+            target_gpu,
+            initializer,
+            seed,
+            name,
+            check,
         )
-        self.storage = HashStorage(self.dim, self._init, capacity, localized=self.target_gpu != -1)
+        self.max_rows = None if max_rows is None else int(max_rows)
+        self.evict_policy = evict
+        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
+        share = self.max_rows
+        if share is not None and self.target_gpu == -1:
+            share = -(-share // self._world)
+        if share is None and evict == "step":  # scores and steps kept, no cap
+            share = HashStorage.UNCAPPED
+        self.storage = HashStorage(
+            self.dim, self._init, capacity, localized=self.target_gpu != -1, max_rows=share, policy=evict
+        )
 
     def local_size(self) -> int:
         """Rows held on this rank."""
         return self.storage.size
+
+    def local_statistics(self) -> TableStatistics:
+        """This rank's rows held, inserted and evicted (local, not collective)."""
+        s = self.storage
+        return TableStatistics(s.size, s.inserted, s.evicted)
+
+    @runtime.entry
+    def statistics(self) -> TableStatistics:
+        """Rows held, inserted and evicted, summed over the ranks, with each rank's in
+        ``per_rank`` (collective: every rank calls it; every rank gets the same)."""
+        with collective.Call("DynamicVariable.statistics", [self]) as call:
+            call.agree(None)
+        s = self.storage
+        mine = np.array([s.size, s.inserted, s.evicted], np.int64)
+        ranks = np.asarray(runtime.comm().allgather(mine)).reshape(-1, 3)
+        per_rank = tuple(TableStatistics(*map(int, r)) for r in ranks)
+        return TableStatistics(*map(int, ranks.sum(axis=0)), per_rank=per_rank)
+
+    @runtime.entry
+    def evict(self) -> int:
+        """Drops the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -
+        ttl_steps``) on every rank, with their optimizer state; returns the number dropped over
+        all ranks. Collective; a table without ``ttl_steps``, or one whose gradients wait for
+        ``step()`` (rows move when others are evicted), raises the same error on every rank."""
+        error = None
+        if self.ttl_steps is None:
+            error = f'table {self.name!r}: evict() needs a table made with evict="step" and ttl_steps'
+        elif self._grad_refs:
+            error = f"table {self.name!r}: evict() while gradients wait for the optimizer: call step() and zero_grad() first"
+        with collective.Call("DynamicVariable.evict", [self]) as call:
+            call.agree(error)
+        dropped = self.storage.evict_older(self.ttl_steps)
+        return int(runtime.comm().allreduce(np.array([dropped], np.int64))[0])
 
     @runtime.entry
     def __len__(self) -> int:
@@ -258,6 +366,20 @@ def _last_of_equal(keys: np.ndarray) -> np.ndarray:
     last = xp.ones(sk.size, bool)
     last[:-1] = sk[1:] != sk[:-1]
     return order[last]
+
+
+def _room_verdict(var: Table):
+    """For a capped dynamic table: the agreement (on every rank) that an assign's new keys fit."""
+    if not (var.dynamic and var.storage.capped):
+        return None
+
+    def verdict(room) -> None:
+        error = room.error
+        if error is None and var._grad_refs and var.storage.to_evict(room.new):
+            error = "it must evict rows while gradients wait for the optimizer: call step() and zero_grad() first"
+        collective.agree_verdict("assign", None if error is None else f"table {var.name!r}: {error}")
+
+    return verdict
 
 
 @runtime.entry
@@ -301,6 +423,6 @@ def assign(var: Table, keys, values) -> None:
         recv_values, _ = comm.alltoallv(values[order], counts, agreement.recv_counts, large=agreement.large)
     keep = _last_of_equal(recv_keys)
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
-    rows = plan.rows_of(var, recv_keys, insert=True)
+    rows = plan.rows_of(var, recv_keys, insert=True, verdict=_room_verdict(var))
     n = rows.size
     runtime.launch("copy_rows", n, var.dim, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim))

@@ -22,6 +22,7 @@ JOBS = [
     (1, "dynamic_worker.py", ["train", "adagrad", 81], "adagrad ok"),
     (3, "dynamic_worker.py", ["train", "ftrl", 83], "ftrl ok"),
     (2, "dynamic_worker.py", ["insert_false"], "insert_false ok"),
+    (2, "evict_worker.py", ["stream", "lfu", 85], "stream lfu ok"),
     (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
     (3, "contract_worker.py", ["resume", 8], "resume ok"),
     (1, "nn_worker.py", ["compare"], "compare ok"),

@@ -455,3 +455,31 @@ def test_unwritable_cache_folder_falls_back_to_temp(tmp_path, monkeypatch):
     monkeypatch.setenv("SOKPY_CACHE_DIR", str(blocker / "cache"))  # below a file: cannot be created
     d = kernels._cache_dir()
     assert d.is_dir() and os.access(d, os.W_OK) and not str(d).startswith(str(blocker))
+
+
+# ---- set_slot_states: tombstones and moved rows in a dynamic table's index -----------------
+
+
+def test_set_slot_states_tombstones_and_moves_keep_every_other_key_findable(sokpy_host):
+    """A well-filled index (12 keys in 32 slots: probe chains): tombstoning every other key and
+    re-pointing the rest to new rows leaves each kept key found at its new row past the
+    tombstones, the dropped ones not found, and a new insert takes an empty slot."""
+    from sokpy import runtime
+    from sokpy.storage import HashStorage, InitSpec
+
+    s = HashStorage(dim=2, init=InitSpec(0, 0.0, 0.0, 0), capacity=16)
+    keys = np.arange(-6, 6, dtype=np.int64) * 7919
+    rows = s.find(keys, insert=True)
+    assert s.slots == 32 and np.array_equal(rows, np.arange(12))
+    home = np.array([int(np.flatnonzero((s.index_keys == k) & (s.index_rows >= 0))[0]) for k in keys])
+    assert np.diff(np.sort(home)).min() == 1, "no two keys in neighbouring slots: no chain to probe past"
+    drop, keep = keys[::2], keys[1::2]
+    states = np.concatenate([np.full(drop.size, kernels.constants()["SOKPY_SLOT_TOMBSTONE"]), np.arange(100, 106)])
+    both = np.concatenate([drop, keep])
+    runtime.launch("set_slot_states", 12, 1, (both, states.astype(np.int64), 12, s.index_keys, s.index_rows, 31))
+    assert int((s.index_rows == -3).sum()) == 6
+    found = s.find(both, insert=False)
+    assert (found[:6] == -1).all() and np.array_equal(found[6:], np.arange(100, 106))
+    new = s.find(np.array([123456789], np.int64), insert=True)  # an empty slot, a new row
+    assert new.tolist() == [12] and int((s.index_rows == -3).sum()) == 6
+    assert s.find(both[6:], insert=False).tolist() == list(range(100, 106))

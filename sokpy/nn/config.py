@@ -54,7 +54,8 @@ class EmbeddingBagConfig:
     uniform in ``±sqrt(1 / num_embeddings)``; sokpy's for a dynamic table); ``seed`` overrides
     the module's for this table; ``init_fn`` a ``torch.nn.init``-style function instead of
     ``initializer`` (static tables; see the module's text); ``data_type`` "float32"
-    (half-precision rows are not implemented yet).
+    (half-precision rows are not implemented yet); ``max_rows``, ``evict`` and ``ttl_steps``
+    cap a dynamic table and choose what it evicts (:class:`sokpy.DynamicVariable`).
     """
 
     name: str
@@ -67,6 +68,9 @@ class EmbeddingBagConfig:
     seed: int | None = None  # the table's initial-value seed (default: the module's)
     init_fn: Callable | None = None
     data_type: Any = "float32"
+    max_rows: int | None = None  # a dynamic table's cap, evict and ttl_steps: see sokpy.DynamicVariable
+    evict: str = "lru"
+    ttl_steps: int | None = None
 
 
 @dataclass
@@ -84,6 +88,9 @@ class EmbeddingConfig:
     seed: int | None = None
     init_fn: Callable | None = None
     data_type: Any = "float32"
+    max_rows: int | None = None
+    evict: str = "lru"
+    ttl_steps: int | None = None
 
 
 @dataclass
@@ -100,6 +107,7 @@ class TableSpec:
     initializer: Any
     seed: int | None
     init_fn: Callable | None
+    eviction: dict = field(default_factory=dict)  # max_rows, evict, ttl_steps of a dynamic table
 
 
 # TorchRec's fields that sokpy does not implement, with what to use instead; each is refused
@@ -108,7 +116,7 @@ _UNSUPPORTED = {
     "num_embeddings_post_pruning": "inference pruning is not implemented",
     "need_pos": "position-weighted features are not implemented",
     "use_virtual_table": "for a table of any int64 keys use sokpy.nn's config with num_embeddings=None",
-    "virtual_table_eviction_policy": "dynamic tables keep every row (no eviction yet)",
+    "virtual_table_eviction_policy": "use sokpy.nn's config with num_embeddings=None, max_rows= and evict=",
     "total_num_buckets": "use num_embeddings=None in sokpy.nn's config for a table of any int64 keys",
     "input_dim": "sokpy reads ids as given",
     "enable_embedding_update": "rows change only through an optimizer step or sokpy.assign",
@@ -233,6 +241,12 @@ def table_spec(c, pooled: bool) -> TableSpec:
             )
         elif not callable(init_fn):
             raise ValueError(f"table {name!r}: init_fn must be callable, got {type(init_fn).__name__}")
+    eviction = {k: getattr(c, k) for k in ("max_rows", "evict", "ttl_steps")} if ours else {}
+    if rows is not None and eviction != {"max_rows": None, "evict": "lru", "ttl_steps": None} and ours:
+        raise ValueError(
+            f"table {name!r}: max_rows, evict and ttl_steps are for a dynamic table (num_embeddings=None); "
+            f"this one has num_embeddings={rows}"
+        )
     if initializer is None and rows is not None:  # TorchRec's default: uniform in ±sqrt(1 / rows)
         bound = math.sqrt(1.0 / max(1, rows))
         initializer = initializers.uniform(-bound, bound)
@@ -246,6 +260,7 @@ def table_spec(c, pooled: bool) -> TableSpec:
         initializer=initializer,
         seed=getattr(c, "seed", None),
         init_fn=init_fn,
+        eviction=eviction if rows is None else {},
     )
 
 

@@ -154,7 +154,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         for s in specs:
             table_seed = seed if s.seed is None else s.seed
             if s.rows is None:
-                var = DynamicVariable(s.dim, s.target_gpu, s.initializer, table_seed, s.name)
+                var = DynamicVariable(s.dim, s.target_gpu, s.initializer, table_seed, s.name, **s.eviction)
             else:
                 var = Variable(s.rows, s.dim, s.target_gpu, s.initializer, table_seed, s.name)
                 if s.init_fn is not None:
