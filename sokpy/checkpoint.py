@@ -300,7 +300,7 @@ def _table_spec(var) -> dict:
     if not var.dynamic:
         spec["rows"] = var.rows
     elif var.storage.capped:  # the step is the same on every rank
-        spec.update(max_rows=var.max_rows, evict=var.evict_policy, step=var.storage.step)
+        spec.update(max_rows=var.max_rows, evict=var.evict_policy, evict_step=var.storage.step)
     return spec
 
 
@@ -570,7 +570,7 @@ def load(path, variables, optimizer=None):
         for var in variables:
             try:
                 keys, rows, scores = _read_share(data, saved[var.name], var, var.name in with_slots)
-                step = int(saved[var.name].get("step", 0))
+                step = int(saved[var.name].get("evict_step", 0))
                 parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
@@ -679,7 +679,8 @@ def gather_state(variables) -> list:
     """Every table of ``variables`` whole on rank 0: per table a dict (format, name, kind,
     rows, dim, placement, the world size it was gathered at, sorted int64 ``keys`` ``[n]``,
     float32 ``values`` ``[n, dim]``, the ``slots`` of the optimizer that trains it and its
-    ``step``), host numpy arrays; on the other ranks None. Collective; changes nothing.
+    ``step``; a capped dynamic table's int64 ``scores`` ``[n, 2]`` and ``evict_step``), host
+    numpy arrays; on the other ranks None. Collective; changes nothing.
 
     This is what :meth:`sokpy.nn.EmbeddingBagCollection.state_dict` holds: a checkpoint in
     memory, as ``torch.save`` of one state dict needs it. Tables that do not fit one host's
@@ -696,6 +697,8 @@ def gather_state(variables) -> list:
             counts[0] = keys.size
             rk, _ = comm.alltoallv(runtime.xp().asarray(keys), counts)
             rr, _ = comm.alltoallv(runtime.xp().ascontiguousarray(s.data[: s.size]), counts)
+            capped = var.dynamic and s.capped
+            rs = comm.alltoallv(runtime.xp().ascontiguousarray(s.scores()), counts)[0] if capped else None
             if comm.rank != 0:
                 out.append(None)
                 continue
@@ -712,13 +715,16 @@ def gather_state(variables) -> list:
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
                 step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
             )
+            if rs is not None:  # a capped table's last_seen and count per row
+                entry["scores"] = np.ascontiguousarray(handoff.to_host(rs).reshape(-1, 2)[order])
             out.append(entry)
     return out
 
 
-def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray] | None:
+def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """This rank's copy of ``var``'s saved state, checked: (keys, rows with the slots the
-    table has now), or None when this rank holds no copy; raises ValueError on a fault."""
+    table has now, a capped table's scores or None), or None when this rank holds no copy;
+    raises ValueError on a fault."""
     if entry is None or entry.get("keys") is None:
         return None
     if entry.get("format") != STATE_FORMAT:
@@ -758,7 +764,12 @@ def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray] | None:
         raise ValueError("the state holds a key twice")
     if not var.dynamic and keys.size != var.rows:
         raise ValueError(f"the state holds {keys.size} of the table's {var.rows} rows")
-    return keys, rows
+    scores = None
+    if var.dynamic and var.storage.capped and entry.get("scores") is not None:
+        scores = host(entry["scores"], np.int64)
+        if scores.shape != (keys.size, 2):
+            raise ValueError(f"scores of shape {list(scores.shape)} for {keys.size} keys, expected [{keys.size}, 2]")
+    return keys, rows, scores
 
 
 @runtime.entry
@@ -784,7 +795,8 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
             mine.append(None)
     # What each rank holds, for the others: its row count (-1: none), the step and optimizer kind.
     held = [
-        None if st is None else (int(st[0].size), e.get("step"), e.get("optimizer")) for st, e in zip(mine, entries)
+        None if st is None else (int(st[0].size), e.get("step"), e.get("optimizer"), e.get("evict_step"))
+        for st, e in zip(mine, entries)
     ]
     with collective.Call("load_state_dict", variables) as call:
         _agree(call, error)
@@ -805,13 +817,23 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
                 new.append(None)
                 continue
             readers = [r for r, h in enumerate(everyone) if h[t] is not None]
+            _, _, _, evict_step = next(h[t] for h in everyone if h[t] is not None)
+            scored = evict_step is not None and var.dynamic and var.storage.capped  # the state holds scores
             if comm.rank in readers:  # the readers split the rows: reader j sends rows j, j + R, ...
                 share = slice(readers.index(comm.rank), None, len(readers))
                 keys, rows = mine[t][0][share], np.ascontiguousarray(mine[t][1][share])
+                scores = mine[t][2][share] if scored and mine[t][2] is not None else None
             else:
                 keys, rows = np.empty(0, np.int64), np.empty((0, var.storage.width), np.float32)
+                scores = np.empty((0, 2), np.int64)
+            if scored and scores is None:
+                scores = np.zeros((keys.size, 2), np.int64)
             try:
-                new.append(_new_storage(var, keys, rows, plan.owners(var, keys), comm))
+                new.append(
+                    _new_storage(
+                        var, keys, rows, plan.owners(var, keys), comm, scores if scored else None, evict_step or 0
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - after the exchange: every rank learns of it
                 error = error or f"table {var.name!r}: {type(e).__name__}: {e}"
         _agree(call, error)
@@ -821,7 +843,7 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
             continue
         var.storage = storage
         var.zero_grad()
-        _, step, kind = next(h[t] for h in everyone if h[t] is not None)
+        _, step, kind, _ = next(h[t] for h in everyone if h[t] is not None)
         if var.optimizer is not None and step is not None and kind == type(var.optimizer).__name__:
             var.optimizer.state[var.handle]["step"] = int(step)
     _bump()

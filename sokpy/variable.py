@@ -223,8 +223,8 @@ class DynamicVariable(Table):
     ``zero_grad()``) make such an eviction an error: train with lookup, backward, step,
     zero_grad. :meth:`statistics` counts rows held, inserted and evicted. ``sokpy.save`` keeps
     the scores and the step count; ``sokpy.load`` restores them at any world size, and a shard
-    that gets more rows than its share keeps those of highest score (a module's state dict
-    carries no scores: its rows load at score 0).
+    that gets more rows than its share keeps those of highest score; so do ``gather_state`` /
+    ``load_state`` (a module's state dict).
 
     Example::
 

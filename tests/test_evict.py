@@ -173,3 +173,28 @@ def test_lowest_rows_follow_the_rule_with_many_ties(sokpy_host, policy, step):
     rule = {"lru": lambda r: (last[r], keys[r]), "lfu": lambda r: (count[r], last[r], keys[r])}[policy]
     for k in (1, 17, 400, len(old)):
         assert sorted(s.lowest_rows(k).tolist()) == sorted(sorted(old, key=rule)[:k])
+
+
+def test_state_dict_keeps_scores_and_step(sokpy_host, tmp_path):
+    """A module's state dict holds a capped table's scores and step (through torch.save and
+    torch.load with weights_only) and puts them back: what is evicted afterwards is as before."""
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("evict_state", 2, None, max_rows=4, evict="lfu")])
+    (d,) = ebc.tables()
+    for keys in ([1, 2, 3, 4], [1, 2], [1], [5]):
+        ebc({"evict_state": [keys]})
+    torch.save(ebc.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    held, scores, step = _keys(sokpy, d), d.storage.scores().tolist(), d.storage.step
+    assert state["evict_state"]["evict_step"] == step == 4 and tuple(state["evict_state"]["scores"].shape) == (4, 2)
+    for keys in ([6, 7], [8]):  # changes everything
+        ebc({"evict_state": [keys]})
+    ebc.load_state_dict(state)
+    order = np.argsort(d.storage.keys())
+    assert _keys(sokpy, d) == held and d.storage.step == step
+    assert sorted(map(tuple, d.storage.scores()[order].tolist())) == sorted(map(tuple, scores))
+    # lfu: 4 goes (count 1, last seen at step 1); without the saved scores, all at 0, key 1 would.
+    ebc({"evict_state": [[9]]})
+    assert _keys(sokpy, d) == [1, 2, 5, 9]

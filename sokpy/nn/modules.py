@@ -248,8 +248,9 @@ class EmbeddingCollectionBase(torch.nn.Module):
             )
             if entry is not None:
                 state.update(entry)
-                for k in ("keys", "values"):
-                    state[k] = torch.from_numpy(entry[k])
+                for k in ("keys", "values", "scores"):  # scores: a capped dynamic table's
+                    if k in entry:
+                        state[k] = torch.from_numpy(entry[k])
                 state["slots"] = {n: torch.from_numpy(a) for n, a in entry["slots"].items()}
             destination[prefix + var.name] = state
 
