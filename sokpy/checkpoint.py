@@ -61,7 +61,7 @@ import numpy as np
 
 from . import collective, handoff, plan, runtime
 from .errors import CheckpointError
-from .storage import _bump
+from .storage import new_epoch
 
 __all__ = ["save", "load", "FORMAT", "VERSION", "read_table"]
 
@@ -588,7 +588,7 @@ def load(path, variables, optimizer=None):
     for var in variables:
         var.storage = new[var.name]
         var.zero_grad()
-    _bump()
+    new_epoch()
     if optimizer is not None:
         o = m["optimizer"]
         for saved_group, group in zip(o["param_groups"], optimizer.param_groups):
@@ -846,5 +846,5 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
         _, step, kind, _ = next(h[t] for h in everyone if h[t] is not None)
         if var.optimizer is not None and step is not None and kind == type(var.optimizer).__name__:
             var.optimizer.state[var.handle]["step"] = int(step)
-    _bump()
+    new_epoch()
     return skipped

@@ -47,6 +47,7 @@ __all__ = [
     "InitSpec",
     "Room",
     "epoch",
+    "new_epoch",
     "init_rows",
     "finish_inserts",
     "plan_room",
@@ -62,7 +63,9 @@ def epoch() -> int:
     return _current_epoch
 
 
-def _bump() -> None:
+def new_epoch() -> None:
+    """Marks a storage buffer as replaced (growth, new slots, a load): address tables cached
+    before now are stale."""
     global _current_epoch
     _current_epoch = next(_epoch)
 
@@ -152,7 +155,7 @@ class Storage:
         for name, value in zip(names, initial):
             data[:, self.columns(name)] = value
         self.data = data
-        _bump()
+        new_epoch()
 
     # ---- the kernels' view -----------------------------------------------------------------
     def descriptor(self, tab: np.ndarray, ptr: np.ndarray) -> None:
@@ -311,7 +314,7 @@ class HashStorage(Storage):
         n = int(old_rows.shape[0])
         runtime.launch("rehash_index", n, 1, (old_keys, old_rows, n, self.index_keys, self.index_rows, slots - 1))
         self.growths += 1
-        _bump()
+        new_epoch()
 
     def _grow_rows(self, rows: int) -> None:
         xp = runtime.xp()
@@ -326,7 +329,7 @@ class HashStorage(Storage):
                 score[: self._size] = getattr(self, name)[: self._size]
                 setattr(self, name, score)
         self.growths += 1
-        _bump()
+        new_epoch()
 
     def commit_inserts(self, size: int) -> tuple[int, int]:
         """After a kernel that may have inserted keys, with the row counter it left (``size``,
