@@ -86,6 +86,21 @@ for step in range(5):
         opt.step()
         opt.zero_grad()
 
+# A capped table (8 rows a rank) through 12 steps of 2 keys per rank: evictions move rows and
+# mark slots (set_slot_states, copy_rows).
+capped = sokpy.DynamicVariable(4, max_rows=8 * world, evict="lfu", name="shape_capped")
+capped_opt = sokpy.optim.SGD([capped], lr=0.1)
+for _ in range(12):
+    mine = [[int(k)] for k in rng.integers(0, 40, 2)]
+    sokpy.lookup_sparse(capped, mine, combiners="sum").pow(2).sum().backward()
+    capped_opt.step()
+    capped_opt.zero_grad()
+capped_keys = handoff.to_host(capped.storage.keys())
+capped_order = np.argsort(capped_keys)
+results["capped_keys"] = capped_keys[capped_order]
+results["capped_values"] = handoff.to_host(capped.storage.values())[capped_order]
+results["capped_evicted"] = np.array([capped.local_statistics().evicted])
+
 with torch.no_grad():
     ev = sokpy.lookup_sparse(tables[2], [[5, 10**12], [-3]], combiners="sum", insert=False)
 results["eval"] = ev.numpy().copy()
