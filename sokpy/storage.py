@@ -377,7 +377,7 @@ class HashStorage(Storage):
         last_seen, keys = self.last_seen[:n], self.row_keys[:n]
         now = last_seen == self.step  # this step's rows: never taken
         if self.step >= 1 << 31:  # the scores no longer pack: sort them all
-            order = [keys, last_seen] + ([self.seen_count[:n]] if self.policy == "lfu" else [])
+            order = self._score_order(keys, last_seen, self.seen_count[:n])
             return xp.lexsort(xp.stack([*order, now.astype(np.int64)]))[:k]
         score = (self.seen_count[:n] << 31) | last_seen if self.policy == "lfu" else last_seen
         score = xp.where(now, np.iinfo(np.int64).max, score)
@@ -386,6 +386,11 @@ class HashStorage(Storage):
         tied = xp.flatnonzero(score == kth)
         tied = tied[xp.argsort(keys[tied], kind="stable")][: k - int(below.shape[0])]
         return xp.concatenate([below, tied])
+
+    def _score_order(self, keys, last_seen, seen_count) -> list:
+        """The policy's eviction order as lexsort keys (the last is the primary): by last_seen,
+        first by seen_count for "lfu", the smaller key first on a tie."""
+        return [keys, last_seen] + ([seen_count] if self.policy == "lfu" else [])
 
     def evict_older(self, ttl_steps: int) -> int:
         """Evicts the rows not looked up in the last ``ttl_steps`` steps (``last_seen <= step -
@@ -471,7 +476,7 @@ class HashStorage(Storage):
         n = int(keys.shape[0])
         kept = xp.arange(n, dtype=np.int64)
         if n > self.max_rows:
-            order = [keys, scores[:, 0]] + ([scores[:, 1]] if self.policy == "lfu" else [])
+            order = self._score_order(keys, scores[:, 0], scores[:, 1])
             kept = xp.sort(xp.lexsort(xp.stack(order))[n - self.max_rows :])
             self.evicted += n - self.max_rows
         self.step = int(step)
