@@ -99,6 +99,15 @@ class _TableState(dict):
         return [(k, self[k]) for k in self.keys()]
 
 
+# torch.optim.Optimizer.add_param_group, without the torch._dynamo.disable wrapper torch puts
+# around it: that wrapper imports torch._dynamo on its first call, 2-3 CPU-seconds that a
+# training process otherwise never pays (a sparse optimizer's groups are not built under
+# torch.compile). Where a torch build does not wrap it, the method itself.
+_torch_add_param_group = getattr(
+    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+)
+
+
 class _Layout(NamedTuple):
     """The tables of an optimizer in param-group order, with what a step needs of each: its
     group's index, its state and its uid (sorted, with the order that sorts them)."""
@@ -164,7 +173,7 @@ class SparseOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"table {v.name!r} appears in more than one parameter group")
             tables.append(v)
         group["params"] = [v.handle for v in tables]
-        super().add_param_group(group)
+        _torch_add_param_group(self, group)
         group = self.param_groups[-1]  # with the defaults filled in
         for v in tables:
             v.storage.add_slots(

@@ -4,8 +4,6 @@ sokpy-embeddings, with extras that setup.cfg declares."""
 
 import configparser
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import ROOT, run_mpi
@@ -24,10 +22,11 @@ def test_docs_have_examples():
 
 @pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{p.relative_to(ROOT)}-{i}" for p, i, _ in BLOCKS])
 def test_example_runs(tmp_path, page, index, code):
+    # As `python example.py` in an empty folder, in the one-rank pool (a fresh process per
+    # example paid Python's, torch's and sokpy's start-up 14 times over).
     script = tmp_path / "example.py"
     script.write_text(code)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert res.returncode == 0, f"{page.name} example {index} failed:\n{res.stdout}\n{res.stderr}"
+    run_mpi(1, script, cwd=tmp_path, timeout=300)
 
 
 def test_readme_example_runs_on_two_ranks(tmp_path):
