@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forks
 import pytest
 import rank_pool
 
@@ -25,13 +26,13 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 def run_python(code, env=None, timeout=120):
     """Runs ``python -c code`` in a fresh process (init state is process-global) with sokpy
     from this checkout and ``env`` added; returns the CompletedProcess. Launcher variables of
-    the surrounding shell are dropped."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
-    full_env.update(env or {})
+    the surrounding shell are dropped. The process is forked from a server that has
+    imported torch already (``forks.py``); sokpy it imports itself."""
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
+    full_env = {**base, **(env or {})}
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
-    )
+    base["PYTHONPATH"] = str(ROOT) + os.pathsep + base.get("PYTHONPATH", "")
+    return forks.run(code, full_env, ROOT, timeout, server_env=base)
 
 
 def horovod_env():

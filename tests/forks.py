@@ -1,0 +1,114 @@
+"""``python -c CODE`` without paying torch's import each time: a fork server
+(``workers/fork_server.py``) that imported numpy and torch once forks a child per call.
+
+The tests that need a fresh process (sokpy's init state is process-global) mostly need it
+for sokpy's sake, and torch's import is most of a new interpreter's start-up here (about 3 of
+its 4 CPU-seconds). A child imports sokpy itself, so environment variables read at sokpy's
+import still take effect; those torch reads at its import (its thread settings) are the
+server's, which are this process's. ``SOKPY_TEST_FORKS=0`` runs real ``python -c`` processes
+instead (to compare, or to rule the server out).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SERVER = Path(__file__).resolve().parent / "workers" / "fork_server.py"
+ENABLED = os.environ.get("SOKPY_TEST_FORKS", "1") != "0"
+
+
+class ForkServer:
+    def __init__(self, env: dict[str, str], cwd: Path):
+        self.dir = Path(tempfile.mkdtemp(prefix="sokpy-forks-"))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd, text=True
+        )
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        self.calls += 1
+        out, err = self.dir / f"{self.calls}.out", self.dir / f"{self.calls}.err"
+        request = {"code": code, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        deadline = time.monotonic() + timeout
+        timer = _Timer(pid, deadline)
+        try:
+            status = json.loads(self.proc.stdout.readline())["status"]
+        finally:
+            timer.cancel()
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        if timer.fired:
+            raise subprocess.TimeoutExpired(["python", "-c", code], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["python", "-c", code], status, stdout, stderr)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Timer:
+    """Kills ``pid`` at ``deadline`` (a timeout as subprocess.run's), from a thread."""
+
+    def __init__(self, pid: int, deadline: float):
+        self.fired = False
+        self._stop = threading.Event()
+
+        def watch():
+            if not self._stop.wait(max(0.0, deadline - time.monotonic())):
+                self.fired = True
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        self._thread = threading.Thread(target=watch, daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_server: ForkServer | None = None
+
+
+def run(
+    code: str, env: dict[str, str], cwd: Path, timeout: float, server_env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """What ``subprocess.run([python, "-c", code], env=env, cwd=cwd, timeout=timeout,
+    capture_output=True, text=True)`` gives, from a child of the fork server (started, once,
+    with ``server_env``: the environment without any one call's additions)."""
+    global _server
+    if not ENABLED:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
+        )
+    if _server is None or not _server.alive():
+        _server = ForkServer(server_env, cwd)
+    return _server.run(code, env, cwd, timeout)
+
+
+@atexit.register
+def _close() -> None:
+    if _server is not None and _server.alive():
+        _server.close()
