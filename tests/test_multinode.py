@@ -113,7 +113,7 @@ def test_a_job_past_its_timeout_leaves_no_process_on_the_nodes(cluster, tmp_path
     """Killing mpirun at the timeout would leave the other node's daemon and ranks running:
     run() ends every process inside the nodes."""
     with pytest.raises(subprocess.TimeoutExpired):
-        cluster.run(["python", str(WORKERS / "loop_worker.py"), str(tmp_path), "timeout"], timeout=45)
+        cluster.run(["python", str(WORKERS / "loop_worker.py"), str(tmp_path), "timeout"], timeout=30)
     assert sorted(p.read_text() for p in tmp_path.glob("ready.*")) == ["node0", "node1"], "the job did not start"
     assert not any(emulated_nodes._pids(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
