@@ -47,7 +47,7 @@ import numpy as np
 
 from . import handoff, runtime
 
-__all__ = ["AdmissionFilter", "Sightings", "sight", "without_refused", "resharded"]
+__all__ = ["AdmissionFilter", "Sightings", "sight", "without_refused", "resharded", "loaded", "shares"]
 
 _SATURATED = np.iinfo(np.uint32).max
 
@@ -202,3 +202,20 @@ def resharded(saved, world: int, rank: int, same_placement: bool) -> np.ndarray:
     if same_placement and saved.shape[0] == world:
         return np.ascontiguousarray(saved[rank])
     return saturating_sum(saved, saved.shape[1:])
+
+
+def loaded(empty: AdmissionFilter, parts, same_placement: bool, comm) -> AdmissionFilter:
+    """A checkpoint load (collective): ``empty`` filled from the saved shards' counters this
+    rank read (``parts``: uint32 ``[depth, width]`` each; the saved rank of its own number only
+    where ``same_placement``), or from the sum over every rank's where not."""
+    total = saturating_sum(parts, (empty.depth, empty.width))
+    if not same_placement:
+        total = np.minimum(comm.allreduce(total.astype(np.int64)), _SATURATED).astype(np.uint32)
+    empty.counters[...] = runtime.xp().asarray(total)
+    return empty
+
+
+def shares(saved, world: int, same_placement: bool):
+    """What the rank that holds a gathered state (uint32 ``[S, depth, width]``) sends each of
+    ``world`` ranks: uint32 ``[world * depth * width]``, rank r's counters at block r."""
+    return np.concatenate([resharded(saved, world, r, same_placement).reshape(-1) for r in range(world)])
