@@ -32,9 +32,9 @@ import sokpy
 DIM, LR, LOW, HIGH, SEED = 3, 0.5, -1.0, 1.0, 5
 WIDTH, DEPTH = 1 << 16, 3
 NBAGS = 4
-SAVE_STEPS = 16
+SAVE_STEPS = 14
 ERR_STEP = 12  # the capped table's flood of keys (sighted once at ERR_STEP - 1) is admitted: too many
-MORE_STEPS = 6  # after a load
+MORE_STEPS = 4  # after a load
 CAP = 8  # max_rows of the capped table
 SKETCH_C = 0x5CE7C4A11AD317
 _M64 = (1 << 64) - 1
