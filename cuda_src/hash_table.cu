@@ -54,3 +54,54 @@ extern "C" __global__ void set_slot_states(const i64* keys, const i64* states, i
         slot_rows[sokpy_slot_of(slot_keys, slot_rows, mask, keys[i])] = states[i];
     }
 }
+
+// ---- admission: a count-min sketch of sightings per shard ------------------------------------
+// A dynamic table with admit_after keeps, per shard, `depth` rows of `width` uint32 counters
+// (row-major, at sketch[t] for the call's table t; shape[2t] = depth, shape[2t+1] = width).
+// Row r counts key k at column sokpy_sketch_column(k, r, width): splitmix64's mix of the key
+// with a constant of the row's own, so the rows are different hash functions and none is the
+// placement hash mix64(k). A counter saturates at 2^32 - 1 (it then stays: still >= every count).
+
+__device__ __forceinline__ i64 sokpy_sketch_column(i64 key, int r, i64 width) {
+    return (i64)(sokpy_mix64((u64)key ^ sokpy_mix64(0x5ce7c4a11ad317ULL + (u64)r)) % (u64)width);
+}
+
+// Adds delta (1, or -1 to take back a count of this step) to *c unless it is saturated.
+__device__ __forceinline__ void sokpy_count_saturating(unsigned int* c, int delta) {
+    unsigned int old = *c;
+    while (old != 0xffffffffu) {
+        const unsigned int seen = atomicCAS(c, old, old + (unsigned int)delta);
+        if (seen == old) return;
+        old = seen;
+    }
+}
+
+// One sighting of each of `keys` (distinct within a table) in its table's sketch: every row's
+// counter of the key moves by delta. Keys over the grid, the sketch's rows over threadIdx.x;
+// integer atomics only, so the counters after the launch do not depend on the order.
+extern "C" __global__ void count_sightings(const i64* keys, const i64* tab, i64 n, const u64* sketch,
+                                           const i64* shape, int delta) {
+    SOKPY_FOR_ROWS(i, n) {
+        const i64 t = tab[i], depth = shape[2 * t], width = shape[2 * t + 1];
+        unsigned int* counters = (unsigned int*)sketch[t];
+        SOKPY_FOR_COLS(r, depth) {
+            sokpy_count_saturating(counters + (i64)r * width + sokpy_sketch_column(keys[i], r, width), delta);
+        }
+    }
+}
+
+// est[i] = the count-min estimate of keys[i]'s sightings: the least of its counters over the
+// rows of its table's sketch (never below the true count).
+extern "C" __global__ void estimate_sightings(const i64* keys, const i64* tab, i64 n, const u64* sketch,
+                                              const i64* shape, i64* est) {
+    SOKPY_FOR_KEYS(i, n) {
+        const i64 t = tab[i], depth = shape[2 * t], width = shape[2 * t + 1];
+        const unsigned int* counters = (const unsigned int*)sketch[t];
+        i64 least = 0xffffffffLL;
+        for (i64 r = 0; r < depth; ++r) {
+            const i64 c = counters[r * width + sokpy_sketch_column(keys[i], (int)r, width)];
+            least = c < least ? c : least;
+        }
+        est[i] = least;
+    }
+}

@@ -9,6 +9,9 @@ A checkpoint is a folder::
         t<i>.r<rank>.values.npy     float32 [n, dim]: their rows
         t<i>.r<rank>.<slot>.npy     float32 [n, dim]: an optimizer slot of those rows ([n, 1] for
                                     a row-wise slot: RowWiseAdagrad's accumulator)
+        t<i>.r<rank>.scores.npy     int64 [n, 2]: a capped table's last_seen and count per row
+        t<i>.r<rank>.sightings.npy  uint32 [depth, width]: a table with admission: the shard's
+                                    sighting counters (sokpy.admission)
 
 Every data file is a plain ``.npy`` array that numpy alone reads (``numpy.load(f)``; no
 pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``).
@@ -29,7 +32,9 @@ kind and groups) runs before anything changes; a failure raises the same
 :class:`~sokpy.errors.CheckpointError` on every rank, naming the file and the table, and no
 table or optimizer state changes. A dynamic table ends with exactly the saved rows (a capped
 one keeps, where a shard gets more than its share, the rows of highest saved score; its scores
-and step count are saved and restored); a static table's rows are all replaced.
+and step count are saved and restored; a table with admission gets its sighting counters, each
+shard its own at the saved world size and placement, else the sum of all saved shards'); a
+static table's rows are all replaced.
 
 Loading never runs code from the checkpoint: arrays are read with ``allow_pickle=False``, the
 manifest is JSON, and every file name in it must match the pattern above (no path taken from
@@ -59,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import collective, handoff, plan, runtime
+from . import admission, collective, handoff, plan, runtime
 from .errors import CheckpointError
 from .storage import new_epoch
 
@@ -232,7 +237,7 @@ def _check_manifest(file: Path, m: dict) -> None:
         for g in t["files"]:
             ok = isinstance(g, dict) and is_int(g.get("rank")) and g["rank"] >= 0 and is_int(g.get("rows"))
             need(ok and isinstance(g.get("slots", {}), dict), f"{where}: a saved rank's entry is damaged")
-            scores = [g["scores"]] if "scores" in g else []
+            scores = [g[name] for name in ("scores", "sightings") if name in g]
             for entry in [g.get("keys"), g.get("values"), *scores, *g.get("slots", {}).values()]:
                 name = entry.get("file") if isinstance(entry, dict) else None
                 need(
@@ -299,8 +304,11 @@ def _table_spec(var) -> dict:
     }
     if not var.dynamic:
         spec["rows"] = var.rows
-    elif var.storage.capped:  # the step is the same on every rank
-        spec.update(max_rows=var.max_rows, evict=var.evict_policy, evict_step=var.storage.step)
+    else:
+        if var.storage.capped:  # the step is the same on every rank
+            spec.update(max_rows=var.max_rows, evict=var.evict_policy, evict_step=var.storage.step)
+        if var.admission is not None:
+            spec.update(var.admission.spec())
     return spec
 
 
@@ -394,6 +402,8 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
     }
     if var.dynamic and s.capped:
         out["scores"] = _write_npy(staging / f"t{i}.r{rank}.scores.npy", handoff.to_host(s.scores()))
+    if var.dynamic and var.admission is not None:
+        out["sightings"] = _write_npy(staging / f"t{i}.r{rank}.sightings.npy", handoff.to_host(var.admission.counters))
     if with_slots:
         out["slots"] = {
             name: _write_npy(staging / f"t{i}.r{rank}.{name}.npy", handoff.to_host(s.slot(name)))
@@ -507,6 +517,9 @@ def _check_tables(m: dict, variables, optimizer) -> str | None:
             return f"table {var.name!r} has dim {var.dim} here but {t['dim']} in the checkpoint"
         if not var.dynamic and t["rows"] != var.rows:
             return f"table {var.name!r} has {var.rows} rows here but {t['rows']} in the checkpoint"
+        error = _check_filter(var, t, "the checkpoint")
+        if error is not None:
+            return error
     if optimizer is not None:
         o = m.get("optimizer")
         if o is None:
@@ -524,6 +537,45 @@ def _check_tables(m: dict, variables, optimizer) -> str | None:
             if var not in variables:
                 return f"the optimizer trains table {var.name!r}, which is not being loaded"
     return None
+
+
+def _check_filter(var, saved: dict, where: str) -> str | None:
+    """Why ``var``'s admission filter cannot take the counters ``saved`` (a table's spec or
+    state) holds, or None (none saved: the filter starts empty; a table without one ignores them)."""
+    f = var.admission if var.dynamic else None
+    if f is None or "admit_filter_width" not in saved:
+        return None
+    shape = (saved.get("admit_filter_depth"), saved.get("admit_filter_width"))
+    if shape != (f.depth, f.width):
+        return (
+            f"table {var.name!r} has an admission filter of {f.depth} x {f.width} counters here but "
+            f"{shape[0]} x {shape[1]} in {where}"
+        )
+    return None
+
+
+def _read_sightings(data: Path, spec: dict, var) -> list:
+    """The saved sighting counters this rank reads for ``var`` (saved rank s is read by rank
+    s % W), checked: uint32 ``[depth, width]`` each; none for a table without admission."""
+    rank, world = runtime.rank(), runtime.world_size()
+    if not var.dynamic or var.admission is None:
+        return []
+    f = var.admission
+    parts = []
+    for group in spec["files"]:
+        if group["rank"] % world == rank and "sightings" in group:
+            counters = _read_file(data, group["sightings"], spec["name"], np.uint32, f.width)
+            if counters.shape[0] != f.depth:
+                raise CheckpointError(
+                    f"{data / group['sightings']['file']}: table {spec['name']!r}: {counters.shape[0]} rows of counters, expected {f.depth}"
+                )
+            parts.append(counters)
+    return parts
+
+
+def _same_placement(var, saved: dict) -> bool:
+    """Whether ``var``'s keys have the owners they had when ``saved`` (a spec or state) was made."""
+    return saved.get("world_size") == runtime.world_size() and saved.get("target_gpu") == var.target_gpu
 
 
 @runtime.entry
@@ -566,27 +618,33 @@ def load(path, variables, optimizer=None):
         # exchange below, so no rank is left waiting in it. (The agreement names the rank of each
         # message; the messages here name the file and the table.)
         data = path / m["data"]
-        parts, error = {}, None
+        parts, sightings, error = {}, {}, None
         for var in variables:
             try:
                 keys, rows, scores = _read_share(data, saved[var.name], var, var.name in with_slots)
                 step = int(saved[var.name].get("evict_step", 0))
                 parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step)
+                sightings[var.name] = _read_sightings(data, saved[var.name], var)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
                 break
         _agree(call, error)
         # Send every row (with its slots) to its owner and build the new shards beside the old.
-        new, error = {}, None
+        new, filters, error = {}, {}, None
         for var in variables:
             try:
                 new[var.name] = _new_storage(var, *parts.pop(var.name))
             except Exception as e:  # noqa: BLE001
                 error = error or f"{data}: table {var.name!r}: {_reason(e)}"
+            if var.dynamic and var.admission is not None:  # collective where the placement changed
+                same = _same_placement(var, {**saved[var.name], "world_size": m["world_size"]})
+                filters[var.name] = admission.loaded(var.admission.new_like(), sightings[var.name], same, comm)
         _agree(call, error)
     # Everything checked and built: put it in place.
     for var in variables:
         var.storage = new[var.name]
+        if var.name in filters:
+            var.admission = filters[var.name]
         var.zero_grad()
     new_epoch()
     if optimizer is not None:
@@ -699,6 +757,7 @@ def gather_state(variables) -> list:
             rr, _ = comm.alltoallv(runtime.xp().ascontiguousarray(s.data[: s.size]), counts)
             capped = var.dynamic and s.capped
             rs = comm.alltoallv(runtime.xp().ascontiguousarray(s.scores()), counts)[0] if capped else None
+            sightings = _gather_sightings(var, comm)
             if comm.rank != 0:
                 out.append(None)
                 continue
@@ -717,14 +776,47 @@ def gather_state(variables) -> list:
             )
             if rs is not None:  # a capped table's last_seen and count per row
                 entry["scores"] = np.ascontiguousarray(handoff.to_host(rs).reshape(-1, 2)[order])
+            if sightings is not None:  # every shard's sighting counters
+                entry["sightings"] = sightings
             out.append(entry)
     return out
 
 
-def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+def _gather_sightings(var, comm):
+    """A table with admission: every shard's counters on rank 0 (uint32 ``[W, depth, width]``,
+    None elsewhere and for other tables); collective."""
+    f = var.admission if var.dynamic else None
+    if f is None:
+        return None
+    counts = np.zeros(comm.size, np.int64)
+    counts[0] = f.depth * f.width
+    got, _ = comm.alltoallv(f.counters.reshape(-1), counts)
+    return handoff.to_host(got).reshape(comm.size, f.depth, f.width) if comm.rank == 0 else None
+
+
+def _scatter_sightings(var, entries: list, sender: int, comm):
+    """A table with admission: its new filter, filled from the gathered counters that rank
+    ``sender`` holds (``entries``: this rank's checked states; uint32 ``[S, depth, width]`` or
+    None: an empty filter), each rank's share as ``admission.shares`` says; collective."""
+    f = var.admission.new_like()
+    size = f.depth * f.width
+    send, counts = np.empty(0, np.uint32), np.zeros(comm.size, np.int64)
+    if comm.rank == sender:
+        state, saved = entries
+        counts[:] = size
+        if state is None:
+            send = np.zeros(comm.size * size, np.uint32)
+        else:
+            send = admission.shares(state, comm.size, _same_placement(var, saved))
+    got, _ = comm.alltoallv(runtime.xp().asarray(send), counts)
+    f.counters[...] = got.reshape(f.depth, f.width)
+    return f
+
+
+def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None:
     """This rank's copy of ``var``'s saved state, checked: (keys, rows with the slots the
-    table has now, a capped table's scores or None), or None when this rank holds no copy;
-    raises ValueError on a fault."""
+    table has now, a capped table's scores or None, a table with admission's sighting
+    counters or None), or None when this rank holds no copy; raises ValueError on a fault."""
     if entry is None or entry.get("keys") is None:
         return None
     if entry.get("format") != STATE_FORMAT:
@@ -769,7 +861,21 @@ def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]
         scores = host(entry["scores"], np.int64)
         if scores.shape != (keys.size, 2):
             raise ValueError(f"scores of shape {list(scores.shape)} for {keys.size} keys, expected [{keys.size}, 2]")
-    return keys, rows, scores
+    return keys, rows, scores, _check_sightings(var, entry)
+
+
+def _check_sightings(var, entry):
+    """A state's sighting counters for ``var``'s filter (uint32 ``[S, depth, width]``), or None."""
+    f = var.admission if var.dynamic else None
+    if f is None or entry.get("sightings") is None:
+        return None
+    error = _check_filter(var, entry, "the state")
+    if error is not None:
+        raise ValueError(error)
+    counters = handoff.to_host(handoff.from_torch(entry["sightings"], np.uint32))
+    if counters.ndim != 3 or counters.shape[1:] != (f.depth, f.width):
+        raise ValueError(f"sighting counters of shape {list(counters.shape)}, expected [ranks, {f.depth}, {f.width}]")
+    return counters
 
 
 @runtime.entry
@@ -811,12 +917,15 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
             elif len(copies) > 1:
                 error = error or f"table {var.name!r}: the ranks hold different states: {sorted(map(str, copies))}"
         _agree(call, error)
-        new = []
+        new, filters = [], {}
         for t, var in enumerate(variables):
             if var in skipped:
                 new.append(None)
                 continue
             readers = [r for r, h in enumerate(everyone) if h[t] is not None]
+            if var.dynamic and var.admission is not None:
+                held_state = (mine[t][3], entries[t]) if comm.rank == readers[0] else None
+                filters[t] = _scatter_sightings(var, held_state, readers[0], comm)
             _, _, _, evict_step = next(h[t] for h in everyone if h[t] is not None)
             scored = evict_step is not None and var.dynamic and var.storage.capped  # the state holds scores
             if comm.rank in readers:  # the readers split the rows: reader j sends rows j, j + R, ...
@@ -842,6 +951,8 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
         if storage is None:
             continue
         var.storage = storage
+        if t in filters:
+            var.admission = filters[t]
         var.zero_grad()
         _, step, kind, _ = next(h[t] for h in everyone if h[t] is not None)
         if var.optimizer is not None and step is not None and kind == type(var.optimizer).__name__:

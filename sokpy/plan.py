@@ -44,12 +44,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import partial
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from . import collective, handoff, kernels, runtime
+from . import admission, collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows, nonfinite_message
 from .sorting import sort_by_bits
 from .sparse import N_FAULTS, Batch, BatchError, raise_fault, segment_starts
@@ -105,6 +105,8 @@ class TableSet:
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
         self.capped = [i for i in self.dynamic if tables[i].storage.capped]  # dynamic tables with max_rows
+        # Dynamic tables with admission (admit_after):
+        self.admitting = [i for i in self.dynamic if getattr(tables[i], "admission", None) is not None]
         self.distinct = len({id(t) for t in tables}) == ntab  # no table passed twice
         self.key = key  # the tables' uids
         self.uids = np.array(self.key, np.int64)
@@ -262,6 +264,16 @@ class _Dedup:
         xp = runtime.xp()
         starts = xp.flatnonzero(self.brk.view(bool))
         self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)
+
+
+class _Step(NamedTuple):
+    """What the step of a call's capped tables and tables with admission decided: each key's
+    table index (the first of a table passed twice), the sightings (or None) and the new
+    keys each such table inserts (by table index)."""
+
+    tab: Any
+    seen: Any
+    new: dict
 
 
 class LookupPlan:
@@ -449,32 +461,40 @@ class LookupPlan:
         """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
         tables first (``incoming()`` returns the host's counts of keys per table; it is called,
         and may read them from the device, only then) and initialising the rows an insert
-        creates. ``seg_of``, when given, gets each key's segment."""
+        creates. ``seg_of``, when given, gets each key's segment. A call with admission
+        inserts first (``_insert_admitted``), so that its find inserts nothing: a key not
+        admitted gets row -1 (a zero row, no gradient)."""
         ts = self.ts
         n = int(keys.shape[0])
         if ts.dynamic and self.insert:
-            room = self._make_room(keys, seg_start, nseg) if ts.capped else {}
-            if len(room) < len(ts.dynamic):
+            step = self._take_step(keys, seg_start, nseg) if ts.capped or ts.admitting else None
+            new = {} if step is None else step.new
+            if len(new) < len(ts.dynamic):
                 incoming = incoming()
             for i in ts.dynamic:
-                self.tables[i].storage.reserve(room[i].new if i in room else int(incoming[i]))
+                self.tables[i].storage.reserve(new[i] if i in new else int(incoming[i]))
+            if step is not None and ts.admitting:
+                self._insert_admitted(keys, step)
         self._sync_tables()
         rows = runtime.scratch(n, np.int64)
-        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows)
+        insert = int(self.insert and not ts.admitting)
+        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, insert, rows)
         runtime.launch("find_rows", n, 1, (*args, seg_of))
         if ts.dynamic and self.insert:
             finish_inserts([self.tables[i].storage for i in ts.dynamic])
         self.evictions = [self.tables[i].storage.evicted for i in ts.capped]  # rows move only when some are evicted
         return rows
 
-    def _make_room(self, keys, seg_start, nseg: int) -> dict:
-        """Capped tables (``max_rows``): a find without insert tells each owner the distinct
-        rows and new keys of each capped table (``storage.plan_room``); the ranks agree that
-        they fit (``collective.agree_verdict``: an error on any rank is raised on every rank,
-        with nothing changed); then each capped shard takes a step and evicts the rows of
-        lowest score to make room for its new keys. Returns the rooms by table index (the
-        first index of a table passed twice). Costs a find, a sort, a read of the counts and,
-        on several ranks, an allreduce: only calls with capped tables pay them."""
+    def _take_step(self, keys, seg_start, nseg: int) -> _Step:
+        """Capped tables (``max_rows``) and tables with admission (``admit_after``): a find
+        without insert tells each owner which keys its tables hold; the tables with admission
+        count the sightings of the others (``admission.sight``) and leave out those not
+        admitted; each capped table learns its distinct held rows and new keys
+        (``storage.plan_room``); the ranks agree that they fit (``collective.agree_verdict``:
+        an error on any rank is raised on every rank, with nothing changed, the sightings
+        taken back); then each capped shard takes a step and evicts the rows of lowest score to
+        make room for its new keys. Costs a find, a sort or two, a read of the counts and, on
+        several ranks with capped tables, an allreduce: only calls with such tables pay them."""
         xp = runtime.xp()
         self._sync_tables()
         n = int(keys.shape[0])
@@ -483,8 +503,32 @@ class LookupPlan:
         runtime.launch("find_rows", n, 1, args)
         first: dict[int, int] = {}  # a table passed twice counts once, under its first index
         alias = np.array([first.setdefault(id(t), i) for i, t in enumerate(self.tables)], np.int64)
+        tab = xp.asarray(alias)[seg % self.ntables]
+        filters = {i: self.tables[i].admission for i in self.ts.admitting if alias[i] == i}
+        seen = admission.sight(filters, keys, rows, tab, self.ntables) if filters else None
+        step = _Step(tab, seen, {})
+        if seen is not None:  # keys not admitted take no room
+            keys, rows, tab = admission.without_refused(seen, keys, rows, tab, self.ntables, filters)
+        try:
+            room = self._make_room(keys, rows, tab, alias)
+        except BaseException:
+            if seen is not None:
+                admission.take_back(filters, seen, self.ntables)
+            raise
+        if seen is not None:
+            admission.commit(filters, seen)
+            step.new.update({i: seen.counts[int(alias[i])][0] for i in self.ts.admitting})
+        step.new.update({i: room[int(alias[i])].new for i in self.ts.capped})
+        return step
+
+    def _make_room(self, keys, rows, tab, alias) -> dict:
+        """The capped tables' step (see ``_take_step``), from the call's keys (row -1: not
+        held) and their table indices ``tab`` (the first index of a table passed twice):
+        returns their rooms by that index."""
         capped = {i: self.tables[i].storage for i in self.ts.capped if alias[i] == i}
-        room = plan_room(capped, keys, rows, xp.asarray(alias)[seg % self.ntables], self.ntables)
+        if not capped:
+            return {}
+        room = plan_room(capped, keys, rows, tab, self.ntables)
         errors = []
         for i, r in room.items():
             var = self.tables[i]
@@ -498,7 +542,30 @@ class LookupPlan:
         collective.agree_verdict("lookup_sparse", "\n".join(errors) if errors else None)
         for r, storage in zip(room.values(), capped.values()):
             storage.make_room(r.seen, r.new)
-        return {**room, **{i: room[int(alias[i])] for i in self.ts.capped}}
+        return room
+
+    def _insert_admitted(self, keys, step: _Step) -> None:
+        """A call with admission inserts, before its find, the admitted new keys of its tables
+        with admission and every key of its other dynamic tables (grouped by table: one
+        find_rows with insert), so that the find itself inserts nothing."""
+        xp = runtime.xp()
+        seen, tab = step.seen, step.tab
+        others = np.zeros(self.ntables, bool)
+        others[[i for i in self.ts.dynamic if i not in self.ts.admitting]] = True
+        sel = xp.asarray(others)[tab]
+        parts = [(keys[sel], tab[sel])]
+        if seen is not None:
+            parts.append((seen.keys[seen.admitted], seen.tab[seen.admitted]))
+        k, t = xp.concatenate([p[0] for p in parts]), xp.concatenate([p[1] for p in parts])
+        m = int(k.shape[0])
+        if not m:
+            return
+        order = xp.argsort(t, kind="stable")
+        k = xp.ascontiguousarray(k[order])
+        seg_start = segment_starts(xp.bincount(t, minlength=self.ntables).astype(np.int64), xp)
+        self._sync_tables()
+        args = (k, m, seg_start, self.ntables, self.ntables, self.d_tabs, self.d_ptrs, self.world, 1)
+        runtime.launch("find_rows", m, 1, (*args, runtime.scratch(m, np.int64), None))
 
     def _sync_tables(self) -> None:
         """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
@@ -744,7 +811,8 @@ class LookupPlan:
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
         rows_are_keys = self.rows is self.keys  # static tables (_local_rows): row k is key k
         rows = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
-        found = rows_are_keys or self.insert  # no row is -1: every key has or got one
+        # No row is -1 where every key has or got one (admission leaves some without).
+        found = rows_are_keys or (self.insert and not self.ts.admitting)
         error = None
         if any_bad:  # the error path: the first row that is not finite names its table and key
             u = int(xp.flatnonzero(bad[:nuniq])[0])

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from . import collective, handoff, plan, runtime
+from .admission import AdmissionFilter
 from .gradients import SparseGrad, table_grad
 from .initializers import resolve
 from .storage import HashStorage, InitSpec, StaticStorage
@@ -177,12 +178,14 @@ class Variable(Table):
 @dataclass(frozen=True)
 class TableStatistics:
     """Rows of a dynamic table: held now, inserted and evicted since the table (or its
-    shard, after a checkpoint load) was created. ``per_rank`` (in rank order) is filled by
-    the summed form, :meth:`DynamicVariable.statistics`."""
+    shard, after a checkpoint load) was created, and lookups ``refused`` by admission (of keys
+    not yet admitted, once per step and key; ``admit_after``). ``per_rank`` (in rank order) is
+    filled by the summed form, :meth:`DynamicVariable.statistics`."""
 
     rows: int
     inserted: int
     evicted: int
+    refused: int = 0
     per_rank: tuple = ()
 
 
@@ -226,6 +229,20 @@ class DynamicVariable(Table):
     that gets more rows than its share keeps those of highest score; so do ``gather_state`` /
     ``load_state`` (a module's state dict).
 
+    **Admission.** With ``admit_after=k`` a key gets a row only from its k-th *sighting*: a
+    step (as above: a lookup with insert) in which its shard does not hold it, counted once
+    per step however many times and ranks it appears in the call. Until then a lookup reads
+    it as a zero row (not its initial value) and drops its gradient, and
+    :meth:`statistics` counts it as ``refused`` (once per step and key); ``assign`` admits at
+    once. Each shard counts in a count-min sketch of ``admit_filter_depth`` x
+    ``admit_filter_width`` uint32 counters (``4 * depth * width`` bytes: 16 MiB per shard
+    with the defaults 4 x 2**20): an estimate is never below the true count, and exceeds it by
+    more than ``eps * N`` (N: the shard's sightings, ``eps = e / width``) with probability at
+    most ``delta = exp(-depth)``, which admits such a key early (``sokpy.admission``). With
+    ``max_rows``, admission decides which new keys get a row, eviction which rows stay.
+    ``sokpy.save`` / ``load`` and ``gather_state`` / ``load_state`` keep the counters (at
+    another world size each shard takes the sum of all saved shards': still an upper bound).
+
     Example::
 
         import torch, sokpy
@@ -237,6 +254,10 @@ class DynamicVariable(Table):
         for step in range(3):   # each rank holds at most 4 rows: the oldest go first
             sokpy.lookup_sparse(capped, [[10 * step + k for k in range(4)]], combiners="sum")
         print(capped.statistics())   # collective: rows held, inserted, evicted (summed, and per rank)
+        rare = sokpy.DynamicVariable(8, name="rare", admit_after=3, admit_filter_width=4096)
+        for step in range(3):   # key 5 gets its row at its third sighting; until then it reads zeros
+            sokpy.lookup_sparse(rare, [[5]], combiners="sum")
+        print(len(rare), rare.statistics().refused)   # 1 row, 2 refused lookups
     """
 
     dynamic = True
@@ -253,6 +274,9 @@ class DynamicVariable(Table):
         max_rows: int | None = None,
         evict: str = "lru",
         ttl_steps: int | None = None,
+        admit_after: int | None = None,
+        admit_filter_width: int = AdmissionFilter.WIDTH,
+        admit_filter_depth: int = AdmissionFilter.DEPTH,
     ):
         def positive(name, value):
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
@@ -267,10 +291,12 @@ class DynamicVariable(Table):
                 raise ValueError(f"evict must be one of {', '.join(map(repr, HashStorage.POLICIES))}, got {evict!r}")
             if ttl_steps is not None and evict != "step":
                 raise ValueError(f'ttl_steps needs evict="step", got evict={evict!r}')
+            if admit_after is not None:
+                AdmissionFilter.check(admit_after, admit_filter_width, admit_filter_depth)
 
         self._create(
             f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict} "
-            f"ttl_steps={ttl_steps}",
+            f"ttl_steps={ttl_steps} admit_after={admit_after} admit_filter={admit_filter_depth}x{admit_filter_width}",
             dim,
             target_gpu,
             initializer,
@@ -289,25 +315,32 @@ class DynamicVariable(Table):
         self.storage = HashStorage(
             self.dim, self._init, capacity, localized=self.target_gpu != -1, max_rows=share, policy=evict
         )
+        self.admit_after = None if admit_after is None else int(admit_after)
+        # The shard's sighting counters (sokpy.admission); admit_after=1 admits every key at once: none.
+        self.admission = None
+        if self.admit_after is not None and self.admit_after > 1:
+            self.admission = AdmissionFilter(self.admit_after, admit_filter_width, admit_filter_depth)
 
     def local_size(self) -> int:
         """Rows held on this rank."""
         return self.storage.size
 
     def local_statistics(self) -> TableStatistics:
-        """This rank's rows held, inserted and evicted (local, not collective)."""
+        """This rank's rows held, inserted and evicted, and its lookups refused by admission
+        (local, not collective)."""
         s = self.storage
-        return TableStatistics(s.size, s.inserted, s.evicted)
+        return TableStatistics(s.size, s.inserted, s.evicted, self.admission.refused if self.admission else 0)
 
     @runtime.entry
     def statistics(self) -> TableStatistics:
-        """Rows held, inserted and evicted, summed over the ranks, with each rank's in
-        ``per_rank`` (collective: every rank calls it; every rank gets the same)."""
+        """Rows held, inserted and evicted and lookups refused by admission, summed over the
+        ranks, with each rank's in ``per_rank`` (collective: every rank calls it; every rank
+        gets the same)."""
         with collective.Call("DynamicVariable.statistics", [self]) as call:
             call.agree(None)
-        s = self.storage
-        mine = np.array([s.size, s.inserted, s.evicted], np.int64)
-        ranks = np.asarray(runtime.comm().allgather(mine)).reshape(-1, 3)
+        st = self.local_statistics()
+        mine = np.array([st.rows, st.inserted, st.evicted, st.refused], np.int64)
+        ranks = np.asarray(runtime.comm().allgather(mine)).reshape(-1, 4)
         per_rank = tuple(TableStatistics(*map(int, r)) for r in ranks)
         return TableStatistics(*map(int, ranks.sum(axis=0)), per_rank=per_rank)
 

@@ -483,3 +483,33 @@ def test_set_slot_states_tombstones_and_moves_keep_every_other_key_findable(sokp
     new = s.find(np.array([123456789], np.int64), insert=True)  # an empty slot, a new row
     assert new.tolist() == [12] and int((s.index_rows == -3).sum()) == 6
     assert s.find(both[6:], insert=False).tolist() == list(range(100, 106))
+
+
+# ---- count_sightings, estimate_sightings: admission's count-min sketch --------------------------
+
+
+def test_sightings_count_in_every_row_take_back_exactly_and_saturate(sokpy_host, monkeypatch):
+    """Each key adds one to its counter in each row (the column from the numpy hash of the
+    definition), -1 takes a count back, the estimate is the least of a key's counters, and a
+    saturated counter stays at 2^32 - 1 (still an upper bound) through a take-back."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
+    from admit_worker import columns
+
+    from sokpy import runtime
+    from sokpy.admission import AdmissionFilter
+
+    f = AdmissionFilter(2, width=64, depth=3)
+    keys = np.array([5, -(2**63), 2**63 - 1, 77], np.int64)
+    args = (keys, np.zeros(4, np.int64), 4, np.array([f.counters.ctypes.data], np.uint64), np.array([3, 64], np.int64))
+    for delta in (1, 1, -1):
+        runtime.launch("count_sightings", 4, 3, (*args, delta))
+    want = np.zeros((3, 64), np.int64)
+    cols = columns(keys, 3, 64)
+    for r in range(3):
+        np.add.at(want[r], cols[r], 1)
+    assert np.array_equal(f.counters, want)
+    assert np.array_equal(f.estimate(keys), want[np.arange(3)[:, None], cols].min(axis=0))
+    f.counters[:] = np.iinfo(np.uint32).max
+    runtime.launch("count_sightings", 4, 3, (*args, 1))
+    runtime.launch("count_sightings", 4, 3, (*args, -1))
+    assert (f.counters == np.iinfo(np.uint32).max).all() and (f.estimate(keys) == 2**32 - 1).all()

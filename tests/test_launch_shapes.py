@@ -66,6 +66,7 @@ def test_host_and_device_launch_shapes_give_identical_results(tmp_path, host_res
         assert set(a["launched"]) - library_sorted == set(b["launched"]) - in_parallel
         assert int(a["r0_growths"][0]) >= 1  # the dynamic table grew during the run
         assert int(a["r0_capped_evicted"][0]) > 0  # the capped table evicted rows
+        assert sum(a[f"r{r}_admit_keys"].size for r in range(nranks)) > 0  # admission admitted keys
         launched = {str(n) for n in a["launched"]} | {str(n) for n in b["launched"]}
     if nranks > 1:  # an exchange at 2+ ranks launches every kernel there is, in one of the shapes
         missing = all_kernels() - launched

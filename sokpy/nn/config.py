@@ -55,7 +55,8 @@ class EmbeddingBagConfig:
     the module's for this table; ``init_fn`` a ``torch.nn.init``-style function instead of
     ``initializer`` (static tables; see the module's text); ``data_type`` "float32"
     (half-precision rows are not implemented yet); ``max_rows``, ``evict`` and ``ttl_steps``
-    cap a dynamic table and choose what it evicts (:class:`sokpy.DynamicVariable`).
+    cap a dynamic table and choose what it evicts, ``admit_after`` gives a key a row only
+    from its k-th sighting (:class:`sokpy.DynamicVariable`).
     """
 
     name: str
@@ -71,6 +72,7 @@ class EmbeddingBagConfig:
     max_rows: int | None = None  # a dynamic table's cap, evict and ttl_steps: see sokpy.DynamicVariable
     evict: str = "lru"
     ttl_steps: int | None = None
+    admit_after: int | None = None
 
 
 @dataclass
@@ -91,6 +93,7 @@ class EmbeddingConfig:
     max_rows: int | None = None
     evict: str = "lru"
     ttl_steps: int | None = None
+    admit_after: int | None = None
 
 
 @dataclass
@@ -107,7 +110,7 @@ class TableSpec:
     initializer: Any
     seed: int | None
     init_fn: Callable | None
-    eviction: dict = field(default_factory=dict)  # max_rows, evict, ttl_steps of a dynamic table
+    eviction: dict = field(default_factory=dict)  # max_rows, evict, ttl_steps, admit_after of a dynamic table
 
 
 # TorchRec's fields that sokpy does not implement, with what to use instead; each is refused
@@ -241,10 +244,14 @@ def table_spec(c, pooled: bool) -> TableSpec:
             )
         elif not callable(init_fn):
             raise ValueError(f"table {name!r}: init_fn must be callable, got {type(init_fn).__name__}")
-    eviction = {k: getattr(c, k) for k in ("max_rows", "evict", "ttl_steps")} if ours else {}
-    if rows is not None and eviction != {"max_rows": None, "evict": "lru", "ttl_steps": None} and ours:
+    eviction = {k: getattr(c, k) for k in ("max_rows", "evict", "ttl_steps", "admit_after")} if ours else {}
+    if (
+        rows is not None
+        and eviction != {"max_rows": None, "evict": "lru", "ttl_steps": None, "admit_after": None}
+        and ours
+    ):
         raise ValueError(
-            f"table {name!r}: max_rows, evict and ttl_steps are for a dynamic table (num_embeddings=None); "
+            f"table {name!r}: max_rows, evict, ttl_steps and admit_after are for a dynamic table (num_embeddings=None); "
             f"this one has num_embeddings={rows}"
         )
     if initializer is None and rows is not None:  # TorchRec's default: uniform in ±sqrt(1 / rows)

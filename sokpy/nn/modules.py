@@ -248,7 +248,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
             )
             if entry is not None:
                 state.update(entry)
-                for k in ("keys", "values", "scores"):  # scores: a capped dynamic table's
+                for k in ("keys", "values", "scores", "sightings"):  # a capped table's, one with admission's
                     if k in entry:
                         state[k] = torch.from_numpy(entry[k])
                 state["slots"] = {n: torch.from_numpy(a) for n, a in entry["slots"].items()}

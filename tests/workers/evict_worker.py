@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 import torch
-from reference import dynamic_owner, uniform_init
+from reference import dynamic_owner, refused_on_every_rank, train_and_check, uniform_init
 
 import sokpy
 
@@ -214,24 +214,16 @@ def stream(tables, refs, opt, seed, steps, world=WORLD):
             evictions += len(before[t] - now)
             returned += len({(t, k) for k in all_keys[t]} & gone)
             gone |= {(t, k) for k in before[t] - now}
-        if tables is not None:
-            ragged = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o)) for v, o in bags[RANK]]
-            outs = sokpy.lookup_sparse(tables, ragged, combiners=["sum"] * 3)
-            for t, (out, ref) in enumerate(zip(outs, refs)):
-                values, offsets = bags[RANK][t]
-                want = np.zeros((NBAGS, DIM), np.float32)
-                for b in range(NBAGS):
-                    for k in values[offsets[b] : offsets[b + 1]].tolist():
-                        want[b] += ref.rows[k]
-                np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
-            sum(o.sum() for o in outs).backward()
-            opt.step()
-            opt.zero_grad()
-        for ref, keys in zip(refs, all_keys):
-            ref.sgd(keys)
-        if tables is not None:
-            for var, ref in zip(tables, refs):
-                check_state(var, ref, f"step {step}")
+        train_and_check(
+            tables,
+            refs,
+            opt,
+            bags[RANK] if tables is not None else None,
+            all_keys,
+            DIM,
+            lambda ref, k: ref.rows[k],
+            lambda v, r, where=f"step {step}": check_state(v, r, where),
+        )
     return refused, evictions, returned
 
 
@@ -324,15 +316,8 @@ def check_args():
         ({"ttl_steps": 3}, "ttl_steps"),  # needs evict="step"
         ({"evict": "step", "ttl_steps": 0}, "ttl_steps"),
     ]
-    for i, (kwargs, word) in enumerate(bad):
-        # Only rank 0 passes the bad argument: every rank must raise the same error.
-        args = kwargs if RANK == 0 else {}
-        try:
-            sokpy.DynamicVariable(4, name=f"bad_args{i}", **args)
-        except sokpy.InputError as e:
-            assert f"bad_args{i}" in str(e) and word in str(e) and "rank 0" in str(e), str(e)
-        else:
-            raise AssertionError(f"{kwargs}: no error on rank {RANK}")
+    # Only rank 0 passes the bad argument: every rank must raise the same error.
+    refused_on_every_rank(lambda name, **kw: sokpy.DynamicVariable(4, name=name, **kw), bad, "bad_args")
     ok = sokpy.DynamicVariable(4, name="good_args", max_rows=5, evict="lfu")
     assert ok.storage.max_rows == -(-5 // WORLD)
     print("args ok")

@@ -174,3 +174,55 @@ def dynamic_owner(keys, world: int) -> np.ndarray:
     """The rank of a dynamic table's keys: mix64(k) % W."""
     with np.errstate(over="ignore"):
         return (_mix64(np.asarray(keys, np.int64).view(np.uint64)) % np.uint64(world)).astype(np.int64)
+
+
+def sum_pooled(values, offsets, value, dim: int) -> np.ndarray:
+    """The "sum" combiner's output of bags ``values[offsets[b]:offsets[b + 1]]``, each key's row
+    given by ``value(key)``, summed in float32 in bag order: float32 [bags, dim]."""
+    out = np.zeros((len(offsets) - 1, dim), np.float32)
+    for b in range(len(offsets) - 1):
+        for k in values[offsets[b] : offsets[b + 1]].tolist():
+            out[b] += value(k)
+    return out
+
+
+def train_and_check(tables, refs, opt, mine, all_keys, dim: int, value, check) -> None:
+    """One step of a stream test on sokpy's ``tables`` (None: the references alone) and their
+    references ``refs`` (which took the step already): this rank's bags ``mine`` ((values,
+    offsets) per table) looked up and compared with the references' sum-pooled rows
+    (``value(ref, key)``), the sum of the outputs trained with ``opt``, the references' SGD
+    on every rank's keys ``all_keys`` (``ref.sgd``), then ``check(var, ref)`` per table."""
+    if tables is not None:
+        import torch
+
+        import sokpy
+
+        ragged = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o)) for v, o in mine]
+        outs = sokpy.lookup_sparse(tables, ragged, combiners="sum")
+        for (values, offsets), out, ref in zip(mine, outs, refs):
+            want = sum_pooled(values, offsets, lambda k, ref=ref: value(ref, k), dim)
+            np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-5, atol=1e-5)
+        sum(o.sum() for o in outs).backward()
+        opt.step()
+        opt.zero_grad()
+    for ref, keys in zip(refs, all_keys):
+        ref.sgd(keys)
+    if tables is not None:
+        for var, ref in zip(tables, refs):
+            check(var, ref)
+
+
+def refused_on_every_rank(make, bad, prefix: str) -> None:
+    """Each ``(kwargs, word)`` of ``bad``, passed on rank 0 only to ``make(name, **kwargs)`` (a
+    collective table creation; the other ranks pass none), must raise the same InputError on
+    every rank, naming the table (``<prefix><i>``), the argument (``word``) and rank 0."""
+    import sokpy
+
+    for i, (kwargs, word) in enumerate(bad):
+        args = kwargs if sokpy.rank() == 0 else {}
+        try:
+            make(f"{prefix}{i}", **args)
+        except sokpy.InputError as e:
+            assert f"{prefix}{i}" in str(e) and word in str(e) and "rank 0" in str(e), str(e)
+        else:
+            raise AssertionError(f"{kwargs}: no error on rank {sokpy.rank()}")

@@ -101,6 +101,26 @@ results["capped_keys"] = capped_keys[capped_order]
 results["capped_values"] = handoff.to_host(capped.storage.values())[capped_order]
 results["capped_evicted"] = np.array([capped.local_statistics().evicted])
 
+# A capped table with admission (a key's row from its second sighting) through 8 steps, and a
+# checkpoint round trip of its counters: count_sightings, estimate_sightings and the insert
+# of the admitted keys before the find.
+admit = sokpy.DynamicVariable(4, max_rows=6 * world, admit_after=2, admit_filter_width=512, name="shape_admit")
+admit_opt = sokpy.optim.SGD([admit], lr=0.1)
+for _ in range(8):
+    mine = [[int(k)] for k in rng.integers(0, 30, 3)]
+    sokpy.lookup_sparse(admit, mine, combiners="sum").pow(2).sum().backward()
+    admit_opt.step()
+    admit_opt.zero_grad()
+sokpy.save(f"{sys.argv[1]}.admit", [admit])
+sokpy.lookup_sparse(admit, [[100 + rank], [101 + rank]], combiners="sum")
+sokpy.load(f"{sys.argv[1]}.admit", [admit])
+admit_keys = handoff.to_host(admit.storage.keys())
+admit_order = np.argsort(admit_keys)
+results["admit_keys"] = admit_keys[admit_order]
+results["admit_values"] = handoff.to_host(admit.storage.values())[admit_order]
+results["admit_counters"] = handoff.to_host(admit.admission.counters)
+results["admit_estimates"] = handoff.to_host(admit.admission.estimate(np.arange(40)))
+
 with torch.no_grad():
     ev = sokpy.lookup_sparse(tables[2], [[5, 10**12], [-3]], combiners="sum", insert=False)
 results["eval"] = ev.numpy().copy()
