@@ -456,8 +456,13 @@ class LookupPlan:
             room = self._make_room(keys, seg_start, nseg) if ts.capped else {}
             if len(room) < len(ts.dynamic):
                 incoming = incoming()
+            need: dict[int, list] = {}  # a table passed several times reserves once, for all its keys
             for i in ts.dynamic:
-                self.tables[i].storage.reserve(room[i].new if i in room else int(incoming[i]))
+                storage = self.tables[i].storage
+                entry = need.setdefault(id(storage), [storage, 0])
+                entry[1] = room[i].new if i in room else entry[1] + int(incoming[i])
+            for storage, new in need.values():
+                storage.reserve(new)
         self._sync_tables()
         rows = runtime.scratch(n, np.int64)
         args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, int(self.insert), rows)
