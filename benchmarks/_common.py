@@ -114,6 +114,14 @@ def summary(times_s) -> dict:
     )
 
 
+def slowest_rank_median_ms(comm, times_s) -> float:
+    """The median over steps of the slowest rank's time per step, in milliseconds: ``times_s``
+    are this rank's step times (seconds), the same steps on every rank (collective)."""
+    import numpy as np
+
+    return float(np.median(np.max(comm.allgather(np.asarray(times_s, np.float64)), axis=0)) * 1e3)
+
+
 # ---- memory bandwidth ----------------------------------------------------------------------------
 
 
@@ -247,6 +255,19 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3, sample_s: float 
 
 
 # ---- machine --------------------------------------------------------------------------------------
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
 def machine_info() -> dict:

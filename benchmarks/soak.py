@@ -25,7 +25,6 @@ import _common  # noqa: E402
 _common.set_threads_early()
 
 import argparse  # noqa: E402
-import resource  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -33,15 +32,6 @@ import torch  # noqa: E402
 import train_dlrm  # noqa: E402
 
 import sokpy  # noqa: E402
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
 def main(argv=None) -> int:
@@ -84,13 +74,13 @@ def main(argv=None) -> int:
         grow_opt.zero_grad()
         times.append(time.perf_counter() - t0)
         if (step + 1) % args.window == 0 or step + 1 == args.steps:
-            slowest = np.max(comm.allgather(np.array(times[-args.window :])), axis=0)
+            median_ms = _common.slowest_rank_median_ms(comm, times[-args.window :])
             rows = len(growing)  # collective
             row = dict(
                 step=step + 1,
-                median_ms=float(np.median(slowest) * 1e3),
-                rss_mb=rss_mb(),
-                peak_rss_mb=peak_rss_mb(),
+                median_ms=median_ms,
+                rss_mb=_common.rss_mb(),
+                peak_rss_mb=_common.peak_rss_mb(),
                 dynamic_rows=rows,
                 dynamic_mb=rows * args.dim * 4 * 2 / 2**20,  # values + Adagrad sums, over all ranks
             )

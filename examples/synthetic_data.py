@@ -41,7 +41,7 @@ import torch
 
 import sokpy
 
-__all__ = ["SparseFeature", "Batch", "SyntheticClicks"]
+__all__ = ["SparseFeature", "DriftingFeature", "Batch", "SyntheticClicks"]
 
 CHUNK = 256  # samples per independently seeded block
 
@@ -56,6 +56,25 @@ class SparseFeature:
     max_hotness: int = 1
     combiner: str = "sum"
     zipf: float = 1.1
+    score_std: float = 0.8
+
+
+@dataclass(frozen=True)
+class DriftingFeature:
+    """A categorical feature whose popular keys drift: at step ``s`` the key of popularity rank
+    ``r`` (``0 <= r < ranks``, probability ``~ (r + 1) ** -zipf``, a continuous power law
+    floored to ranks) is id ``r + floor(s * drift)``, so every step the ranking moves ``drift``
+    ids along an unbounded id line: new ids keep arriving at the tail, rise to the head and
+    leave. Keys are the ids scrambled over the whole int64 range (a bijective 64-bit mix of the
+    feature's index and the id, so features never share keys); hidden scores (and factors) are
+    hashes of the key, so the id space needs no memory. Bags as :class:`SparseFeature`'s."""
+
+    name: str
+    ranks: int
+    drift: float
+    max_hotness: int = 1
+    combiner: str = "sum"
+    zipf: float = 1.05
     score_std: float = 0.8
 
 
@@ -82,18 +101,74 @@ class _FeatureTruth:
         self.score = rng.normal(0.0, feature.score_std, feature.rows)
         self.factor = rng.normal(0.0, factor_dim**-0.5, (feature.rows, factor_dim))
 
-    def sample(self, rng: np.random.Generator, n: int) -> _Bags:
+    def sample(self, rng: np.random.Generator, n: int, step: int) -> _Bags:
         lengths = rng.integers(1, self.feature.max_hotness + 1, size=n)
         ranks = np.searchsorted(self.cdf, rng.random(int(lengths.sum())), side="right")
         return _Bags(lengths, self.key_of_rank[np.minimum(ranks, self.feature.rows - 1)])
 
-    def pool(self, table: np.ndarray, bags: _Bags) -> np.ndarray:
-        """The feature's combiner over each bag of ``table[key]`` rows."""
+    def scores(self, keys: np.ndarray) -> np.ndarray:
+        return self.score[keys]
+
+    def factors(self, keys: np.ndarray) -> np.ndarray:
+        return self.factor[keys]
+
+    def pool(self, values: np.ndarray, bags: _Bags) -> np.ndarray:
+        """The feature's combiner over each bag of ``values`` (one per key of ``bags``)."""
         starts = np.cumsum(bags.lengths) - bags.lengths
-        pooled = np.add.reduceat(table[bags.keys], starts, axis=0)
+        pooled = np.add.reduceat(values, starts, axis=0)
         if self.feature.combiner == "mean":
             pooled /= bags.lengths.reshape((-1,) + (1,) * (pooled.ndim - 1))
         return pooled
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a bijection of uint64) of int64 or uint64 ``x``, as uint64."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def _hashed_normal(keys: np.ndarray, salt: int, std: float) -> np.ndarray:
+    """A normal draw N(0, std) per key (float64, the shape of ``keys``), a pure function of
+    (key, salt): Box-Muller over two 53-bit uniforms from two hashes."""
+    h = _mix64(keys.view(np.uint64) ^ np.uint64(salt))
+    u1 = ((h >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+    u2 = (_mix64(h) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+class _DriftingTruth(_FeatureTruth):
+    """The hidden world of a :class:`DriftingFeature`: no per-key arrays, everything hashed."""
+
+    def __init__(self, feature: DriftingFeature, index: int, rng: np.random.Generator, factor_dim: int):
+        self.feature, self.index, self.factor_dim = feature, index, factor_dim
+        self.score_salt, self.factor_salt = (int(s) for s in rng.integers(0, 2**63, size=2))
+
+    def ids(self, rng: np.random.Generator, n: int, step: int) -> np.ndarray:
+        """``n`` ids drawn at ``step``: a power-law rank by inversion, moved by the drift."""
+        f = self.feature
+        a = 1.0 - f.zipf  # x ~ x ** -zipf on [1, ranks + 1), inverted in closed form
+        top = (f.ranks + 1.0) ** a
+        x = (1.0 + rng.random(n) * (top - 1.0)) ** (1.0 / a)
+        ranks = np.minimum(x.astype(np.int64) - 1, f.ranks - 1)
+        return ranks + int(step * f.drift)
+
+    def sample(self, rng: np.random.Generator, n: int, step: int) -> _Bags:
+        lengths = rng.integers(1, self.feature.max_hotness + 1, size=n)
+        ids = self.ids(rng, int(lengths.sum()), step)
+        return _Bags(lengths, _mix64((np.int64(self.index) << np.int64(48)) | ids).view(np.int64))
+
+    def scores(self, keys: np.ndarray) -> np.ndarray:
+        return _hashed_normal(keys, self.score_salt, self.feature.score_std)
+
+    def factors(self, keys: np.ndarray) -> np.ndarray:
+        salts = self.factor_salt + np.arange(self.factor_dim, dtype=np.uint64)
+        return _hashed_normal(keys[:, None], salts, self.factor_dim**-0.5)
 
 
 class SyntheticClicks:
@@ -112,20 +187,27 @@ class SyntheticClicks:
         self.features = list(features)
         self.num_dense = num_dense
         self.seed, self.bias, self.noise_std = seed, bias, noise_std
-        self.truth = [_FeatureTruth(f, truth_rng, factor_dim) for f in self.features]
+        self.truth = [
+            _DriftingTruth(f, i, truth_rng, factor_dim)
+            if isinstance(f, DriftingFeature)
+            else _FeatureTruth(f, truth_rng, factor_dim)
+            for i, f in enumerate(self.features)
+        ]
         self.dense_weight = truth_rng.normal(0.0, 0.5 / np.sqrt(num_dense), num_dense)
 
     def _chunk(self, split: int, step: int, chunk: int):
         """One CHUNK of samples: (dense, bags per feature, labels, noise-free logit)."""
         rng = np.random.default_rng([self.seed, 1 + split, step, chunk])
         dense = rng.standard_normal((CHUNK, self.num_dense))
-        bags = [truth.sample(rng, CHUNK) for truth in self.truth]
+        bags = [truth.sample(rng, CHUNK, step) for truth in self.truth]
         logit = self.bias + dense @ self.dense_weight
         for truth, feature_bags in zip(self.truth, bags):
-            logit += truth.pool(truth.score, feature_bags)
+            logit += truth.pool(truth.scores(feature_bags.keys), feature_bags)
         if len(self.truth) >= 2:  # the planted pairwise interaction of the first two features
-            first, second = self.truth[:2]
-            logit += np.einsum("ij,ij->i", first.pool(first.factor, bags[0]), second.pool(second.factor, bags[1]))
+            (first, second), (b0, b1) = self.truth[:2], bags[:2]
+            logit += np.einsum(
+                "ij,ij->i", first.pool(first.factors(b0.keys), b0), second.pool(second.factors(b1.keys), b1)
+            )
         noisy = logit + rng.normal(0.0, self.noise_std, CHUNK)
         labels = rng.random(CHUNK) < 1.0 / (1.0 + np.exp(-noisy))
         return dense, bags, labels, logit

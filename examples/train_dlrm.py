@@ -167,7 +167,7 @@ class DLRM(nn.Module):
         grad_reduction: str = "sum",
     ):
         super().__init__()
-        num_sparse = len(tables)
+        num_sparse = sum(len(t.feature_names) or 1 for t in tables)  # a table's features, or its name
         self.sparse = EmbeddingBagCollection(tables, wire_dtype=wire_dtype, grad_reduction=grad_reduction)
         self.bottom = mlp([num_dense, *bottom, dim])
         vectors = num_sparse + 1
@@ -202,7 +202,8 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 class Trainer:
     """The model, its tables and optimizers, and this rank's part of every global batch."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, features=None, tables=None):
+        """``features`` and ``tables`` (their ``EmbeddingBagConfig``s) replace the job's own."""
         self.args = args
         self.comm = sokpy.comm()
         rank, world = self.comm.rank, self.comm.size
@@ -211,7 +212,9 @@ class Trainer:
         # This rank's contiguous slice of every global batch.
         self.lo, self.hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
 
-        self.features, tables = table_configs(world, args.dim, args.seed)
+        if features is None:
+            features, tables = table_configs(world, args.dim, args.seed)
+        self.features = features
         self.data = SyntheticClicks(self.features, num_dense=args.num_dense, seed=args.seed)
 
         torch.manual_seed(args.seed)
@@ -237,10 +240,15 @@ class Trainer:
     def logits(self, batch, model: nn.Module) -> torch.Tensor:
         return model(batch.dense, keyed(self.features, batch.sparse))
 
-    def train_step(self, step: int) -> float:
-        """One step on the global batch; returns this rank's summed BCE."""
-        batch = self.data.batch(TRAIN, step, self.lo, self.hi)
-        bce = F.binary_cross_entropy_with_logits(self.logits(batch, self.model), batch.labels, reduction="sum")
+    def train_step(self, step: int, batch=None) -> float:
+        """One step on the global batch (this rank's part of it: ``batch``, default the job's
+        own); returns this rank's summed BCE. ``self.scored`` keeps the step's labels and the
+        logits it trained on, made before the update (a test-then-train score of the batch)."""
+        if batch is None:
+            batch = self.data.batch(TRAIN, step, self.lo, self.hi)
+        logits = self.logits(batch, self.model)
+        self.scored = (batch.labels, logits.detach())
+        bce = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         (bce / self.args.batch_size).backward()
         self.sparse_opt.step()
         self.dense_opt.step()

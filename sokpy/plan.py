@@ -471,8 +471,13 @@ class LookupPlan:
             new = {} if step is None else step.new
             if len(new) < len(ts.dynamic):
                 incoming = incoming()
+            need: dict[int, list] = {}  # a table passed several times reserves once, for all its keys
             for i in ts.dynamic:
-                self.tables[i].storage.reserve(new[i] if i in new else int(incoming[i]))
+                storage = self.tables[i].storage
+                entry = need.setdefault(id(storage), [storage, 0])
+                entry[1] = new[i] if i in new else entry[1] + int(incoming[i])
+            for storage, count in need.values():
+                storage.reserve(count)
             if step is not None and ts.admitting:
                 self._insert_admitted(keys, step)
         self._sync_tables()

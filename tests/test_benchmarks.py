@@ -98,3 +98,24 @@ def test_soak_script_runs(tmp_path):
     report = json.loads(out.read_text())
     assert [w["step"] for w in report["windows"]] == [3, 6]
     assert report["windows"][-1]["dynamic_rows"] >= 6 * 2 * 8  # every fresh key of both ranks is a row
+
+
+def test_streaming_soak_script_runs(tmp_path):
+    """benchmarks/soak_stream.py end to end, briefly, at one rank: the capped tables fill,
+    evict and stay at their cap, the uncapped one holds every key, and the report has the
+    issue's goals (its numbers come from the long run, docs/benchmarks.md)."""
+    out = tmp_path / "soak_stream.json"
+    args = [str(ROOT / "benchmarks" / "soak_stream.py"), "--steps", "6", "--window", "3", "--batch-size", "64"]
+    run(
+        [*args, "--max-rows", "300", "--variants", "uncapped,lru,lfu", "--auc-windows", "1", "--out", str(out)],
+        tmp_path,
+    )
+    report = json.loads(out.read_text())
+    first, last = report["windows"]
+    assert [first["step"], last["step"]] == [3, 6]
+    assert last["uncapped"]["rows"] == last["uncapped"]["inserted"] > 300 and last["uncapped"]["evicted"] == 0
+    for kind in ("lru", "lfu"):
+        w = last[kind]
+        assert w["rows"] == 300 and w["inserted"] - w["evicted"] == 300 and w["inserted"] > w["rows"]
+        assert 0.0 <= w["hit_rate"] < last["uncapped"]["hit_rate"] <= 1.0
+        assert {"step_time_ratio", "auc_diff", "memory_met"} <= set(report["summary"]["goals"][kind])

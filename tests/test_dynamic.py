@@ -80,6 +80,19 @@ def test_keys_sharing_a_hashed_sort_value_train_as_one_key_each(sokpy_host):
     np.testing.assert_allclose(rows[k2], want, rtol=1e-6)
 
 
+def test_a_table_passed_twice_grows_for_the_keys_of_both(sokpy_host):
+    """One dynamic table under several features in one call (an EmbeddingBagCollection
+    config with several feature_names): its row store grows for the new keys of all of them.
+    It used to reserve for each feature's keys alone, so the insert wrote past the row store
+    (24 rows into 16 here; heap corruption, a crash later)."""
+    sokpy = sokpy_host
+    var = sokpy.DynamicVariable(4, initializer=0.0, name="passed_twice", capacity=16)
+    a, b = sokpy.lookup_sparse([var, var], [[[k] for k in range(12)], [[100 + k] for k in range(12)]])
+    assert var.local_size() == 24 and var.storage.capacity >= 24
+    keys, _ = sokpy.export(var)
+    assert sorted(keys.tolist()) == [*range(12), *range(100, 112)]
+
+
 def test_row_wise_and_element_wise_slots_share_a_row(sokpy_host):
     """A slot is ``dim`` floats or (row-wise) one, in the order the slots were added; new rows
     (inserted, or in a grown row store, or in a shard built beside: ``new_like``) start every
