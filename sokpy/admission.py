@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import handoff, runtime
+from .sorting import distinct
 
 __all__ = ["AdmissionFilter", "Sightings", "sight", "without_refused", "resharded", "loaded", "shares"]
 
@@ -141,12 +142,7 @@ def sight(filters: dict, keys, rows, tab, ntables: int) -> Sightings:
     on = np.zeros(ntables, bool)
     on[list(filters)] = True
     sel = xp.asarray(on)[tab] & (rows < 0)
-    k, t = keys[sel], tab[sel]
-    order = xp.lexsort(xp.stack([k, t]))
-    k, t = k[order], t[order]
-    head = xp.ones(int(k.shape[0]), bool)
-    head[1:] = (k[1:] != k[:-1]) | (t[1:] != t[:-1])
-    k, t = xp.ascontiguousarray(k[head]), xp.ascontiguousarray(t[head])
+    k, t = (xp.ascontiguousarray(c) for c in distinct([keys[sel], tab[sel]]))
     n = int(k.shape[0])
     _count(filters, k, t, ntables, 1)
     est = xp.zeros(n, np.int64)

@@ -109,3 +109,16 @@ def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
         runtime.launch("radix_scatter_digits", nchunks, 1, (*args, counts, dst))
         src, dst = dst, src
     return src
+
+
+def distinct(columns: list) -> list:
+    """The distinct tuples of ``columns`` (equal-length int64 arrays of the backend), sorted as
+    ``lexsort`` sorts them (the last column first): one array per column."""
+    xp = runtime.xp()
+    order = xp.lexsort(xp.stack(columns))
+    columns = [c[order] for c in columns]
+    head = xp.ones(int(order.shape[0]), bool)
+    head[1:] = False
+    for c in columns:
+        head[1:] |= c[1:] != c[:-1]
+    return [c[head] for c in columns]

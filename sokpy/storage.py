@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import handoff, kernels, runtime
+from .sorting import distinct
 
 __all__ = [
     "Storage",
@@ -525,12 +526,7 @@ def plan_room(storages: dict, keys, rows, tab, ntables: int) -> dict:
     sel = xp.asarray(capped)[tab]
     t, new = tab[sel], rows[sel] < 0
     value = xp.where(new, keys[sel], rows[sel])
-    new = new.astype(np.int64)
-    order = xp.lexsort(xp.stack([value, new, t]))
-    t, new, value = t[order], new[order], value[order]
-    head = xp.ones(int(t.shape[0]), bool)
-    head[1:] = (t[1:] != t[:-1]) | (new[1:] != new[:-1]) | (value[1:] != value[:-1])
-    t, new, value = t[head], new[head], value[head]
+    value, new, t = distinct([value, new.astype(np.int64), t])
     # Per table, the held rows come first, then the new keys.
     counts = handoff.to_host(xp.bincount(t * 2 + new, minlength=2 * ntables)).astype(np.int64)
     start = np.concatenate([[0], np.cumsum(counts)])
