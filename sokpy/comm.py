@@ -326,7 +326,11 @@ class LeaveNotices:
     thread, while its main thread may be blocked in a collective on another communicator.
 
     Unread notices (every rank sends them at the end of a normal run, when nobody polls any
-    more) stay in MPI's queue of unexpected messages and are dropped with the communicator."""
+    more) stay in MPI's queue of unexpected messages. MPI may hand such a message to a later
+    communicator that reuses the freed one's context (``sokpy.shutdown()`` then ``init()``
+    in one process: the peers' notices of the first run arrive on the second run's channel),
+    so every channel has an identity that its ranks agree on when it is made, each notice
+    carries it, and :meth:`poll` drops notices of another channel."""
 
     def __init__(self, mpi_comm):
         from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
@@ -336,6 +340,8 @@ class LeaveNotices:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self._sending = None  # the last notices' buffer and requests, kept until sent
+        # Rank 0 draws the channel's identity and every rank learns it (collective, like the Dup).
+        self.identity = int(mpi_comm.bcast(int.from_bytes(os.urandom(8), "little") >> 1, root=0))
 
     def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
         """Tells every other rank that this one leaves after ``completed_calls`` collective
@@ -343,7 +349,7 @@ class LeaveNotices:
         MPI sends them eagerly without waiting for the peers)."""
         if self._MPI.Is_finalized():
             return
-        msg = np.array([completed_calls], np.int64)
+        msg = np.array([self.identity, completed_calls], np.int64)
         requests = [self._comm.Isend(msg, dest=p, tag=_LEAVE_TAG) for p in range(self.size) if p != self.rank]
         self._sending = (msg, requests)
         deadline = time.monotonic() + wait_s
@@ -351,13 +357,15 @@ class LeaveNotices:
             time.sleep(0.005)
 
     def poll(self) -> dict[int, int]:
-        """The notices that arrived since the last poll: ``{rank: collective calls it completed}``."""
+        """The notices of this channel that arrived since the last poll: ``{rank: collective
+        calls it completed}`` (a stale notice of an earlier channel is read and dropped)."""
         MPI = self._MPI
-        arrived, status, buf = {}, MPI.Status(), np.empty(1, np.int64)
+        arrived, status, buf = {}, MPI.Status(), np.empty(2, np.int64)
         while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_LEAVE_TAG, status=status):
             source = status.Get_source()
             self._comm.Recv(buf, source=source, tag=_LEAVE_TAG)
-            arrived[source] = int(buf[0])
+            if int(buf[0]) == self.identity:
+                arrived[source] = int(buf[1])
         return arrived
 
     def free(self) -> None:

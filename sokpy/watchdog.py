@@ -139,7 +139,7 @@ def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
         if not _exit_hook_registered:
             # Runs before mpi4py finalizes MPI (its hook was registered when MPI was loaded,
             # before sokpy.init), and also after sys.exit; os._exit and a crash skip it.
-            atexit.register(leave, free=False)
+            atexit.register(_leave_at_exit, os.getpid())
             _exit_hook_registered = True
     if _thread is None and (_timeout_s > 0 or notices is not None):
         _thread = threading.Thread(target=_watch, name="sokpy-watchdog", daemon=True)
@@ -160,6 +160,13 @@ def leave(free: bool = True) -> None:
     notices.announce(completed)
     if free:
         notices.free()
+
+
+def _leave_at_exit(pid: int) -> None:
+    # A child forked from this rank that ends through Python's exit runs this hook too; it is not
+    # the rank, and must not tell the peers that the rank left.
+    if os.getpid() == pid:
+        leave(free=False)
 
 
 def _watch() -> None:

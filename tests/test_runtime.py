@@ -150,6 +150,7 @@ def test_ranks_under_mpirun(nranks):
     res = mpi_job(
         nranks, "runtime_worker.py", timeout=120, env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)}
     )
+    assert res.returncode == 0 and "sokpy:" not in res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
     reports = sorted(json_from(res, "runtime_worker"), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == list(range(nranks))
     for r in reports:
@@ -163,6 +164,7 @@ def test_ranks_under_mpirun(nranks):
         assert r["switch_backend"] == "RuntimeError"
         assert r["after_shutdown_initialized"] is False and r["after_shutdown_rank"] == "NotInitializedError"
         assert (r["reinit"], r["reinit_rank"], r["reinit_size"], r["reinit_sum"]) == ("host", r["rank"], nranks, nranks)
+        assert r["reinit_calls"] > 40, r  # well past the 3 calls the first run completed
 
 
 # ---- backend choice and device binding -------------------------------------------------------

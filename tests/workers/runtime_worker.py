@@ -4,14 +4,18 @@ Run under ``sokrun -np N python runtime_worker.py``. The line holds what sokpy r
 world size, local rank, backend) next to what the launcher itself says (Open MPI's
 environment), and the outcome of the lifecycle checks: a second ``init`` returns the first
 one's backend and communicator, ``shutdown`` makes the API refuse with NotInitializedError,
-and ``init`` afterwards works again.
+and ``init`` afterwards works again, also for collective calls past the first run's count
+(the peers' leave notices of the first run do not reach the second run's watchdog).
 """
 
 import json
 import os
+import time
+
+import torch
 
 import sokpy
-from sokpy import runtime
+from sokpy import runtime, watchdog
 
 
 def outcome(fn):
@@ -19,6 +23,13 @@ def outcome(fn):
         return ["ok", fn()]
     except Exception as e:  # the test compares exception class names
         return [type(e).__name__, str(e)]
+
+
+def lookups(n):
+    table = sokpy.Variable(16, 2, name="lookups")
+    ids = torch.tensor([0, 5, 15])
+    for _ in range(n):
+        sokpy.lookup_sparse([table], [ids], combiners=["sum"])
 
 
 def main():
@@ -38,9 +49,16 @@ def main():
         comm_rank=c.rank,
         switch_backend=outcome(lambda: sokpy.init("device"))[0],
     )
+    lookups(3)
     sokpy.shutdown()
     report.update(after_shutdown_initialized=sokpy.is_initialized(), after_shutdown_rank=outcome(sokpy.rank)[0])
-    report["reinit"] = sokpy.init("host")
+    report["reinit"] = sokpy.init("host", timeout=2)  # the watchdog looks every 0.2 s
+    # The peers' leave notices of the first run must not reach the second run's watchdog (MPI
+    # may reuse the freed channel's context): calls past the first run's count go on.
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:
+        lookups(20)
+    report["reinit_calls"] = watchdog._calls
     report.update(
         reinit_rank=sokpy.rank(),
         reinit_size=sokpy.world_size(),
