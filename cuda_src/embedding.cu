@@ -61,7 +61,7 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
             if (dtype == SOKPY_DTYPE_FLOAT32) {
                 out[d] = (float)v;
             } else {
-                ((sokpy_half*)out)[d] = sokpy_narrow((float)v, dtype, 0, 0ULL);
+                ((sokpy_half*)out)[d] = sokpy_narrow((float)v, dtype, 0, 0u);
             }
         }
         if (dtype != SOKPY_DTYPE_FLOAT32 && (dim & 1) && threadIdx.x == 0) ((sokpy_half*)out)[dim] = 0;  // the pad word
@@ -261,7 +261,7 @@ extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, cons
 // bfloat16 is the upper half of a float32's bits: round to nearest even on the 16 bits
 // dropped; any NaN becomes the quiet NaN 0x7FC0. One element per work item (launch dim 1).
 extern "C" __global__ void round_to_bfloat16(const float* src, i64 n, unsigned short* dst) {
-    SOKPY_FOR_KEYS(i, n) dst[i] = (unsigned short)sokpy_float_to_bfloat16(src[i], 0, 0ULL);
+    SOKPY_FOR_KEYS(i, n) dst[i] = (unsigned short)sokpy_float_to_bfloat16(src[i], 0, 0u);
 }
 
 // The float32 of each bfloat16 (exact: its bits followed by 16 zero bits).
@@ -281,9 +281,9 @@ extern "C" __global__ void narrow_values(const float* src, i64 src_stride, i64 n
     SOKPY_FOR_ROWS(i, n) {
         sokpy_half* o = (sokpy_half*)(dst + (dst_rows ? dst_rows[i] : i) * dst_stride);
         const float* x = src + i * src_stride;
-        const u64 row_hash = stochastic ? sokpy_round_row_hash(seed, step, keys[i]) : 0ULL;
+        const sokpy_u32 row_bits = stochastic ? sokpy_round_row_hash(seed, step, keys[i]) : 0u;
         SOKPY_FOR_COLS(d, dim) {
-            o[d] = sokpy_narrow(x[d], dtype, stochastic, stochastic ? sokpy_round_bits(row_hash, d) : 0ULL);
+            o[d] = sokpy_narrow(x[d], dtype, stochastic, stochastic ? sokpy_round_bits(row_bits, d) : 0u);
         }
         if ((dim & 1) && threadIdx.x == 0) o[dim] = 0;
     }

@@ -58,7 +58,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     sokpy_rounding rc;     \
     rc.dtype = 0;          \
     rc.stochastic = 0;     \
-    rc.row_hash = 0;
+    rc.row_bits = 0;
 #define SOKPY_UPDATE_ROW(u)                                                                      \
     if (otab[u] != t) {                                                                          \
         t = otab[u];                                                                             \
@@ -76,18 +76,23 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     float* w = data + rows[u] * width;                                                           \
     float* slots = w + vcols;                                                                    \
     const float* g = grad + goff[u];                                                             \
-    if (rc.stochastic) rc.row_hash = sokpy_round_row_hash(seed, step, sokpy_key_of_row(tabs, ptrs, t, rows[u])); \
+    if (rc.stochastic) rc.row_bits = sokpy_round_row_hash(seed, step, sokpy_key_of_row(tabs, ptrs, t, rows[u])); \
     if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == t) {               \
         sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
     }
-// fn<DIM>(values, args..., rc) with the values as float32, float16 or bfloat16 words.
+// fn<DIM>(values, args..., rc) with the values as float32, or as float16 or bfloat16 words
+// rounded to nearest or stochastically (a type each: the loops hold no run-time choice).
 #define SOKPY_UPDATE_CALL(fn, ...)                                                               \
     if (rc.dtype == SOKPY_DTYPE_FLOAT32) {                                                       \
         SOKPY_WITH_DIM(fn, dim, w, __VA_ARGS__, rc)                                              \
+    } else if (rc.dtype == SOKPY_DTYPE_FLOAT16 && rc.stochastic) {                               \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<1>*)w, __VA_ARGS__, rc)                               \
     } else if (rc.dtype == SOKPY_DTYPE_FLOAT16) {                                                \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_f16*)w, __VA_ARGS__, rc)                                  \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<0>*)w, __VA_ARGS__, rc)                               \
+    } else if (rc.stochastic) {                                                                  \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<1>*)w, __VA_ARGS__, rc)                              \
     } else {                                                                                     \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16*)w, __VA_ARGS__, rc)                                 \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<0>*)w, __VA_ARGS__, rc)                              \
     }
 
 // hyper: lr.   w -= lr * g

@@ -69,15 +69,14 @@ __device__ __forceinline__ sokpy_u32 sokpy_select(int c, sokpy_u32 a, sokpy_u32 
 // float32 -> float16 bits. Nearest: round to nearest, ties to even, as numpy's astype(float16)
 // (IEEE): |x| >= 65520 becomes inf, |x| <= 2^-25 a signed zero, subnormals round on their own
 // grid; a NaN stays a NaN of the same sign with the top 10 bits of its payload (or 1 where those
-// are 0, as numpy does); inf stays inf. Stochastic: the low bits of `rnd` (as many as are
+// are 0, as numpy does); inf stays inf. Stochastic: the low bits of `r` (as many as are
 // dropped: 13 for a normal, 14 to 31 for a subnormal) are added to the dropped bits of the
 // magnitude before truncation, so x rounds away from zero with probability (|x| - down) / ulp;
 // a value past 65504 may round to inf, with that probability. Values below 2^-32 become zero
 // (their expected value is below 1/256 of the smallest float16 subnormal, 2^-24).
-__device__ __forceinline__ sokpy_u32 sokpy_float_to_half(float x, int stochastic, u64 rnd) {
+__device__ __forceinline__ sokpy_u32 sokpy_float_to_half(float x, int stochastic, sokpy_u32 r) {
     // Every case is computed and one is selected, in 32-bit integers.
     const sokpy_u32 f = sokpy_float_bits(x);
-    const sokpy_u32 r = (sokpy_u32)rnd;
     const sokpy_u32 sign = (f >> 16) & 0x8000u;
     const sokpy_u32 e = (f >> 23) & 0xffu;
     const sokpy_u32 m = f & 0x7fffffu;
@@ -102,68 +101,82 @@ __device__ __forceinline__ sokpy_u32 sokpy_float_to_half(float x, int stochastic
 
 // float32 -> bfloat16 bits (the upper half of a float32). Nearest: round to nearest, ties to
 // even on the 16 bits dropped (a carry may give inf); any NaN becomes the quiet NaN 0x7FC0
-// (torch's rule). Stochastic: the low 16 bits of `rnd` are added to the dropped bits.
-__device__ __forceinline__ sokpy_u32 sokpy_float_to_bfloat16(float x, int stochastic, u64 rnd) {
+// (torch's rule). Stochastic: the low 16 bits of `r` are added to the dropped bits.
+__device__ __forceinline__ sokpy_u32 sokpy_float_to_bfloat16(float x, int stochastic, sokpy_u32 r) {
     const sokpy_u32 f = sokpy_float_bits(x);
     if ((f & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    const sokpy_u32 inc = stochastic ? (sokpy_u32)(rnd & 0xffffu) : 0x7fffu + ((f >> 16) & 1u);
+    const sokpy_u32 inc = stochastic ? (r & 0xffffu) : 0x7fffu + ((f >> 16) & 1u);
     return (f + inc) >> 16;
 }
 
 __device__ __forceinline__ float sokpy_widen(sokpy_u32 h, int dtype) {
     return dtype == SOKPY_DTYPE_FLOAT16 ? sokpy_half_to_float(h) : sokpy_bfloat16_to_float(h);
 }
-__device__ __forceinline__ sokpy_half sokpy_narrow(float x, int dtype, int stochastic, u64 rnd) {
-    return (sokpy_half)(dtype == SOKPY_DTYPE_FLOAT16 ? sokpy_float_to_half(x, stochastic, rnd)
-                                                     : sokpy_float_to_bfloat16(x, stochastic, rnd));
+__device__ __forceinline__ sokpy_half sokpy_narrow(float x, int dtype, int stochastic, sokpy_u32 r) {
+    return (sokpy_half)(dtype == SOKPY_DTYPE_FLOAT16 ? sokpy_float_to_half(x, stochastic, r)
+                                                     : sokpy_float_to_bfloat16(x, stochastic, r));
 }
 
 // ---- stochastic rounding's random bits -------------------------------------------------------
-// A pure function of (table seed, step, key, column), no state: the table's seed (as its
-// initial values use, sokpy_row_hash's streams 0 and 1) on stream 2 + step, where step is the
-// table's step count in its optimizer after the update (1 at the first step), and column d
-// mixed in as sokpy_uniform01 does:
-//   bits(d) = mix64(row_hash(seed, key, 2 + step) xor d * 0xD1B54A32D192ED03)
-__device__ __forceinline__ u64 sokpy_round_row_hash(u64 seed, i64 step, i64 key) {
-    return sokpy_row_hash(seed, (u64)key, 2ULL + (u64)step);
+// A pure function of (table seed, step, key, column), no state. Per row, 64 bits from
+// splitmix64 (sokpy_row_hash, as the initial values use it on streams 0 and 1) on stream
+// 2 + step, where step is the table's step count in its optimizer after the update (1 at the
+// first step), folded to 32 bits; per column d, murmur3's 32-bit finalizer of the row's word
+// xor d * 0x9E3779B9 (32-bit multiplies, which a CPU's vector units have and 64-bit ones lack):
+//   row(k)  = mix64(mix64(seed * 0x9E3779B97F4A7C15 + 2 + step) xor k)
+//   bits(d) = fmix32(lo32(row) xor hi32(row) xor d * 0x9E3779B9)
+__device__ __forceinline__ sokpy_u32 sokpy_round_row_hash(u64 seed, i64 step, i64 key) {
+    const u64 h = sokpy_row_hash(seed, (u64)key, 2ULL + (u64)step);
+    return (sokpy_u32)h ^ (sokpy_u32)(h >> 32);
 }
-__device__ __forceinline__ u64 sokpy_round_bits(u64 row_hash, int d) {
-    return sokpy_mix64(row_hash ^ ((u64)d * 0xd1b54a32d192ed03ULL));
+__device__ __forceinline__ sokpy_u32 sokpy_round_bits(sokpy_u32 row, int d) {
+    sokpy_u32 h = row ^ ((sokpy_u32)d * 0x9e3779b9u);
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
 }
 
 // How a row's values are read and written by the update templates (optimizers.cu): the same
-// template takes float32 values (float*) or 16-bit ones (sokpy_f16*, sokpy_bf16*: the type picks
-// the conversion at compile time), and for float32 it compiles to the plain loads and stores it
-// had before.
+// template takes float32 values (float*) or 16-bit ones (sokpy_f16<SR>*, sokpy_bf16<SR>*: the
+// type picks the conversion and the rounding, SR = 1 stochastic, at compile time), and for
+// float32 it compiles to the plain loads and stores it had before.
 struct sokpy_rounding {
     int dtype, stochastic;
-    u64 row_hash;  // sokpy_round_row_hash of the row (stochastic only)
+    sokpy_u32 row_bits;  // sokpy_round_row_hash of the row (stochastic only)
 };
 #ifdef SOKPY_HOST
 #define SOKPY_MAY_ALIAS __attribute__((may_alias))
 #else
 #define SOKPY_MAY_ALIAS
 #endif
+template <int SR>
 struct SOKPY_MAY_ALIAS sokpy_f16 {
     unsigned short bits;
 };
+template <int SR>
 struct SOKPY_MAY_ALIAS sokpy_bf16 {
     unsigned short bits;
 };
 __device__ __forceinline__ float sokpy_get(const float* __restrict__ w, int d, const sokpy_rounding&) { return w[d]; }
 __device__ __forceinline__ void sokpy_put(float* __restrict__ w, int d, float x, const sokpy_rounding&) { w[d] = x; }
-__device__ __forceinline__ float sokpy_get(const sokpy_f16* __restrict__ w, int d, const sokpy_rounding&) {
+template <int SR>
+__device__ __forceinline__ float sokpy_get(const sokpy_f16<SR>* __restrict__ w, int d, const sokpy_rounding&) {
     return sokpy_half_to_float(w[d].bits);
 }
-__device__ __forceinline__ void sokpy_put(sokpy_f16* __restrict__ w, int d, float x, const sokpy_rounding& r) {
-    w[d].bits = (unsigned short)sokpy_float_to_half(x, r.stochastic, r.stochastic ? sokpy_round_bits(r.row_hash, d) : 0ULL);
+template <int SR>
+__device__ __forceinline__ void sokpy_put(sokpy_f16<SR>* __restrict__ w, int d, float x, const sokpy_rounding& r) {
+    w[d].bits = (unsigned short)sokpy_float_to_half(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
 }
-__device__ __forceinline__ float sokpy_get(const sokpy_bf16* __restrict__ w, int d, const sokpy_rounding&) {
+template <int SR>
+__device__ __forceinline__ float sokpy_get(const sokpy_bf16<SR>* __restrict__ w, int d, const sokpy_rounding&) {
     return sokpy_bfloat16_to_float(w[d].bits);
 }
-__device__ __forceinline__ void sokpy_put(sokpy_bf16* __restrict__ w, int d, float x, const sokpy_rounding& r) {
-    w[d].bits =
-        (unsigned short)sokpy_float_to_bfloat16(x, r.stochastic, r.stochastic ? sokpy_round_bits(r.row_hash, d) : 0ULL);
+template <int SR>
+__device__ __forceinline__ void sokpy_put(sokpy_bf16<SR>* __restrict__ w, int d, float x, const sokpy_rounding& r) {
+    w[d].bits = (unsigned short)sokpy_float_to_bfloat16(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
 }
 
 // o = 0 + w * r (first) or o += w * r over a half row r: sokpy_row_axpy of the widened values.

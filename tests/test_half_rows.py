@@ -132,13 +132,20 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 def round_bits(seed: int, step: int, keys: np.ndarray, dim: int) -> np.ndarray:
-    """The documented random bits [n, dim] (docs/numerics.md): mix64(row_hash(seed, key, 2 +
-    step) xor d * 0xD1B54A32D192ED03)."""
+    """The documented random bits, uint32 [n, dim] (docs/numerics.md): the row's splitmix64
+    hash row = mix64(mix64(seed * 0x9E3779B97F4A7C15 + 2 + step) xor key), folded to 32 bits,
+    then per column murmur3's fmix32(fold xor d * 0x9E3779B9)."""
     with np.errstate(over="ignore"):
         s = np.uint64((seed * 0x9E3779B97F4A7C15 + 2 + step) & M64)
         row = mix64(mix64(np.array([s], np.uint64)) ^ keys.astype(np.int64).view(np.uint64))
-        cols = np.arange(dim, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
-        return mix64(row[:, None] ^ cols[None, :])
+        fold = (row & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ (row >> np.uint64(32)).astype(np.uint32)
+        h = fold[:, None] ^ (np.arange(dim, dtype=np.uint32) * np.uint32(0x9E3779B9))[None, :]
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+        return h
 
 
 def stochastic_reference(x: np.ndarray, dtype: str, bits: np.ndarray) -> np.ndarray:
@@ -146,7 +153,7 @@ def stochastic_reference(x: np.ndarray, dtype: str, bits: np.ndarray) -> np.ndar
     type, down (towards zero) and up; of x's float32 significand the type drops S bits (S =
     log2(ulp16 / ulp32)), whose value is ``dropped``; x goes up when the low S random bits plus
     ``dropped`` reach 2^S, i.e. with probability dropped / 2^S = (|x| - down) / ulp16. (Finite
-    x with |x| >= 2^-14 here: float16 normals, any finite bfloat16.)"""
+    x with |x| >= 2^-32 and S <= 31: float16 normals and subnormals, finite bfloat16.)"""
     a = np.abs(x.astype(np.float64))
     ulp32 = np.spacing(np.abs(x)).astype(np.float64)
     if dtype == "float16":
@@ -162,7 +169,7 @@ def stochastic_reference(x: np.ndarray, dtype: str, bits: np.ndarray) -> np.ndar
     s = np.round(np.log2((up - down64) / ulp32)).astype(np.uint64)
     dropped = ((a - down64) / ulp32).astype(np.uint64)
     mask = (np.uint64(1) << s) - np.uint64(1)
-    away = (bits & mask) + dropped >= (np.uint64(1) << s)
+    away = (bits.astype(np.uint64) & mask) + dropped >= (np.uint64(1) << s)
     value = np.where(away, up, down64) * np.sign(x)
     return value.astype(np.float32).astype(np.float16 if dtype == "float16" else np.float32)
 
