@@ -5,9 +5,15 @@ training with SGD, Adagrad and RowWiseAdagrad bit for bit against a numpy refere
 the same float32 update and the same rounding; lookups, checkpoints and state dicts.
 All in this process, at one rank (the launch-shape worker runs them at 2 and 3 ranks)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from reference import _mix64, table_seed  # noqa: E402
 
 M64 = (1 << 64) - 1
 
@@ -122,22 +128,13 @@ def test_widening_is_exact_for_every_16_bit_word(sokpy_host):
 # ---- stochastic rounding ---------------------------------------------------------------------------
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 (wrap-around), as cuda_src/sokpy_common.cuh."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def round_bits(seed: int, step: int, keys: np.ndarray, dim: int) -> np.ndarray:
     """The documented random bits, uint32 [n, dim] (docs/numerics.md): the row's splitmix64
     hash row = mix64(mix64(seed * 0x9E3779B97F4A7C15 + 2 + step) xor key), folded to 32 bits,
     then per column murmur3's fmix32(fold xor d * 0x9E3779B9)."""
     with np.errstate(over="ignore"):
         s = np.uint64((seed * 0x9E3779B97F4A7C15 + 2 + step) & M64)
-        row = mix64(mix64(np.array([s], np.uint64)) ^ keys.astype(np.int64).view(np.uint64))
+        row = _mix64(_mix64(np.array([s], np.uint64)) ^ keys.astype(np.int64).view(np.uint64))
         fold = (row & np.uint64(0xFFFFFFFF)).astype(np.uint32) ^ (row >> np.uint64(32)).astype(np.uint32)
         h = fold[:, None] ^ (np.arange(dim, dtype=np.uint32) * np.uint32(0x9E3779B9))[None, :]
         h ^= h >> np.uint32(16)
@@ -246,7 +243,7 @@ def test_training_matches_a_numpy_reference_bit_for_bit(sokpy_host, dtype, round
     }[opt]()
     universe = np.arange(rows) if kind == "static" else rng.integers(-(2**62), 2**62, rows)
     ref: dict = {}  # key -> (row, accumulator) in float32
-    seed = var.storage.init.seed
+    seed = table_seed(0, name)  # the table's documented seed (docs/numerics.md)
     for step in range(1, 5):
         keys = rng.choice(universe, 12, replace=False).astype(np.int64)
         up = rng.normal(0, 1, (12, dim)).astype(np.float32)
