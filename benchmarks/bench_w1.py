@@ -88,16 +88,31 @@ class Jagged:
 class SokpyContestant:
     name = "sokpy"
 
-    def __init__(self, wl):
+    def __init__(self, wl, dtype: str = "float32", init_tables=None):
+        """``dtype``: the tables' values (float16 / bfloat16: half-precision rows, stochastic
+        rounding), starting from ``init_tables`` (rounded to nearest) when given."""
         import sokpy
 
         self.sokpy = sokpy
         sokpy.init(backend="host")
         self.wl = wl
+        if dtype != "float32":
+            self.name = {"float16": "sokpy_fp16", "bfloat16": "sokpy_bf16"}[dtype]
+        prefix = "" if dtype == "float32" else f"{dtype}_"
         self.vars = [
-            sokpy.Variable(wl.rows, wl.dim, initializer=sokpy.initializers.uniform(-0.05, 0.05), seed=t, name=f"t{t}")
+            sokpy.Variable(
+                wl.rows,
+                wl.dim,
+                initializer=sokpy.initializers.uniform(-0.05, 0.05),
+                seed=t,
+                name=f"{prefix}t{t}",
+                dtype=dtype,
+            )
             for t in range(wl.tables)
         ]
+        if init_tables is not None:
+            for v, w in zip(self.vars, init_tables):
+                sokpy.assign(v, torch.arange(wl.rows), w)
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
         self.inputs = [Jagged(b, wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
@@ -112,7 +127,11 @@ class SokpyContestant:
         return out
 
     def tables(self):
-        return [v.weight for v in self.vars]  # one rank: the shard is the whole table, row k = key k
+        return [v.weight.float() for v in self.vars]  # one rank: the shard is the whole table, row k = key k
+
+    def table_bytes(self) -> int:
+        """Bytes of the tables' storage: values and optimizer state."""
+        return sum(int(v.storage.data.nbytes) for v in self.vars)
 
     def loss_seconds(self) -> float:
         """The loss alone, forward and backward, on a leaf tensor shaped as the output: what
@@ -244,10 +263,11 @@ def fbgemm_available():
     return True, None
 
 
-def make_tbe(wl, device: torch.device):
+def make_tbe(wl, device: torch.device, fp16: bool = False):
     """FBGEMM's table-batched embedding bags for ``wl`` on ``device`` (CPU or CUDA), with
     EXACT_ADAGRAD: acc += g*g; w -= lr * g / (sqrt(acc) + eps), acc starting at 0; the update
-    is fused into the backward pass (there is no separate optimizer step)."""
+    is fused into the backward pass (there is no separate optimizer step). ``fp16``: float16
+    weights (``weights_precision=SparseType.FP16``), float32 output and optimizer state."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -263,7 +283,7 @@ def make_tbe(wl, device: torch.device):
         learning_rate=LR,
         eps=EPS,
         pooling_mode=PoolingMode.SUM,
-        weights_precision=SparseType.FP32,
+        weights_precision=SparseType.FP16 if fp16 else SparseType.FP32,
         output_dtype=SparseType.FP32,
         device=device,
     )
@@ -272,12 +292,14 @@ def make_tbe(wl, device: torch.device):
 class FbgemmContestant:
     name = "fbgemm"
 
-    def __init__(self, wl, init_tables):
+    def __init__(self, wl, init_tables, fp16: bool = False):
         import fbgemm_gpu
 
         self.version = getattr(fbgemm_gpu, "__version__", "unknown")
         self.wl = wl
-        self.tbe = make_tbe(wl, torch.device("cpu"))
+        if fp16:
+            self.name = "fbgemm_fp16"
+        self.tbe = make_tbe(wl, torch.device("cpu"), fp16)
         with torch.no_grad():
             for w, src in zip(self.tbe.split_embedding_weights(), init_tables):
                 w.copy_(src)
@@ -288,7 +310,12 @@ class FbgemmContestant:
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], output layout
 
     def tables(self):
-        return self.tbe.split_embedding_weights()
+        return [w.float() for w in self.tbe.split_embedding_weights()]
+
+    def table_bytes(self) -> int:
+        """Bytes of the weights and the optimizer state."""
+        states = [s for per in self.tbe.split_optimizer_states() for s in per]
+        return sum(int(t.numel() * t.element_size()) for t in [*self.tbe.split_embedding_weights(), *states])
 
     def step(self, i):
         t0 = time.perf_counter()
@@ -355,6 +382,8 @@ def run(args) -> dict:
     if args.dynamic:
         contestants.append(DynamicSokpyContestant(wl, init))
     contestants.append(TorchContestant(wl, init))
+    if args.half:  # half-precision rows, from the same tables rounded to nearest
+        contestants.insert(1, SokpyContestant(wl, args.half, init))
     report["fbgemm"] = None
     if args.skip_fbgemm:
         report["fbgemm"] = "skipped: --skip-fbgemm"
@@ -364,6 +393,9 @@ def run(args) -> dict:
             try:
                 contestants.append(FbgemmContestant(wl, init))
                 report["fbgemm"] = f"fbgemm_gpu {contestants[-1].version} (CPU TBE, EXACT_ADAGRAD)"
+                if args.half == "float16":
+                    contestants.append(FbgemmContestant(wl, init, fp16=True))
+                    report["fbgemm"] += "; fbgemm_fp16: weights_precision=SparseType.FP16"
             except Exception as e:
                 report["fbgemm"] = f"skipped: FbgemmContestant failed: {type(e).__name__}: {e}".splitlines()[0]
         else:
@@ -376,8 +408,12 @@ def run(args) -> dict:
     check = {}
     ref = contestants[0].tables()
     changed = max_table_diff(ref, init)
+    half = [c for c in contestants[1:] if c.name.endswith(("_fp16", "_bf16"))]
     for c in contestants[1:]:
-        check[f"sokpy_vs_{c.name}_max_abs_diff"] = max_table_diff(ref, c.tables())
+        if c not in half:
+            check[f"sokpy_vs_{c.name}_max_abs_diff"] = max_table_diff(ref, c.tables())
+    for c in half:  # rounded rows: within a few of their ulps (values of 0.05: fp16 ulp 3e-5)
+        check[f"sokpy_vs_{c.name}_max_abs_diff_half"] = max_table_diff(ref, c.tables())
     check["max_abs_change_by_step"] = changed
     check["tolerance"] = 1e-5
     check["passed"] = all(v <= 1e-5 for k, v in check.items() if k.endswith("_diff")) and changed > 1e-4
@@ -387,7 +423,8 @@ def run(args) -> dict:
     print(
         "# correctness after one step from identical tables: "
         + ", ".join(f"{k} = {v:.3g}" for k, v in check.items() if k.endswith("_diff"))
-        + f" (step changed rows by up to {changed:.3g}) -> {'OK' if check['passed'] else 'MISMATCH'}",
+        + f" (step changed rows by up to {changed:.3g}) -> {'OK' if check['passed'] else 'MISMATCH'}"
+        + "".join(f"; {k} = {v:.3g} (rounded rows)" for k, v in check.items() if k.endswith("_half")),
         flush=True,
     )
 
@@ -441,6 +478,8 @@ def run(args) -> dict:
         s.update(
             forward_ms=float(ph[0]), loss_forward_ms=float(ph[1]), backward_ms=float(ph[2]), optimizer_ms=float(ph[3])
         )
+        if hasattr(c, "table_bytes"):
+            s["table_bytes"] = c.table_bytes()
         results[c.name] = s
     for name, tot in split.items():
         steps_sok = len(times[name])
@@ -484,19 +523,24 @@ def print_table(report) -> None:
     fb = "fbgemm" in res
     print()
     print(
-        f"{'contestant':<10} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7} "
+        f"{'contestant':<12} {'median ms':>10} {'p10':>8} {'p90':>8} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7} "
         f"{'vs torch':>9} {'vs fbgemm':>10} {'GB/s':>6} {'roof':>6}"
     )
     for name, r in res.items():
         vf = f"{r['vs_fbgemm']:.2f}" if fb else "-"
         print(
-            f"{name:<10} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['forward_ms']:>7.2f} "
+            f"{name:<12} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['forward_ms']:>7.2f} "
             f"{r['loss_forward_ms']:>6.2f} "
             f"{r['backward_ms']:>7.2f} {r['optimizer_ms']:>7.2f} {r['vs_torch']:>9.2f} {vf:>10} "
             f"{r['achieved_GBps']:>6.2f} {100 * r['roofline_fraction']:>5.1f}%"
         )
     if not fb:
         print(f"fbgemm     {report['fbgemm']}")
+    sizes = {name: r["table_bytes"] for name, r in res.items() if "table_bytes" in r}
+    if sizes:
+        print(
+            "tables' memory (values + optimizer state): " + ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in sizes.items())
+        )
     rf = report["roofline"]
     for name in (n for n in res if "split_ms" in res[n]):
         sp = res[name]["split_ms"]
@@ -529,7 +573,15 @@ def plot(report, path) -> None:
 
     res = report["results"]
     names = list(res)
-    colors = {"sokpy": "#1f77b4", "sokpy_dynamic": "#6baed6", "torch": "#ff7f0e", "fbgemm": "#2ca02c"}
+    colors = {
+        "sokpy": "#1f77b4",
+        "sokpy_dynamic": "#6baed6",
+        "sokpy_fp16": "#9467bd",
+        "sokpy_bf16": "#9467bd",
+        "torch": "#ff7f0e",
+        "fbgemm": "#2ca02c",
+        "fbgemm_fp16": "#98df8a",
+    }
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     med = [res[n]["median_ms"] for n in names]
     err = [
@@ -580,6 +632,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stream-mb", type=int, default=256, help="array size of the bandwidth probe")
     p.add_argument("--skip-fbgemm", action="store_true")
+    p.add_argument(
+        "--half",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="also run sokpy with half-precision rows (and, for float16, FBGEMM's TBE with FP16 weights)",
+    )
     p.add_argument(
         "--dynamic", action="store_true", help="also run sokpy with the tables as DynamicVariables (keys over int64)"
     )

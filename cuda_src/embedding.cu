@@ -20,7 +20,8 @@
 #define SOKPY_INIT_SEED 6        // the table's seed, already mixed with its name (sokpy/variable.py)
 #define SOKPY_INIT_SLOTS 7       // optimizer slots per row (each starts at a constant)
 #define SOKPY_INIT_ROW_SLOTS 8   // bit k set: slot k is row-wise (one float per row), else dim floats
-#define SOKPY_INIT_FIELDS 9
+#define SOKPY_INIT_DTYPE 9       // SOKPY_DTYPE_* of the values (a half table's are rounded to nearest)
+#define SOKPY_INIT_FIELDS 10
 // Float parameters (float [nseg, SOKPY_INIT_FLOATS]): a, b, then each slot's initial value.
 #define SOKPY_INIT_FLOATS 6
 // Addresses (uint64 [nseg, 2]): the table's rows, and its row -> key array (0: keys by formula).
@@ -28,7 +29,8 @@
 // Initial values of stored rows, a pure function of (seed, key, column): constant a,
 // uniform [a, b), or normal with mean a and standard deviation b (Box-Muller on two
 // counter-based streams, with sokpy_math.cuh's log and cos, which give the same bits on host
-// and device); each optimizer slot column takes its constant. Entry i lies in segment s
+// and device), rounded to float32 (and, in a half table, from there to its type, to nearest
+// even); each optimizer slot column takes its constant. Entry i lies in segment s
 // (seg_start[s] <= i < seg_start[s+1]) and is stored row FIRST_ROW + i - seg_start[s].
 extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* info, const float* param,
                                      const u64* addr, i64 n) {
@@ -41,7 +43,7 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
         const i64* row_keys = (const i64*)addr[2 * s + 1];
         const u64 key = row_keys ? (u64)row_keys[row] : (u64)(row * f[SOKPY_INIT_KEY_STRIDE] + f[SOKPY_INIT_KEY_BASE]);
         const u64 seed = (u64)f[SOKPY_INIT_SEED];
-        const int dim = (int)f[SOKPY_INIT_DIM], kind = (int)f[SOKPY_INIT_KIND];
+        const int dim = (int)f[SOKPY_INIT_DIM], kind = (int)f[SOKPY_INIT_KIND], dtype = (int)f[SOKPY_INIT_DTYPE];
         const double a = (double)p[0], b = (double)p[1];
         float* out = (float*)addr[2 * s] + row * f[SOKPY_INIT_WIDTH];
         const u64 h0 = sokpy_row_hash(seed, key, 0), h1 = sokpy_row_hash(seed, key, 1);
@@ -56,9 +58,14 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
             } else {
                 v = a;
             }
-            out[d] = (float)v;
+            if (dtype == SOKPY_DTYPE_FLOAT32) {
+                out[d] = (float)v;
+            } else {
+                ((sokpy_half*)out)[d] = sokpy_narrow((float)v, dtype, 0, 0u);
+            }
         }
-        float* slot = out + dim;
+        if (dtype != SOKPY_DTYPE_FLOAT32 && (dim & 1) && threadIdx.x == 0) ((sokpy_half*)out)[dim] = 0;  // the pad word
+        float* slot = out + sokpy_value_cols(dim, dtype);
         for (int k = 0; k < (int)f[SOKPY_INIT_SLOTS]; ++k) {
             const int cols = ((f[SOKPY_INIT_ROW_SLOTS] >> k) & 1) ? 1 : dim;
             const float v = p[2 + k];
@@ -195,12 +202,12 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
 // ---- the owner: rows out -------------------------------------------------------------------
 // The requested keys arrive peer by peer, table by table: segment s = peer * ntables + t holds
 // keys [seg_start[s], seg_start[s+1]), and their rows go to dst from element seg_elem[s] on,
-// dim_t floats each. rows[i] is the stored row of key i (find_rows); a negative row (a key a
+// dim_t floats each (a half table's values widened to float32). rows[i] is the stored row of key i (find_rows); a negative row (a key a
 // dynamic table does not hold, looked up without insert) gives a zero row.
 extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_start, const i64* seg_elem, int nseg,
                                        int ntables, const i64* tabs, const u64* ptrs, float* dst) {
     // The segment's fields are read when a thread's walk over keys enters a segment.
-    int s = -1, dim = 0;
+    int s = -1, dim = 0, dtype = 0, vcols = 0;
     i64 seg_first = 0, seg_end = -1, width = 0, look = SOKPY_PREFETCH_GATHER;
     const float* data = 0;
     float* seg_dst = dst;
@@ -210,20 +217,22 @@ extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_st
             const int t = s % ntables;
             dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
             width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);
+            dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DTYPE);
+            vcols = sokpy_value_cols(dim, dtype);
             data = (const float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);
             seg_first = seg_start[s];
             seg_end = seg_start[s + 1];
             seg_dst = dst + seg_elem[s];
-            look = max((i64)SOKPY_PREFETCH_GATHER, (i64)(SOKPY_PREFETCH_GATHER_LINES / ((dim + 15) / 16)));
+            look = max((i64)SOKPY_PREFETCH_GATHER, (i64)(SOKPY_PREFETCH_GATHER_LINES / ((vcols + 15) / 16)));
         }
         const i64 ahead = i + look;
-        if (ahead < seg_end && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, dim);
+        if (ahead < seg_end && rows[ahead] >= 0) sokpy_prefetch_row(data + rows[ahead] * width, vcols);
         float* o = seg_dst + (i - seg_first) * dim;
         const i64 r = rows[i];
         if (r < 0) {
             SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
         } else {
-            sokpy_row_copy(o, data + r * width, dim);
+            sokpy_values_copy(o, data + r * width, dim, dtype);  // a half table's rows widened
         }
     }
 }
@@ -252,35 +261,46 @@ extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, cons
 // bfloat16 is the upper half of a float32's bits: round to nearest even on the 16 bits
 // dropped; any NaN becomes the quiet NaN 0x7FC0. One element per work item (launch dim 1).
 extern "C" __global__ void round_to_bfloat16(const float* src, i64 n, unsigned short* dst) {
-    SOKPY_FOR_KEYS(i, n) {
-        union {
-            float f;
-            unsigned int u;
-        } v;
-        v.f = src[i];
-        const unsigned int bits = v.u;
-        const unsigned int rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        dst[i] = (unsigned short)((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-    }
+    SOKPY_FOR_KEYS(i, n) dst[i] = (unsigned short)sokpy_float_to_bfloat16(src[i], 0, 0u);
 }
 
 // The float32 of each bfloat16 (exact: its bits followed by 16 zero bits).
 extern "C" __global__ void widen_bfloat16(const unsigned short* src, i64 n, float* dst) {
-    SOKPY_FOR_KEYS(i, n) {
-        union {
-            float f;
-            unsigned int u;
-        } v;
-        v.u = (unsigned int)src[i] << 16;
-        dst[i] = v.f;
+    SOKPY_FOR_KEYS(i, n) dst[i] = sokpy_bfloat16_to_float(src[i]);
+}
+
+// ---- half tables' values (sokpy_half.cuh) ----------------------------------------------------
+// Writes float32 rows (row i: dim values at src + i * src_stride) as values of type dtype into
+// row dst_rows[i] (null: i) of dst, whose rows are dst_stride floats apart (16-bit words; the pad
+// word of an odd dim is 0; the row's other columns are left as they are). Rounds to nearest
+// even, or, when stochastic, with stochastic rounding's bits of (seed, step, keys[i], column):
+// those an optimizer's update of that key's row uses at that step.
+extern "C" __global__ void narrow_values(const float* src, i64 src_stride, i64 n, int dim, int dtype, float* dst,
+                                         i64 dst_stride, const i64* dst_rows, int stochastic, u64 seed, i64 step,
+                                         const i64* keys) {
+    SOKPY_FOR_ROWS(i, n) {
+        sokpy_half* o = (sokpy_half*)(dst + (dst_rows ? dst_rows[i] : i) * dst_stride);
+        const float* x = src + i * src_stride;
+        const sokpy_u32 row_bits = stochastic ? sokpy_round_row_hash(seed, step, keys[i]) : 0u;
+        SOKPY_FOR_COLS(d, dim) {
+            o[d] = sokpy_narrow(x[d], dtype, stochastic, stochastic ? sokpy_round_bits(row_bits, d) : 0u);
+        }
+        if ((dim & 1) && threadIdx.x == 0) o[dim] = 0;
     }
+}
+
+// The float32 values (exact) of rows of type dtype: row i at src + i * src_stride, written at
+// dst + i * dst_stride.
+extern "C" __global__ void widen_values(const float* src, i64 src_stride, i64 n, int dim, int dtype, float* dst,
+                                        i64 dst_stride) {
+    SOKPY_FOR_ROWS(i, n) sokpy_values_copy(dst + i * dst_stride, src + i * src_stride, dim, dtype);
 }
 
 // ---- the requester: pooling ----------------------------------------------------------------
 // Pools each bag of every table: bag b of table t (bag_start[t] <= b < bag_start[t+1]) holds
 // keys [offsets[b], offsets[b+1]); key j's row starts at element val_off[j] * SRC_STRIDE of
-// src[t]; a negative val_off is a key the table does not hold (looked up without insert): a
-// zero row.
+// src[t], of type SRC_DTYPE (a half table's own rows are widened as they are read); a negative
+// val_off is a key the table does not hold (looked up without insert): a zero row.
 //   out[b] = sum_j w_j * row_j / den[b],  den = 1 (sum), sum_j w_j (mean), sqrt(sum_j w_j^2) (sqrtn)
 // (tf.nn.embedding_lookup_sparse); w_j = weights[j] for tables with WEIGHTED, else 1. A bag
 // whose den is 0 (an empty bag) gives a zero row. Output row b of table t starts at element
@@ -291,7 +311,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
                                            i64 nbags, float* out, float* den, i64* bag_of) {
     // The table's fields are read when a thread's run of bags enters a table (bags of one
     // table are contiguous and a thread's bags increase), not once per bag.
-    int t = -1, dim = 0, combiner = SOKPY_SUM;
+    int t = -1, dim = 0, combiner = SOKPY_SUM, dtype = 0, vcols = 0;
     i64 tab_first = 0, tab_end = -1, stride = 1, out_stride = 0;
     const float* w = 0;
     const float* rows = 0;
@@ -307,6 +327,8 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
             rows = (const float*)src[t];
             stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+            dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
+            vcols = sokpy_value_cols(dim, dtype);
             out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
             out_t = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START);
             key_end = offsets[tab_end];
@@ -327,7 +349,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
         if (next_hint < end) next_hint = end;
         const i64 hint_end = end + SOKPY_PREFETCH_KEYS < key_end ? end + SOKPY_PREFETCH_KEYS : key_end;
         for (; next_hint < hint_end; ++next_hint) {
-            if (val_off[next_hint] >= 0) sokpy_prefetch_row(rows + val_off[next_hint] * stride, dim);
+            if (val_off[next_hint] >= 0) sokpy_prefetch_row(rows + val_off[next_hint] * stride, vcols);
         }
         if (b + SOKPY_PREFETCH_OUT_BAGS < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
             sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, dim);
@@ -340,7 +362,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             if (val_off[j] < 0) continue;
             const float wj = w ? w[j] : 1.0f;
             const float* __restrict__ r = rows + val_off[j] * stride;
-            sokpy_row_axpy(o, r, wj, dim, empty);
+            sokpy_values_axpy(o, r, wj, dim, empty, dtype);
             empty = false;
         }
         if (empty) {
@@ -564,7 +586,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
 }
 
 // The gradient of each key's weight (key j of table t, in bag b = bag_of[j], row e_j at
-// element val_off[j] * SRC_STRIDE of src[t] (a zero row when val_off < 0), pooled output o_b,
+// element val_off[j] * SRC_STRIDE of src[t], of type SRC_DTYPE (a zero row when val_off < 0), pooled output o_b,
 // gradient g_b):
 //   sum:   g_b . e_j
 //   mean:  g_b . (e_j - o_b) / den_b
@@ -591,9 +613,10 @@ extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const
         const float* gb = g + row;
         const float* ob = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + row;
         const float* e = val_off[j] < 0 ? 0 : (const float*)src[t] + val_off[j] * SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+        const int dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
         float ge = 0.0f, go = 0.0f;
         for (int d = 0; d < dim; ++d) {
-            if (e) ge += gb[d] * e[d];
+            if (e) ge += gb[d] * (dtype == SOKPY_DTYPE_FLOAT32 ? e[d] : sokpy_widen(((const sokpy_half*)e)[d], dtype));
             go += gb[d] * ob[d];
         }
         if (combiner == SOKPY_SUM) dw[j] = ge;

@@ -11,8 +11,9 @@
 //   otab[u]   the table (index into tabs / ptrs / hyper), rows[u] its stored row
 //   grad      gradient rows; row u's summed gradient starts at element goff[u]
 //   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
-// A stored row holds the values (dim floats), then each optimizer slot (dim floats each, or one
-// float for a row-wise slot: rowwise_adagrad_update).
+// A stored row holds the values (dim floats, or ceil(dim / 2) columns of 16-bit values: a half
+// table, sokpy_half.cuh), then each optimizer slot (dim floats each, or one float for a row-wise
+// slot: rowwise_adagrad_update).
 #include "sokpy_math.cuh"
 #include "sokpy_tables.cuh"
 
@@ -40,14 +41,24 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     }
 }
 
-// The row of unique u: its values and first slot, and a prefetch of the row a few ahead.
-// The table's fields are read when the table changes (rows come table by table), not once
-// per row: SOKPY_UPDATE_TABLE declares them before the row loop.
+// The row of unique u: its values w and its slots (from `slots` on), and a prefetch of the row a
+// few ahead. The table's fields are read when the table changes (rows come table by table),
+// not once per row: SOKPY_UPDATE_TABLE declares them before the row loop. A half table's values
+// (sokpy_half.cuh) are widened to float32, updated in float32 as a float32 table's, and rounded
+// once when written back (rc: to nearest even, or stochastically with the row's random bits);
+// its slots are float32 as any table's.
 #define SOKPY_UPDATE_TABLE \
     i64 t = -1, width = 0; \
     int dim = 0;           \
     float* data = 0;       \
-    const float* h = 0;
+    const float* h = 0;    \
+    int vcols = 0;         \
+    u64 seed = 0;          \
+    i64 step = 0;          \
+    sokpy_rounding rc;     \
+    rc.dtype = 0;          \
+    rc.stochastic = 0;     \
+    rc.row_bits = 0;
 #define SOKPY_UPDATE_ROW(u)                                                                      \
     if (otab[u] != t) {                                                                          \
         t = otab[u];                                                                             \
@@ -55,35 +66,58 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
         width = SOKPY_TAB(tabs, t, SOKPY_TAB_WIDTH);                                             \
         data = (float*)SOKPY_PTR(ptrs, t, SOKPY_PTR_DATA);                                       \
         h = hyper + t * SOKPY_HYPER_FIELDS;                                                      \
+        rc.dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DTYPE);                                     \
+        rc.stochastic = rc.dtype != SOKPY_DTYPE_FLOAT32 &&                                       \
+                        SOKPY_TAB(tabs, t, SOKPY_TAB_ROUNDING) == SOKPY_ROUND_STOCHASTIC;         \
+        vcols = sokpy_value_cols(dim, rc.dtype);                                                 \
+        seed = (u64)SOKPY_TAB(tabs, t, SOKPY_TAB_SEED);                                          \
+        step = SOKPY_TAB(tabs, t, SOKPY_TAB_STEP);                                               \
     }                                                                                            \
     float* w = data + rows[u] * width;                                                           \
+    float* slots = w + vcols;                                                                    \
     const float* g = grad + goff[u];                                                             \
+    if (rc.stochastic) rc.row_bits = sokpy_round_row_hash(seed, step, sokpy_key_of_row(tabs, ptrs, t, rows[u])); \
     if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == t) {               \
         sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
     }
+// fn<DIM>(values, args..., rc) with the values as float32, or as float16 or bfloat16 words
+// rounded to nearest or stochastically (a type each: the loops hold no run-time choice).
+#define SOKPY_UPDATE_CALL(fn, ...)                                                               \
+    if (rc.dtype == SOKPY_DTYPE_FLOAT32) {                                                       \
+        SOKPY_WITH_DIM(fn, dim, w, __VA_ARGS__, rc)                                              \
+    } else if (rc.dtype == SOKPY_DTYPE_FLOAT16 && rc.stochastic) {                               \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<1>*)w, __VA_ARGS__, rc)                               \
+    } else if (rc.dtype == SOKPY_DTYPE_FLOAT16) {                                                \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<0>*)w, __VA_ARGS__, rc)                               \
+    } else if (rc.stochastic) {                                                                  \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<1>*)w, __VA_ARGS__, rc)                              \
+    } else {                                                                                     \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<0>*)w, __VA_ARGS__, rc)                              \
+    }
 
 // hyper: lr.   w -= lr * g
-template <int DIM>
-__device__ __forceinline__ void sgd_row(float* __restrict__ w, const float* __restrict__ g, float lr, int dim) {
-    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) w[d] -= lr * g[d];
+template <int DIM, typename V>
+__device__ __forceinline__ void sgd_row(V* __restrict__ w, const float* __restrict__ g, float lr, int dim,
+                                        const sokpy_rounding& rc) {
+    SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d], rc);
 }
 extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
                                       const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        SOKPY_WITH_DIM(sgd_row, dim, w, g, h[0], dim)
+        SOKPY_UPDATE_CALL(sgd_row, g, h[0], dim)
     }
 }
 
 // hyper: lr, eps.   acc += g*g; w -= lr * g / (sqrt(acc) + eps)
-template <int DIM>
-__device__ __forceinline__ void adagrad_row(float* __restrict__ w, float* __restrict__ a, const float* __restrict__ g,
-                                            float lr, float eps, int dim) {
+template <int DIM, typename V>
+__device__ __forceinline__ void adagrad_row(V* __restrict__ w, float* __restrict__ a, const float* __restrict__ g,
+                                            float lr, float eps, int dim, const sokpy_rounding& rc) {
     SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
         const float acc = a[d] + g[d] * g[d];
         a[d] = acc;
-        w[d] -= lr * g[d] / (sqrtf(acc) + eps);
+        sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d] / (sqrtf(acc) + eps), rc);
     }
 }
 extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
@@ -91,7 +125,7 @@ extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, cons
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        SOKPY_WITH_DIM(adagrad_row, dim, w, w + dim, g, h[0], h[1], dim)
+        SOKPY_UPDATE_CALL(adagrad_row, slots, g, h[0], h[1], dim)
     }
 }
 
@@ -104,22 +138,23 @@ extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, cons
 // of a sokpy kernel share nothing (no __shared__, no shuffles, no float atomics), so one
 // thread takes the whole row, as weight_grad does: rows over the grid, launched with block.x =
 // 1 (SOKPY_FOR_KEYS runs only threadIdx.x == 0, so another launch shape gives the same bits).
-template <int DIM>
-__device__ __forceinline__ void rowwise_adagrad_row(float* __restrict__ w, float* __restrict__ acc,
-                                                    const float* __restrict__ g, float lr, float eps, int dim) {
+template <int DIM, typename V>
+__device__ __forceinline__ void rowwise_adagrad_row(V* __restrict__ w, float* __restrict__ acc,
+                                                    const float* __restrict__ g, float lr, float eps, int dim,
+                                                    const sokpy_rounding& rc) {
     float sum = 0.0f;
     for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) sum += g[d] * g[d];
     const float a = *acc + sum / (float)dim;
     *acc = a;
     const float multiplier = lr / (sqrtf(a) + eps);
-    for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) w[d] -= g[d] * multiplier;
+    for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) sokpy_put(w, d, sokpy_get(w, d, rc) - g[d] * multiplier, rc);
 }
 extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff,
                                                   i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_KEYS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        SOKPY_WITH_DIM(rowwise_adagrad_row, dim, w, w + dim, g, h[0], h[1], dim)
+        SOKPY_UPDATE_CALL(rowwise_adagrad_row, slots, g, h[0], h[1], dim)
     }
 }
 
@@ -129,23 +164,25 @@ extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* ro
 //   w = |z| <= l1 ? 0 : (sign(z) l1 - z) / (n_new^p / lr + 2 l2)
 // n^p is sqrtf(n) for p = 0.5, else sokpy_powf (sokpy_math.cuh): glibc's powf, which TensorFlow
 // uses, with the same bits on host and device.
-template <int DIM>
-__device__ __forceinline__ void ftrl_row(float* __restrict__ w, float* __restrict__ acc, float* __restrict__ z,
-                                         const float* __restrict__ g, const float* h, int dim) {
+template <int DIM, typename V>
+__device__ __forceinline__ void ftrl_row(V* __restrict__ w, float* __restrict__ acc, float* __restrict__ z,
+                                         const float* __restrict__ g, const float* h, int dim,
+                                         const sokpy_rounding& rc) {
     const float lr = h[0], p = -h[1], l1 = h[2], l2 = h[3], l2_shrinkage = h[4];
     const int use_sqrt = (p == 0.5f);
     SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
         const float gd = g[d];
-        const float g2 = gd + 2.0f * l2_shrinkage * w[d];
+        const float wd = sokpy_get(w, d, rc);
+        const float g2 = gd + 2.0f * l2_shrinkage * wd;
         const float n_old = acc[d];
         const float n_new = n_old + gd * gd;
         const float pow_new = use_sqrt ? sqrtf(n_new) : sokpy_powf(n_new, p);
         const float pow_old = use_sqrt ? sqrtf(n_old) : sokpy_powf(n_old, p);
-        const float zd = z[d] + (g2 - (pow_new - pow_old) / lr * w[d]);
+        const float zd = z[d] + (g2 - (pow_new - pow_old) / lr * wd);
         z[d] = zd;
         acc[d] = n_new;
         const float clipped = zd < -l1 ? -l1 : (zd > l1 ? l1 : zd);
-        w[d] = (clipped - zd) / (pow_new / lr + 2.0f * l2);
+        sokpy_put(w, d, (clipped - zd) / (pow_new / lr + 2.0f * l2), rc);
     }
 }
 extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
@@ -153,23 +190,24 @@ extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const f
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        SOKPY_WITH_DIM(ftrl_row, dim, w, w + dim, w + 2 * (i64)dim, g, h, dim)
+        SOKPY_UPDATE_CALL(ftrl_row, slots, slots + dim, g, h, dim)
     }
 }
 
 // Lazy Adam (torch.optim.SparseAdam semantics), slots exp_avg m then exp_avg_sq v.
 // hyper: step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) with t the table's own step count, b1, b2, eps.
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  w -= step_size * m / (sqrt(v) + eps)
-template <int DIM>
-__device__ __forceinline__ void adam_row(float* __restrict__ w, float* __restrict__ m, float* __restrict__ v,
-                                         const float* __restrict__ g, const float* h, int dim) {
+template <int DIM, typename V>
+__device__ __forceinline__ void adam_row(V* __restrict__ w, float* __restrict__ m, float* __restrict__ v,
+                                         const float* __restrict__ g, const float* h, int dim,
+                                         const sokpy_rounding& rc) {
     const float step_size = h[0], beta1 = h[1], beta2 = h[2], eps = h[3];
     SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) {
         const float md = beta1 * m[d] + (1.0f - beta1) * g[d];
         const float vd = beta2 * v[d] + (1.0f - beta2) * g[d] * g[d];
         m[d] = md;
         v[d] = vd;
-        w[d] -= step_size * md / (sqrtf(vd) + eps);
+        sokpy_put(w, d, sokpy_get(w, d, rc) - step_size * md / (sqrtf(vd) + eps), rc);
     }
 }
 extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
@@ -177,6 +215,6 @@ extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const f
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
-        SOKPY_WITH_DIM(adam_row, dim, w, w + dim, w + 2 * (i64)dim, g, h, dim)
+        SOKPY_UPDATE_CALL(adam_row, slots, slots + dim, g, h, dim)
     }
 }

@@ -8,6 +8,7 @@
 // small array of segment starts (table t owns [start[t], start[t+1])).
 #pragma once
 #include "sokpy_common.cuh"
+#include "sokpy_half.cuh"
 
 // ---- table descriptor fields (int64) -------------------------------------------------------
 #define SOKPY_TAB_DIM 0         // embedding dimension
@@ -24,10 +25,19 @@
 #define SOKPY_TAB_SRC_STRIDE 11 // pooling reads row j at src[t] + val_off[j] * SRC_STRIDE: 1 when val_off
                                 // are element offsets into an exchange buffer, WIDTH when they are rows
                                 // of the table itself (one rank: no exchange)
-#define SOKPY_TAB_FIELDS 12
+#define SOKPY_TAB_DTYPE 12      // SOKPY_DTYPE_* of the stored values (sokpy_half.cuh): float32, or 16 bits
+                                // packed two to a float32 column (ceil(dim / 2) columns before the slots)
+#define SOKPY_TAB_SRC_DTYPE 13  // the type of the rows pooling reads at src[t]: DTYPE when they are the
+                                // table's own rows (one rank), float32 in an exchange buffer
+#define SOKPY_TAB_ROUNDING 14   // half tables: SOKPY_ROUND_* of an update's write
+#define SOKPY_TAB_SEED 15       // the table's seed (its initial values' and stochastic rounding's)
+#define SOKPY_TAB_STEP 16       // the optimizer's step count of the table in this update (stochastic rounding)
+#define SOKPY_TAB_KEY_STRIDE 17 // static tables: stored row r holds key r * KEY_STRIDE + KEY_BASE
+#define SOKPY_TAB_KEY_BASE 18
+#define SOKPY_TAB_FIELDS 19
 
 // ---- pointer fields (uint64 addresses) -----------------------------------------------------
-#define SOKPY_PTR_DATA 0        // float [rows, width]: the stored rows
+#define SOKPY_PTR_DATA 0        // float [rows, width]: the stored rows (values, then the slots)
 #define SOKPY_PTR_INDEX_KEYS 1  // dynamic: int64 [slots] key of each hash slot
 #define SOKPY_PTR_INDEX_ROWS 2  // dynamic: int64 [slots] state word of each slot (see below)
 #define SOKPY_PTR_ROW_KEYS 3    // dynamic: int64 [rows] the key stored in each row
@@ -184,6 +194,15 @@ __device__ __forceinline__ u64 sokpy_slot_of(const i64* slot_keys, const i64* sl
     u64 s = sokpy_slot_hash(key) & (u64)mask;
     while (sokpy_load_acquire(slot_rows + s) < 0 || slot_keys[s] != key) s = (s + 1) & (u64)mask;
     return s;
+}
+
+// The key of stored row `row` of this rank's shard of table t (stochastic rounding's hash).
+__device__ __forceinline__ i64 sokpy_key_of_row(const i64* tabs, const u64* ptrs, i64 t, i64 row) {
+    const i64 kind = SOKPY_TAB(tabs, t, SOKPY_TAB_KIND);
+    if (kind == SOKPY_KIND_DYNAMIC || kind == SOKPY_KIND_DYNAMIC_AT) {
+        return ((const i64*)SOKPY_PTR(ptrs, t, SOKPY_PTR_ROW_KEYS))[row];
+    }
+    return row * SOKPY_TAB(tabs, t, SOKPY_TAB_KEY_STRIDE) + SOKPY_TAB(tabs, t, SOKPY_TAB_KEY_BASE);
 }
 
 // The stored row of a key of table t (static: from the placement rule; dynamic: the hash

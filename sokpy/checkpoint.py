@@ -302,6 +302,8 @@ def _table_spec(var) -> dict:
         "seed": var.seed,
         "initializer": {"kind": init.kind, "a": init.a, "b": init.b},
     }
+    if var.storage.half:  # the values file holds them widened to float32 (exact); absent: float32
+        spec["dtype"] = var.storage.dtype
     if not var.dynamic:
         spec["rows"] = var.rows
     else:
@@ -503,7 +505,19 @@ def _agree(call, error: str | None, cleanup: Path | None = None) -> None:
 # ---- load ----------------------------------------------------------------------------------------
 
 
-def _check_tables(m: dict, variables, optimizer) -> str | None:
+def _dtype_error(var, saved: str | None, convert: bool) -> str | None:
+    """Why a table of another value type than the saved one (``saved``; None: float32) cannot
+    take its rows, or None (the same type, or ``convert``)."""
+    saved = saved or "float32"
+    if saved == var.storage.dtype or convert:
+        return None
+    return (
+        f"its values are {var.storage.dtype} here but {saved} in the checkpoint; pass convert=True to "
+        f"load them as {var.storage.dtype} (rounded to nearest even where they do not fit)"
+    )
+
+
+def _check_tables(m: dict, variables, optimizer, convert: bool = False) -> str | None:
     """The first way the checkpoint does not fit ``variables`` / ``optimizer``, or None."""
     saved = {t["name"]: t for t in m["tables"]}
     for var in variables:
@@ -520,6 +534,9 @@ def _check_tables(m: dict, variables, optimizer) -> str | None:
         error = _check_filter(var, t, "the checkpoint")
         if error is not None:
             return error
+        error = _dtype_error(var, t.get("dtype"), convert)
+        if error is not None:
+            return f"table {var.name!r}: {error}"
     if optimizer is not None:
         o = m.get("optimizer")
         if o is None:
@@ -579,11 +596,16 @@ def _same_placement(var, saved: dict) -> bool:
 
 
 @runtime.entry
-def load(path, variables, optimizer=None):
+def load(path, variables, optimizer=None, convert: bool = False):
     """Loads ``variables`` (and ``optimizer``'s state) from the checkpoint at ``path``, saved at
     any world size; collective. Everything is checked before anything changes: a fault raises
     :class:`sokpy.CheckpointError` on every rank and leaves tables and optimizer as they were.
     Returns the ``extra`` that :func:`save` was given (``None`` if none).
+
+    A table keeps the type of its values (``dtype``: float32, float16, bfloat16): one saved
+    with another type loads only with ``convert=True``, which rounds the saved values to the
+    table's type (to nearest even; widening is exact). Half rows saved and loaded keep their
+    bits.
 
     Example::
 
@@ -604,7 +626,7 @@ def load(path, variables, optimizer=None):
     m, error = None, None
     try:
         m = _read_manifest(path)
-        error = _check_tables(m, variables, optimizer)
+        error = _check_tables(m, variables, optimizer, convert)
         if error is not None:
             error = f"{path / 'manifest.json'}: {error}"
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
@@ -662,7 +684,7 @@ def _reason(e: Exception) -> str:
 
 
 def _read_share(data: Path, spec: dict, var, with_slots: bool):
-    """Keys and rows (values, then the slots the table has now) of the saved ranks this rank
+    """Keys and rows (values, then the slots the table has now: the unpacked layout) of the saved ranks this rank
     reads (saved rank s is read by rank s % W), each file checked; a fault is a CheckpointError
     naming the file and the table."""
     rank, world = runtime.rank(), runtime.world_size()
@@ -694,7 +716,7 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
         keys.append(k)
         rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
-        return np.empty(0, np.int64), np.empty((0, s.width), np.float32), np.empty((0, 2), np.int64)
+        return np.empty(0, np.int64), np.empty((0, s.unpacked_width), np.float32), np.empty((0, 2), np.int64)
     return np.concatenate(keys), np.concatenate(rows), np.concatenate(scores) if scores else None
 
 
@@ -723,7 +745,7 @@ def _new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, com
         rr = rr[kept]
     else:
         found = new.find(rk, insert=True)
-    new.data[xp.asarray(found)] = xp.asarray(rr)
+    new.data[xp.asarray(found)] = new.narrow(xp.asarray(rr))  # half values: rounded to the table's type
     return new
 
 
@@ -736,7 +758,7 @@ STATE_FORMAT = "sokpy.table/1"
 def gather_state(variables) -> list:
     """Every table of ``variables`` whole on rank 0: per table a dict (format, name, kind,
     rows, dim, placement, the world size it was gathered at, sorted int64 ``keys`` ``[n]``,
-    float32 ``values`` ``[n, dim]``, the ``slots`` of the optimizer that trains it and its
+    float32 ``values`` ``[n, dim]`` (a half table's widened, exactly, with its ``dtype``), the ``slots`` of the optimizer that trains it and its
     ``step``; a capped dynamic table's int64 ``scores`` ``[n, 2]`` and ``evict_step``), host
     numpy arrays; on the other ranks None. Collective; changes nothing.
 
@@ -761,7 +783,7 @@ def gather_state(variables) -> list:
             if comm.rank != 0:
                 out.append(None)
                 continue
-            rk, rr = handoff.to_host(rk), handoff.to_host(rr)
+            rk, rr = handoff.to_host(rk), handoff.to_host(s.widen(rr))
             order = np.argsort(rk, kind="stable")
             rk, rr = rk[order], rr[order]
             entry = _table_spec(var)
@@ -769,8 +791,8 @@ def gather_state(variables) -> list:
                 format=STATE_FORMAT,
                 world_size=comm.size,
                 keys=rk,
-                values=np.ascontiguousarray(rr[:, s.columns("values")]),
-                slots={n: np.ascontiguousarray(rr[:, s.columns(n)]) for n in s.slot_names},
+                values=np.ascontiguousarray(rr[:, s.columns("values", unpacked=True)]),
+                slots={n: np.ascontiguousarray(rr[:, s.columns(n, unpacked=True)]) for n in s.slot_names},
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
                 step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
             )
@@ -813,7 +835,9 @@ def _scatter_sightings(var, entries: list, sender: int, comm):
     return f
 
 
-def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+def _check_state(
+    var, entry, convert: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None:
     """This rank's copy of ``var``'s saved state, checked: (keys, rows with the slots the
     table has now, a capped table's scores or None, a table with admission's sighting
     counters or None), or None when this rank holds no copy; raises ValueError on a fault."""
@@ -828,6 +852,9 @@ def _check_state(var, entry) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
         )
         here = f"{kind} table of dim {var.dim}" + ("" if var.dynamic else f" and {var.rows} rows")
         raise ValueError(f"the state holds a {saved}, this is a {here}")
+    dtype_error = _dtype_error(var, entry.get("dtype"), convert)
+    if dtype_error is not None:
+        raise ValueError(dtype_error.replace("in the checkpoint", "in the state"))
 
     def host(x, dtype):
         return handoff.to_host(handoff.from_torch(x, dtype))
@@ -879,20 +906,21 @@ def _check_sightings(var, entry):
 
 
 @runtime.entry
-def load_state(variables, entries, missing_ok: bool = False) -> list:
+def load_state(variables, entries, missing_ok: bool = False, convert: bool = False) -> list:
     """Puts the tables' states (as :func:`gather_state` made them, at any world size) back;
     collective. Each rank passes what it holds: the same entries on every rank (every rank
     read one file), or entries on some ranks and None on the others; the ranks holding an
     entry share the reading. Every check runs first: a fault raises the same
     :class:`~sokpy.CheckpointError` on every rank, naming the table, and nothing changes.
     With ``missing_ok``, a table no rank holds an entry for keeps its rows and is returned
-    (the list of such tables is the same on every rank)."""
+    (the list of such tables is the same on every rank). A table of another value type than
+    its state's loads only with ``convert`` (as :func:`load`)."""
     comm = runtime.comm()
     variables, entries = list(variables), list(entries)
     mine, error = [], None
     for var, entry in zip(variables, entries):
         try:
-            state = _check_state(var, entry)
+            state = _check_state(var, entry, convert)
             mine.append(state)
             if state is not None:
                 plan.owners(var, state[0])  # a static table's keys in range
@@ -933,7 +961,7 @@ def load_state(variables, entries, missing_ok: bool = False) -> list:
                 keys, rows = mine[t][0][share], np.ascontiguousarray(mine[t][1][share])
                 scores = mine[t][2][share] if scored and mine[t][2] is not None else None
             else:
-                keys, rows = np.empty(0, np.int64), np.empty((0, var.storage.width), np.float32)
+                keys, rows = np.empty(0, np.int64), np.empty((0, var.storage.unpacked_width), np.float32)
                 scores = np.empty((0, 2), np.int64)
             if scored and scores is None:
                 scores = np.zeros((keys.size, 2), np.int64)

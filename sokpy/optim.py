@@ -253,11 +253,16 @@ class SparseOptimizer(torch.optim.Optimizer):
         n = int(otab.shape[0])
         steps = self._steps.values[layout.counts]
         hyper = self._hyper(layout.group_index, steps)
+        tabs = ts.tabs
+        c = kernels.constants()
+        if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
+            tabs = tabs.copy()
+            tabs[:, c["SOKPY_TAB_STEP"]] = steps
         runtime.launch(
             self.kernel,
             n,
             1 if self.row_kernel else int(ts.dims.max(initial=1)),
-            (otab, rows, buffer, goff, n, xp.asarray(ts.tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
+            (otab, rows, buffer, goff, n, xp.asarray(tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).

@@ -593,6 +593,7 @@ class LookupPlan:
             self.rows = self.keys
         self.val_off = self.rows
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = self.tabs[:, c["SOKPY_TAB_WIDTH"]]
+        self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = self.tabs[:, c["SOKPY_TAB_DTYPE"]]  # half rows: widened as read
         self.d_tabs = xp.asarray(self.tabs)
         self.src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
         self.src_keep = None
@@ -680,6 +681,7 @@ class LookupPlan:
         self.val_off = runtime.scratch(max(n, 1), np.int64)
         runtime.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, urow, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
+        self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = 0  # gather_rows widened half rows to float32
         self.d_tabs = xp.asarray(self.tabs)
         self.src = xp.full(ntab, runtime.current().address_of(rows_in), np.uint64)
         self.src_keep = rows_in  # the pooled rows, for the weights' gradient

@@ -9,6 +9,17 @@ table joins an optimizer (:meth:`Storage.add_slots`), so the memory is claimed u
 this module knows where a slot's columns are: everything else asks :meth:`Storage.columns`
 (a view, a saved file, a state dict entry) and :meth:`Storage.slot_width`.
 
+**Half-precision rows.** A shard made with ``dtype="float16"`` or ``"bfloat16"`` stores its
+values in 16 bits, two to a float32 column (value d is 16-bit word d of the row, little-endian):
+``ceil(dim / 2)`` columns (:attr:`Storage.value_cols`), then the slots in float32 as in any
+shard, so rows are still whole float32 rows that grow, move and travel as before. Only this
+module and the kernels (``cuda_src/sokpy_half.cuh``) know it: :meth:`Storage.values` widens
+them to float32, :meth:`Storage.set_values` rounds float32 values in (to nearest even), and
+:meth:`Storage.widen` / :meth:`Storage.narrow` turn whole stored rows into the *unpacked*
+layout (``[n, dim + slots]`` float32, :attr:`Storage.unpacked_width`, ``columns(name,
+unpacked=True)``) that checkpoints and state dicts hold, and back. For a float32 shard both
+layouts are the same and these cost nothing.
+
 Two implementations:
 
 * :class:`StaticStorage`: a fixed number of rows; the stored row of a key follows from the
@@ -37,6 +48,7 @@ import itertools
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from . import handoff, kernels, runtime
 from .sorting import distinct
@@ -52,7 +64,22 @@ __all__ = [
     "init_rows",
     "finish_inserts",
     "plan_room",
+    "DTYPES",
+    "ROUNDINGS",
 ]
+
+DTYPES = ("float32", "float16", "bfloat16")  # a shard's values: SOKPY_DTYPE_* in this order
+ROUNDINGS = ("nearest", "stochastic")  # how an update writes a half row: SOKPY_ROUND_* in this order
+
+
+def check_format(dtype: str, rounding: str) -> tuple[str, str]:
+    """``(dtype, rounding)`` checked: a ValueError names the choices."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+    return dtype, rounding
+
 
 _epoch = itertools.count(1)
 _current_epoch = 0
@@ -92,28 +119,52 @@ class Storage:
     slot_init: list
     slot_per_row: list  # per slot: True for one float per row, False for one per element
 
-    def __init__(self, dim: int, init: InitSpec):
+    def __init__(self, dim: int, init: InitSpec, dtype: str = "float32", rounding: str = "stochastic"):
         self.dim = int(dim)
         self.init = init
+        self.dtype, self.rounding = check_format(dtype, rounding)
         self.slot_names, self.slot_init, self.slot_per_row = [], [], []
 
     # ---- layout ------------------------------------------------------------------------
     @property
+    def half(self) -> bool:
+        """Whether the values are stored in 16 bits (float16 or bfloat16)."""
+        return self.dtype != "float32"
+
+    @property
+    def dtype_code(self) -> int:
+        """The kernels' SOKPY_DTYPE_* of the values."""
+        return DTYPES.index(self.dtype)
+
+    @property
+    def value_cols(self) -> int:
+        """Float32 columns that hold a stored row's values: ``dim``, or ``ceil(dim / 2)`` for
+        16-bit values."""
+        return (self.dim + 1) // 2 if self.half else self.dim
+
+    @property
     def width(self) -> int:
         """Floats per stored row: the values, then each optimizer slot."""
-        return self.dim + sum(self.slot_width(name) for name in self.slot_names)
+        return self.value_cols + sum(self.slot_width(name) for name in self.slot_names)
+
+    @property
+    def unpacked_width(self) -> int:
+        """Floats per row of the unpacked layout: ``dim`` float32 values, then each slot."""
+        return self.width - self.value_cols + self.dim
 
     def slot_width(self, name: str) -> int:
         """Columns of slot ``name`` in a stored row: ``dim``, or 1 for a row-wise slot."""
         return 1 if self.slot_per_row[self.slot_names.index(name)] else self.dim
 
-    def columns(self, name: str) -> slice:
+    def columns(self, name: str, unpacked: bool = False) -> slice:
         """The columns of a stored row that hold ``"values"`` or slot ``name``: a slice for
-        ``data``, a gathered copy of whole rows, or any array laid out as ``data``."""
+        ``data``, a gathered copy of whole rows, or any array laid out as ``data`` (with
+        ``unpacked``: of the unpacked layout, :meth:`widen`)."""
+        values = self.dim if unpacked else self.value_cols
         if name == "values":
-            return slice(0, self.dim)
+            return slice(0, values)
         k = self.slot_names.index(name)
-        start = self.dim + sum(1 if r else self.dim for r in self.slot_per_row[:k])
+        start = values + sum(1 if r else self.dim for r in self.slot_per_row[:k])
         return slice(start, start + self.slot_width(name))
 
     @property
@@ -126,8 +177,68 @@ class Storage:
         return int(self.data.shape[0])
 
     def values(self):
-        """The values of the rows in use, a view ``[size, dim]``."""
-        return self.data[: self.size, : self.dim]
+        """The values of the rows in use ``[size, dim]`` float32: a view, or, for 16-bit values,
+        a widened copy."""
+        if not self.half:
+            return self.data[: self.size, : self.dim]
+        return self.widen(self.data[: self.size])[:, : self.dim]
+
+    def widen(self, stored):
+        """Whole stored rows ``[n, width]`` (e.g. gathered ones) in the unpacked layout ``[n,
+        unpacked_width]``: the values widened to float32 (exact). A float32 shard's rows are
+        returned as they are."""
+        if not self.half:
+            return stored
+        xp = runtime.xp()
+        stored = xp.ascontiguousarray(stored)
+        n = int(stored.shape[0])
+        out = xp.empty((n, self.unpacked_width), np.float32)
+        out[:, self.dim :] = stored[:, self.value_cols :]
+        if n:
+            runtime.launch(
+                "widen_values",
+                n,
+                self.dim,
+                (stored, self.width, n, self.dim, self.dtype_code, out, self.unpacked_width),
+            )
+        return out
+
+    def narrow(self, unpacked):
+        """Rows of the unpacked layout ``[n, unpacked_width]`` float32 as stored rows ``[n,
+        width]``: the values rounded to the shard's type, to nearest even (exact for values
+        that :meth:`widen` gave). A float32 shard's rows are returned as they are."""
+        if not self.half:
+            return unpacked
+        xp = runtime.xp()
+        unpacked = xp.ascontiguousarray(xp.asarray(unpacked, dtype=np.float32))
+        n = int(unpacked.shape[0])
+        out = xp.empty((n, self.width), np.float32)
+        out[:, self.value_cols :] = unpacked[:, self.dim :]
+        self._narrow_into(unpacked, self.unpacked_width, out, None)
+        return out
+
+    def set_values(self, rows, values) -> None:
+        """Sets the values of stored rows ``rows`` (int64, distinct) to float32 ``values`` ``[n,
+        dim]`` (contiguous), rounded to nearest even in a 16-bit shard; slots stay."""
+        n = int(rows.shape[0])
+        if not self.half:
+            runtime.launch("copy_rows", n, self.dim, (values, None, self.data, rows * self.width, n, self.dim))
+        else:
+            self._narrow_into(values, self.dim, self.data, rows)
+
+    def _narrow_into(self, src, src_stride: int, dst, dst_rows) -> None:
+        n = int(src.shape[0])
+        if n:
+            args = (src, src_stride, n, self.dim, self.dtype_code, dst, self.width, dst_rows, 0, 0, 0, None)
+            runtime.launch("narrow_values", n, self.dim, args)
+
+    def weight(self):
+        """The values of the rows in use as a live torch view ``[size, dim]``: float32, or
+        torch.float16 / torch.bfloat16 for 16-bit values (the 16-bit words themselves)."""
+        t = handoff.to_torch(self.data)[: self.size]
+        if self.half:
+            t = t.view(torch.float16 if self.dtype == "float16" else torch.bfloat16)
+        return t[:, : self.dim]
 
     def slot(self, name: str):
         """Optimizer slot ``name`` of the rows in use, a view ``[size, slot_width(name)]``."""
@@ -166,6 +277,11 @@ class Storage:
         tab[c["SOKPY_TAB_DIM"]] = self.dim
         tab[c["SOKPY_TAB_WIDTH"]] = self.width
         tab[c["SOKPY_TAB_KIND"]] = self.kind
+        tab[c["SOKPY_TAB_DTYPE"]] = tab[c["SOKPY_TAB_SRC_DTYPE"]] = self.dtype_code
+        tab[c["SOKPY_TAB_ROUNDING"]] = ROUNDINGS.index(self.rounding)
+        tab[c["SOKPY_TAB_SEED"]] = np.uint64(self.init.seed).astype(np.int64)
+        tab[c["SOKPY_TAB_KEY_STRIDE"]] = getattr(self, "key_stride", 0)
+        tab[c["SOKPY_TAB_KEY_BASE"]] = getattr(self, "key_base", 0)
         ptr[c["SOKPY_PTR_DATA"]] = runtime.current().address_of(self.data)
 
     def reserve(self, incoming: int) -> None:
@@ -194,12 +310,22 @@ class StaticStorage(Storage):
     """A static table's shard: ``rows`` local rows; key ``k`` is stored at row ``k // W`` on
     rank ``k % W`` (distributed) or at row ``k`` on its one rank (localized)."""
 
-    def __init__(self, local_rows: int, dim: int, init: InitSpec, key_stride: int, key_base: int, localized: bool):
-        super().__init__(dim, init)
+    def __init__(
+        self,
+        local_rows: int,
+        dim: int,
+        init: InitSpec,
+        key_stride: int,
+        key_base: int,
+        localized: bool,
+        dtype: str = "float32",
+        rounding: str = "stochastic",
+    ):
+        super().__init__(dim, init, dtype, rounding)
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_STATIC_AT"] if localized else c["SOKPY_KIND_STATIC"]
         self.key_stride, self.key_base = int(key_stride), int(key_base)
-        self.data = runtime.empty_rows((int(local_rows), self.dim), np.float32)
+        self.data = runtime.empty_rows((int(local_rows), self.value_cols), np.float32)
         init_rows([(self, 0, self.size)])
 
     @property
@@ -216,7 +342,7 @@ class StaticStorage(Storage):
 
     def new_like(self) -> StaticStorage:
         s = object.__new__(StaticStorage)
-        Storage.__init__(s, self.dim, self.init)
+        Storage.__init__(s, self.dim, self.init, self.dtype, self.rounding)
         s.kind, s.key_stride, s.key_base = self.kind, self.key_stride, self.key_base
         s.slot_names, s.slot_init, s.slot_per_row = list(self.slot_names), list(self.slot_init), list(self.slot_per_row)
         s.data = runtime.empty_rows(self.data.shape, np.float32)
@@ -245,8 +371,10 @@ class HashStorage(Storage):
         localized: bool = False,
         max_rows: int | None = None,
         policy: str = "lru",
+        dtype: str = "float32",
+        rounding: str = "stochastic",
     ):
-        super().__init__(dim, init)
+        super().__init__(dim, init, dtype, rounding)
         xp = runtime.xp()
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
@@ -255,7 +383,7 @@ class HashStorage(Storage):
         rows = max(16, int(capacity))
         if self.max_rows is not None:
             rows = max(1, min(rows, self.max_rows))
-        self.data = runtime.empty_rows((rows, self.dim), np.float32)
+        self.data = runtime.empty_rows((rows, self.value_cols), np.float32)
         self.row_keys = xp.empty(rows, np.int64)
         self.counter = xp.zeros(1, np.int64)  # rows in use, advanced by the insert kernel
         self._size = 0
@@ -500,6 +628,8 @@ class HashStorage(Storage):
             localized=self.kind == kernels.constants()["SOKPY_KIND_DYNAMIC_AT"],
             max_rows=self.max_rows,
             policy=self.policy,
+            dtype=self.dtype,
+            rounding=self.rounding,
         )
         s.add_slots(self.slot_names, self.slot_init, self.slot_per_row)
         return s
@@ -564,6 +694,7 @@ def init_rows(segments) -> None:
         info[i, c["SOKPY_INIT_SEED"]] = np.uint64(s.init.seed).astype(np.int64)
         info[i, c["SOKPY_INIT_SLOTS"]] = len(s.slot_init)
         info[i, c["SOKPY_INIT_ROW_SLOTS"]] = sum(1 << k for k, r in enumerate(s.slot_per_row) if r)
+        info[i, c["SOKPY_INIT_DTYPE"]] = s.dtype_code
         param[i, :2] = (s.init.a, s.init.b)
         param[i, 2 : 2 + len(s.slot_init)] = s.slot_init
         addr[i, 0] = runtime.current().address_of(s.data)

@@ -1,7 +1,8 @@
 """Sharded embedding tables: static (:class:`Variable`) and dynamic (:class:`DynamicVariable`).
 
-A :class:`Variable` is a static table of ``rows`` x ``dim`` float32: ``target_gpu=-1`` puts key
-k on rank ``k % W`` at local row ``k // W``; ``target_gpu=r`` puts the whole table on rank r.
+A :class:`Variable` is a static table of ``rows`` x ``dim`` float32 (or 16-bit values,
+``dtype``): ``target_gpu=-1`` puts key k on rank ``k % W`` at local row ``k // W``;
+``target_gpu=r`` puts the whole table on rank r.
 A :class:`DynamicVariable` has no fixed key range: every int64 is a valid key, a row is
 created the first time its key is looked up (or assigned), and its shard is a hash table
 that grows by itself; ``target_gpu=-1`` puts key k on rank ``mix64(k) % W`` (splitmix64's
@@ -36,7 +37,7 @@ from . import collective, handoff, plan, runtime
 from .admission import AdmissionFilter
 from .gradients import SparseGrad, table_grad
 from .initializers import resolve
-from .storage import HashStorage, InitSpec, StaticStorage
+from .storage import HashStorage, InitSpec, StaticStorage, check_format
 
 __all__ = ["Variable", "DynamicVariable", "TableStatistics", "SparseGrad", "export", "assign"]
 
@@ -105,9 +106,21 @@ class Table:
     # ---- this rank's rows and gradients --------------------------------------------------------
     @property
     def weight(self) -> torch.Tensor:
-        """This rank's rows, a tensor view ``[local rows, dim]`` (the values columns of the
-        stored rows; optimizer state sits beside them)."""
-        return handoff.to_torch(self.storage.data)[: self.storage.size, : self.dim]
+        """This rank's rows, a live tensor view ``[local rows, dim]`` of the values columns of
+        the stored rows (optimizer state sits beside them): float32, or, for a table made with
+        ``dtype="float16"`` / ``"bfloat16"``, torch.float16 / torch.bfloat16 (the stored 16-bit
+        values themselves; ``weight.float()`` widens them, exactly)."""
+        return self.storage.weight()
+
+    @property
+    def dtype(self) -> str:
+        """The type of the stored values: ``"float32"``, ``"float16"`` or ``"bfloat16"``."""
+        return self.storage.dtype
+
+    @property
+    def rounding(self) -> str:
+        """How an optimizer writes 16-bit values: ``"stochastic"`` or ``"nearest"``."""
+        return self.storage.rounding
 
     @property
     @runtime.entry
@@ -134,31 +147,51 @@ class Variable(Table):
     ``grad`` its sparse gradient after ``backward()`` (or None). Collective: every rank creates
     the same tables in the same order.
 
+    ``dtype="float16"`` or ``"bfloat16"`` stores the values in 16 bits (optimizer state stays
+    float32): lookups widen them to float32, an optimizer updates in float32 and rounds each
+    written value, ``rounding="stochastic"`` (default; unbiased, its random bits a pure function
+    of the table's seed, step count, key and column) or ``"nearest"`` (to nearest even).
+    ``weight`` is then a live view in torch.float16 / torch.bfloat16; :func:`export` gives
+    float32. docs/numerics.md, "Half-precision rows".
+
     Example::
 
         import sokpy
         sokpy.init()
         item = sokpy.Variable(10_000, 32, target_gpu=0, initializer=0.0, name="item_table")
         print(item.local_rows, item.weight.shape)
+        half = sokpy.Variable(10_000, 32, dtype="float16", rounding="nearest", name="item_half")
+        print(half.weight.dtype)                  # torch.float16, half the memory of item's values
     """
 
     @runtime.entry
     def __init__(
-        self, rows: int, dim: int, target_gpu: int = -1, initializer=None, seed: int = 0, name: str | None = None
+        self,
+        rows: int,
+        dim: int,
+        target_gpu: int = -1,
+        initializer=None,
+        seed: int = 0,
+        name: str | None = None,
+        dtype: str = "float32",
+        rounding: str = "stochastic",
     ):
         def check():
             if int(rows) != rows or rows < 0:
                 raise ValueError(f"rows must be a non-negative integer, got {rows!r}")
+            check_format(dtype, rounding)
 
-        self._create(f"rows={rows} dim={dim} target_gpu={target_gpu}", dim, target_gpu, initializer, seed, name, check)
+        spec = f"rows={rows} dim={dim} target_gpu={target_gpu} dtype={dtype} rounding={rounding}"
+        self._create(spec, dim, target_gpu, initializer, seed, name, check)
         self.rows = int(rows)
         world, rank = self._world, self._rank
+        fmt = {"dtype": dtype, "rounding": rounding}
         if self.target_gpu == -1:
             local = max(0, (self.rows - rank + world - 1) // world)
-            self.storage = StaticStorage(local, self.dim, self._init, world, rank, localized=False)
+            self.storage = StaticStorage(local, self.dim, self._init, world, rank, localized=False, **fmt)
         else:
             local = self.rows if rank == self.target_gpu else 0
-            self.storage = StaticStorage(local, self.dim, self._init, 1, 0, localized=True)
+            self.storage = StaticStorage(local, self.dim, self._init, 1, 0, localized=True, **fmt)
 
     @property
     def local_rows(self) -> int:
@@ -199,7 +232,8 @@ class DynamicVariable(Table):
     is a hash table in flat kernels that grows by itself (``capacity`` is the initial number
     of rows per rank); optimizer slots follow the rows. ``len(var)`` is the global row count
     (collective), ``var.local_size()`` this rank's. ``lookup_sparse(..., insert=False)``
-    reads an unseen key as a zero row and creates nothing (evaluation, serving).
+    reads an unseen key as a zero row and creates nothing (evaluation, serving). ``dtype`` and
+    ``rounding`` store the values in 16 bits, as for :class:`Variable`.
 
     **Capacity and eviction.** With ``max_rows``, each shard holds at most its share of it:
     ``ceil(max_rows / W)`` rows (``target_gpu=-1``) or ``max_rows`` (the whole table on one
@@ -277,6 +311,8 @@ class DynamicVariable(Table):
         admit_after: int | None = None,
         admit_filter_width: int = AdmissionFilter.WIDTH,
         admit_filter_depth: int = AdmissionFilter.DEPTH,
+        dtype: str = "float32",
+        rounding: str = "stochastic",
     ):
         def positive(name, value):
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
@@ -293,10 +329,12 @@ class DynamicVariable(Table):
                 raise ValueError(f'ttl_steps needs evict="step", got evict={evict!r}')
             if admit_after is not None:
                 AdmissionFilter.check(admit_after, admit_filter_width, admit_filter_depth)
+            check_format(dtype, rounding)
 
         self._create(
             f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict} "
-            f"ttl_steps={ttl_steps} admit_after={admit_after} admit_filter={admit_filter_depth}x{admit_filter_width}",
+            f"ttl_steps={ttl_steps} admit_after={admit_after} admit_filter={admit_filter_depth}x{admit_filter_width} "
+            f"dtype={dtype} rounding={rounding}",
             dim,
             target_gpu,
             initializer,
@@ -313,7 +351,14 @@ class DynamicVariable(Table):
         if share is None and evict == "step":  # scores and steps kept, no cap
             share = HashStorage.UNCAPPED
         self.storage = HashStorage(
-            self.dim, self._init, capacity, localized=self.target_gpu != -1, max_rows=share, policy=evict
+            self.dim,
+            self._init,
+            capacity,
+            localized=self.target_gpu != -1,
+            max_rows=share,
+            policy=evict,
+            dtype=dtype,
+            rounding=rounding,
         )
         self.admit_after = None if admit_after is None else int(admit_after)
         # The shard's sighting counters (sokpy.admission); admit_after=1 admits every key at once: none.
@@ -457,5 +502,4 @@ def assign(var: Table, keys, values) -> None:
     keep = _last_of_equal(recv_keys)
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
     rows = plan.rows_of(var, recv_keys, insert=True, verdict=_room_verdict(var))
-    n = rows.size
-    runtime.launch("copy_rows", n, var.dim, (recv_values, None, var.storage.data, rows * var.storage.width, n, var.dim))
+    var.storage.set_values(rows, recv_values)

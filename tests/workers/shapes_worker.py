@@ -1,5 +1,5 @@
 """Runs lookups (static, localized and dynamic tables; every combiner; weights that need a
-gradient; insert=False), backward, every optimizer, assign, a dynamic table's growth and a
+gradient; insert=False; half-precision rows), backward, every optimizer, assign, a dynamic table's growth and a
 checkpoint round trip, and saves every result plus the names of the kernels launched to ``argv[1]`` (rank 0 gathers).
 tests/test_launch_shapes.py runs it with the host's launch shapes and with the device's
 (SOKPY_EMULATE_DEVICE_SHAPES=1) and requires identical files."""
@@ -120,6 +120,27 @@ results["admit_keys"] = admit_keys[admit_order]
 results["admit_values"] = handoff.to_host(admit.storage.values())[admit_order]
 results["admit_counters"] = handoff.to_host(admit.admission.counters)
 results["admit_estimates"] = handoff.to_host(admit.admission.estimate(np.arange(40)))
+
+# Half-precision rows (widened in the lookup, rounded in the update: stochastic and nearest),
+# their assign (narrow_values) and export (widen_values).
+halves = [
+    sokpy.Variable(30, 7, name="shape_half16", dtype="float16", initializer=sokpy.initializers.normal(0.0, 0.5)),
+    sokpy.DynamicVariable(4, capacity=4, name="shape_half_bf16", dtype="bfloat16", rounding="nearest"),
+]
+half_opts = [sokpy.optim.Adagrad([halves[0]], lr=0.1), sokpy.optim.RowWiseAdagrad([halves[1]], lr=0.1)]
+for step in range(3):
+    ids = [[[int(k) for k in rng.integers(0, 30, 3)] for _ in range(5)], [[int(k)] for k in rng.integers(-9, 9, 4)]]
+    outs = sokpy.lookup_sparse(halves, ids, combiners=["mean", "sum"])
+    sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs).backward()
+    for t, o in enumerate(outs):
+        results[f"half_out{step}_{t}"] = o.detach().numpy().copy()
+    for opt in half_opts:
+        opt.step()
+        opt.zero_grad()
+sokpy.assign(halves[0], torch.tensor([0, 29]), torch.full((2, 7), 0.1 + rank))
+for t, var in enumerate(halves):
+    keys, values = sokpy.export(var)
+    results[f"half_keys{t}"], results[f"half_values{t}"] = keys.numpy(), values.numpy()
 
 with torch.no_grad():
     ev = sokpy.lookup_sparse(tables[2], [[5, 10**12], [-3]], combiners="sum", insert=False)

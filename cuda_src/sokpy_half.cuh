@@ -1,0 +1,225 @@
+// sokpy_half.cuh -- 16-bit row values: IEEE float16 (binary16) and bfloat16, converted bit by bit
+// so that g++ (the host) and NVRTC (the GPU) share one source and give the same bits (CUDA's
+// cuda_fp16 is not available to the host build). docs/numerics.md, "Half-precision rows".
+//
+// A half table stores each row's dim values as 16-bit words packed two to a float32 column
+// (value d is 16-bit word d of the row, little-endian, so word 2k is the low half of column k):
+// ceil(dim / 2) columns, then the optimizer slots in float32 as for any table.
+#pragma once
+#include "sokpy_common.cuh"
+
+// The type of a table's values (descriptor field SOKPY_TAB_DTYPE).
+#define SOKPY_DTYPE_FLOAT32 0
+#define SOKPY_DTYPE_FLOAT16 1
+#define SOKPY_DTYPE_BFLOAT16 2
+// How an update rounds a half row (descriptor field SOKPY_TAB_ROUNDING).
+#define SOKPY_ROUND_NEAREST 0     // to nearest, ties to even (numpy's and torch's conversion)
+#define SOKPY_ROUND_STOCHASTIC 1  // up with probability (x - down) / (up - down): unbiased
+
+typedef unsigned int sokpy_u32;
+// A 16-bit word of a row that float32 code also reads and writes (copies of whole rows): the
+// host compiler must not assume the two types never alias.
+#ifdef SOKPY_HOST
+typedef unsigned short __attribute__((may_alias)) sokpy_half;
+#else
+typedef unsigned short sokpy_half;
+#endif
+
+// The float32 columns that hold a row's values.
+__device__ __forceinline__ int sokpy_value_cols(int dim, int dtype) {
+    return dtype == SOKPY_DTYPE_FLOAT32 ? dim : (dim + 1) / 2;
+}
+
+// The bits of a float32 and back (__builtin_bit_cast on the host: a union there keeps g++ from
+// vectorising the loops that call the conversions).
+__device__ __forceinline__ sokpy_u32 sokpy_float_bits(float x) {
+#ifdef SOKPY_HOST
+    return __builtin_bit_cast(sokpy_u32, x);
+#else
+    return __float_as_uint(x);
+#endif
+}
+__device__ __forceinline__ float sokpy_bits_float(sokpy_u32 b) {
+#ifdef SOKPY_HOST
+    return __builtin_bit_cast(float, b);
+#else
+    return __uint_as_float(b);
+#endif
+}
+
+// float16 -> float32, exact. The 15 bits of exponent and mantissa are moved into a float32's
+// place and scaled by 2^112 (the difference of the biases): a float16 subnormal is then a
+// float32 subnormal, which the multiplication normalises exactly (neither build flushes
+// subnormals). Exponent 31 (inf, NaN: 2^16 or more after the scaling) takes exponent 255 and
+// keeps its mantissa, as numpy does (a NaN keeps its payload).
+__device__ __forceinline__ float sokpy_half_to_float(sokpy_u32 h) {
+    const float f = sokpy_bits_float((h & 0x7fffu) << 13) * sokpy_bits_float(0x77800000u);  // * 2^112
+    const sokpy_u32 b = sokpy_float_bits(f) | (f >= 65536.0f ? 0x7f800000u : 0u);
+    return sokpy_bits_float(b | ((h & 0x8000u) << 16));
+}
+
+// bfloat16 -> float32, exact: its bits followed by 16 zero bits.
+__device__ __forceinline__ float sokpy_bfloat16_to_float(sokpy_u32 h) { return sokpy_bits_float(h << 16); }
+
+// a where c, else b, by masks (no branch, so that the host compiler vectorises the loops that
+// call the conversions).
+__device__ __forceinline__ sokpy_u32 sokpy_select(int c, sokpy_u32 a, sokpy_u32 b) {
+    return b ^ ((a ^ b) & (0u - (sokpy_u32)c));
+}
+// float32 -> float16 bits. Nearest: round to nearest, ties to even, as numpy's astype(float16)
+// (IEEE): |x| >= 65520 becomes inf, |x| <= 2^-25 a signed zero, subnormals round on their own
+// grid; a NaN stays a NaN of the same sign with the top 10 bits of its payload (or 1 where those
+// are 0, as numpy does); inf stays inf. Stochastic: the low bits of `r` (as many as are
+// dropped: 13 for a normal, 14 to 31 for a subnormal) are added to the dropped bits of the
+// magnitude before truncation, so x rounds away from zero with probability (|x| - down) / ulp;
+// a value past 65504 may round to inf, with that probability. Values below 2^-32 become zero
+// (their expected value is below 1/256 of the smallest float16 subnormal, 2^-24).
+__device__ __forceinline__ sokpy_u32 sokpy_float_to_half(float x, int stochastic, sokpy_u32 r) {
+    // Every case is computed and one is selected, in 32-bit integers.
+    const sokpy_u32 f = sokpy_float_bits(x);
+    const sokpy_u32 sign = (f >> 16) & 0x8000u;
+    const sokpy_u32 e = (f >> 23) & 0xffu;
+    const sokpy_u32 m = f & 0x7fffffu;
+    // inf, or a NaN that keeps the top 10 bits of its payload (1 if they are 0)
+    const sokpy_u32 payload = m >> 13;
+    const sokpy_u32 special = 0x7c00u | sokpy_select(m != 0u, sokpy_select(payload != 0u, payload, 1u), 0u);
+    // A float16 normal: 13 bits dropped; a carry may reach the exponent (and give inf).
+    const sokpy_u32 inc13 = sokpy_select(stochastic, r & 0x1fffu, 0xfffu + ((m >> 13) & 1u));
+    const sokpy_u32 normal = ((e - 112u) << 10) + ((m + inc13) >> 13);
+    // A float16 subnormal (or zero): the 24-bit significand loses s = 126 - e bits (14..31).
+    const int s = min(max(126 - (int)e, 14), 31);
+    const sokpy_u32 sig = m | 0x800000u;
+    const sokpy_u32 mask = (1u << s) - 1u;
+    const sokpy_u32 inc = sokpy_select(stochastic, r & mask, (mask >> 1) + ((sig >> s) & 1u));
+    const sokpy_u32 sub = (sig + inc) >> s;
+    sokpy_u32 mag = sokpy_select(e >= 95u, sub, 0u);  // below 2^-32: zero
+    mag = sokpy_select(e >= 113u, normal, mag);
+    mag = sokpy_select(e >= 143u, 0x7c00u, mag);  // |x| >= 2^16
+    mag = sokpy_select(e == 0xffu, special, mag);
+    return sign | mag;
+}
+
+// float32 -> bfloat16 bits (the upper half of a float32). Nearest: round to nearest, ties to
+// even on the 16 bits dropped (a carry may give inf); any NaN becomes the quiet NaN 0x7FC0
+// (torch's rule). Stochastic: the low 16 bits of `r` are added to the dropped bits.
+__device__ __forceinline__ sokpy_u32 sokpy_float_to_bfloat16(float x, int stochastic, sokpy_u32 r) {
+    const sokpy_u32 f = sokpy_float_bits(x);
+    if ((f & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    const sokpy_u32 inc = stochastic ? (r & 0xffffu) : 0x7fffu + ((f >> 16) & 1u);
+    return (f + inc) >> 16;
+}
+
+__device__ __forceinline__ float sokpy_widen(sokpy_u32 h, int dtype) {
+    return dtype == SOKPY_DTYPE_FLOAT16 ? sokpy_half_to_float(h) : sokpy_bfloat16_to_float(h);
+}
+__device__ __forceinline__ sokpy_half sokpy_narrow(float x, int dtype, int stochastic, sokpy_u32 r) {
+    return (sokpy_half)(dtype == SOKPY_DTYPE_FLOAT16 ? sokpy_float_to_half(x, stochastic, r)
+                                                     : sokpy_float_to_bfloat16(x, stochastic, r));
+}
+
+// ---- stochastic rounding's random bits -------------------------------------------------------
+// A pure function of (table seed, step, key, column), no state. Per row, 64 bits from
+// splitmix64 (sokpy_row_hash, as the initial values use it on streams 0 and 1) on stream
+// 2 + step, where step is the table's step count in its optimizer after the update (1 at the
+// first step), folded to 32 bits; per column d, murmur3's 32-bit finalizer of the row's word
+// xor d * 0x9E3779B9 (32-bit multiplies, which a CPU's vector units have and 64-bit ones lack):
+//   row(k)  = mix64(mix64(seed * 0x9E3779B97F4A7C15 + 2 + step) xor k)
+//   bits(d) = fmix32(lo32(row) xor hi32(row) xor d * 0x9E3779B9)
+__device__ __forceinline__ sokpy_u32 sokpy_round_row_hash(u64 seed, i64 step, i64 key) {
+    const u64 h = sokpy_row_hash(seed, (u64)key, 2ULL + (u64)step);
+    return (sokpy_u32)h ^ (sokpy_u32)(h >> 32);
+}
+__device__ __forceinline__ sokpy_u32 sokpy_round_bits(sokpy_u32 row, int d) {
+    sokpy_u32 h = row ^ ((sokpy_u32)d * 0x9e3779b9u);
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+// How a row's values are read and written by the update templates (optimizers.cu): the same
+// template takes float32 values (float*) or 16-bit ones (sokpy_f16<SR>*, sokpy_bf16<SR>*: the
+// type picks the conversion and the rounding, SR = 1 stochastic, at compile time), and for
+// float32 it compiles to the plain loads and stores it had before.
+struct sokpy_rounding {
+    int dtype, stochastic;
+    sokpy_u32 row_bits;  // sokpy_round_row_hash of the row (stochastic only)
+};
+#ifdef SOKPY_HOST
+#define SOKPY_MAY_ALIAS __attribute__((may_alias))
+#else
+#define SOKPY_MAY_ALIAS
+#endif
+template <int SR>
+struct SOKPY_MAY_ALIAS sokpy_f16 {
+    unsigned short bits;
+};
+template <int SR>
+struct SOKPY_MAY_ALIAS sokpy_bf16 {
+    unsigned short bits;
+};
+__device__ __forceinline__ float sokpy_get(const float* __restrict__ w, int d, const sokpy_rounding&) { return w[d]; }
+__device__ __forceinline__ void sokpy_put(float* __restrict__ w, int d, float x, const sokpy_rounding&) { w[d] = x; }
+template <int SR>
+__device__ __forceinline__ float sokpy_get(const sokpy_f16<SR>* __restrict__ w, int d, const sokpy_rounding&) {
+    return sokpy_half_to_float(w[d].bits);
+}
+template <int SR>
+__device__ __forceinline__ void sokpy_put(sokpy_f16<SR>* __restrict__ w, int d, float x, const sokpy_rounding& r) {
+    w[d].bits = (unsigned short)sokpy_float_to_half(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
+}
+template <int SR>
+__device__ __forceinline__ float sokpy_get(const sokpy_bf16<SR>* __restrict__ w, int d, const sokpy_rounding&) {
+    return sokpy_bfloat16_to_float(w[d].bits);
+}
+template <int SR>
+__device__ __forceinline__ void sokpy_put(sokpy_bf16<SR>* __restrict__ w, int d, float x, const sokpy_rounding& r) {
+    w[d].bits = (unsigned short)sokpy_float_to_bfloat16(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
+}
+
+// o = 0 + w * r (first) or o += w * r over a half row r: sokpy_row_axpy of the widened values.
+template <int DIM>
+__device__ __forceinline__ void sokpy_half_axpy_n(float* __restrict__ o, const sokpy_half* __restrict__ r, float w,
+                                                  int dim, bool first, int dtype) {
+    if (dtype == SOKPY_DTYPE_FLOAT16) {
+        if (first) {
+            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_half_to_float(r[d]);
+        } else {
+            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * sokpy_half_to_float(r[d]);
+        }
+    } else {
+        if (first) {
+            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_bfloat16_to_float(r[d]);
+        } else {
+            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * sokpy_bfloat16_to_float(r[d]);
+        }
+    }
+}
+// A row of values of type dtype at r: pooled into o (sokpy_row_axpy).
+__device__ __forceinline__ void sokpy_values_axpy(float* o, const float* r, float w, int dim, bool first, int dtype) {
+    if (dtype == SOKPY_DTYPE_FLOAT32) {
+        SOKPY_WITH_DIM(sokpy_row_axpy_n, dim, o, r, w, dim, first)
+    } else {
+        SOKPY_WITH_DIM(sokpy_half_axpy_n, dim, o, (const sokpy_half*)r, w, dim, first, dtype)
+    }
+}
+
+// o = the float32 values of a row of type dtype at r (sokpy_row_copy).
+template <int DIM>
+__device__ __forceinline__ void sokpy_half_widen_n(float* __restrict__ o, const sokpy_half* __restrict__ r, int dim,
+                                                   int dtype) {
+    if (dtype == SOKPY_DTYPE_FLOAT16) {
+        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = sokpy_half_to_float(r[d]);
+    } else {
+        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = sokpy_bfloat16_to_float(r[d]);
+    }
+}
+__device__ __forceinline__ void sokpy_values_copy(float* o, const float* r, int dim, int dtype) {
+    if (dtype == SOKPY_DTYPE_FLOAT32) {
+        SOKPY_WITH_DIM(sokpy_row_copy_n, dim, o, r, dim)
+    } else {
+        SOKPY_WITH_DIM(sokpy_half_widen_n, dim, o, (const sokpy_half*)r, dim, dtype)
+    }
+}
