@@ -12,7 +12,8 @@ hidden model (hashed per-key scores, a pairwise term, dense weights), so AUC is 
 
 Each ``--variants`` entry is a copy of examples/train_dlrm.py's model (DLRM, Adagrad for the
 table, Adam for the dense part) whose features share one ``DynamicVariable``: ``uncapped``
-(no ``max_rows``) or ``lru`` / ``lfu`` (``max_rows=--max-rows``, that ``evict``). All
+(no ``max_rows``) or ``lru`` / ``lfu`` (``max_rows=--max-rows``, that ``evict``; ``lru0`` /
+``lfu0`` with ``evict_margin=0``, evicting only what each step needs). All
 variants train in the same job on the same batches with the same seeds, in turns each step
 (the order rotates), so their step times see the same machine load. Their tables start at
 zero (``initializer=0.0``): tables with other names start alike only then.
@@ -50,7 +51,7 @@ from synthetic_data import DriftingFeature, SyntheticClicks  # noqa: E402
 import sokpy  # noqa: E402
 from sokpy.nn import EmbeddingBagConfig  # noqa: E402
 
-VARIANTS = ("uncapped", "lru", "lfu")
+VARIANTS = ("uncapped", "lru", "lfu", "lru0", "lfu0")
 
 
 def stream_features(ranks: int, drift: float) -> list[DriftingFeature]:
@@ -74,7 +75,11 @@ class Variant:
 
     def __init__(self, kind: str, args, job, features):
         self.kind = kind
-        cap = dict(max_rows=args.max_rows, evict=kind) if kind != "uncapped" else {}
+        cap = {}
+        if kind != "uncapped":  # "lru0", "lfu0": evicting only what each step needs (evict_margin=0)
+            cap = dict(
+                max_rows=args.max_rows, evict=kind.rstrip("0"), evict_margin=0.0 if kind.endswith("0") else 1 / 64
+            )
         config = EmbeddingBagConfig(
             name=f"stream_{kind}",
             embedding_dim=args.dim,

@@ -356,7 +356,9 @@ class HashStorage(Storage):
     score per row (``last_seen``: the step a row was last looked up in; ``seen_count``: the
     number of steps it was looked up in), and :meth:`make_room` evicts the rows of lowest score
     (``policy`` "lru": last_seen; "lfu": (seen_count, last_seen); the smaller key first on a
-    tie) before an insert would pass the share. An evicted key's slot becomes a tombstone;
+    tie) before an insert would pass the share, and ``margin_rows`` more (while rows not seen
+    in the step remain): finding the victims is a pass over the whole share, which a margin
+    makes once in many steps instead of every step. An evicted key's slot becomes a tombstone;
     the last rows move into the evicted rows' places, so rows stay dense."""
 
     MAX_LOAD = 0.5  # index slots in use (tombstones included) at most; linear probing stays short below it
@@ -373,6 +375,7 @@ class HashStorage(Storage):
         policy: str = "lru",
         dtype: str = "float32",
         rounding: str = "stochastic",
+        margin_rows: int = 0,
     ):
         super().__init__(dim, init, dtype, rounding)
         xp = runtime.xp()
@@ -380,6 +383,7 @@ class HashStorage(Storage):
         self.kind = c["SOKPY_KIND_DYNAMIC_AT"] if localized else c["SOKPY_KIND_DYNAMIC"]
         self.max_rows = None if max_rows is None else int(max_rows)
         self.policy = str(policy)
+        self.margin_rows = int(margin_rows)
         rows = max(16, int(capacity))
         if self.max_rows is not None:
             rows = max(1, min(rows, self.max_rows))
@@ -488,13 +492,15 @@ class HashStorage(Storage):
 
     def make_room(self, seen, new: int) -> None:
         """A new step of a capped shard: marks the distinct held rows ``seen`` (an int64 array)
-        as looked up in it, then evicts the rows of lowest score so that ``new`` more keys fit
-        (room_error said they do)."""
+        as looked up in it, then, if ``new`` more keys would not fit (room_error said they can),
+        evicts the rows of lowest score that make room for them and ``margin_rows`` more (but
+        none of ``seen``)."""
         self.step += 1
         self.last_seen[seen] = self.step
         self.seen_count[seen] += 1
         k = self.to_evict(new)
         if k:
+            k = min(k + self.margin_rows, self._size - int(seen.shape[0]))
             self.evict_rows(self.lowest_rows(k))
 
     def lowest_rows(self, k: int):
@@ -630,6 +636,7 @@ class HashStorage(Storage):
             policy=self.policy,
             dtype=self.dtype,
             rounding=self.rounding,
+            margin_rows=self.margin_rows,
         )
         s.add_slots(self.slot_names, self.slot_init, self.slot_per_row)
         return s

@@ -241,7 +241,12 @@ class DynamicVariable(Table):
     (and every ``assign``) is one step. A row's ``last_seen`` is the last step it was looked up
     in, its ``count`` the number of steps it was looked up in (a key looked up many times in
     one call, from one rank or several, counts once). When a step's new keys would take a
-    shard past its share, the shard first evicts as many rows as needed, lowest score first:
+    shard past its share, the shard first evicts the rows they need, lowest score first, and
+    ``int(evict_margin * share)`` more (default ``evict_margin=1/64``), so that its next
+    steps find room without evicting (finding the lowest scores is a pass over the whole
+    share: once in many steps instead of every step); a shard holds between ``1 -
+    evict_margin`` of its share and all of it once full. ``evict_margin=0`` evicts only what
+    each step needs. The scores:
 
     * ``evict="lru"``: score ``last_seen``;
     * ``evict="lfu"``: score ``(count, last_seen)``, compared in that order;
@@ -308,6 +313,7 @@ class DynamicVariable(Table):
         max_rows: int | None = None,
         evict: str = "lru",
         ttl_steps: int | None = None,
+        evict_margin: float = 1 / 64,
         admit_after: int | None = None,
         admit_filter_width: int = AdmissionFilter.WIDTH,
         admit_filter_depth: int = AdmissionFilter.DEPTH,
@@ -327,13 +333,15 @@ class DynamicVariable(Table):
                 raise ValueError(f"evict must be one of {', '.join(map(repr, HashStorage.POLICIES))}, got {evict!r}")
             if ttl_steps is not None and evict != "step":
                 raise ValueError(f'ttl_steps needs evict="step", got evict={evict!r}')
+            if isinstance(evict_margin, bool) or not 0 <= float(evict_margin) < 1:
+                raise ValueError(f"evict_margin must be a fraction of the share in [0, 1), got {evict_margin!r}")
             if admit_after is not None:
                 AdmissionFilter.check(admit_after, admit_filter_width, admit_filter_depth)
             check_format(dtype, rounding)
 
         self._create(
             f"dim={dim} target_gpu={target_gpu} capacity={capacity} max_rows={max_rows} evict={evict} "
-            f"ttl_steps={ttl_steps} admit_after={admit_after} admit_filter={admit_filter_depth}x{admit_filter_width} "
+            f"ttl_steps={ttl_steps} evict_margin={evict_margin} admit_after={admit_after} admit_filter={admit_filter_depth}x{admit_filter_width} "
             f"dtype={dtype} rounding={rounding}",
             dim,
             target_gpu,
@@ -345,6 +353,7 @@ class DynamicVariable(Table):
         self.max_rows = None if max_rows is None else int(max_rows)
         self.evict_policy = evict
         self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
+        self.evict_margin = float(evict_margin)
         share = self.max_rows
         if share is not None and self.target_gpu == -1:
             share = -(-share // self._world)
@@ -359,6 +368,7 @@ class DynamicVariable(Table):
             policy=evict,
             dtype=dtype,
             rounding=rounding,
+            margin_rows=0 if self.max_rows is None else int(self.evict_margin * share),
         )
         self.admit_after = None if admit_after is None else int(admit_after)
         # The shard's sighting counters (sokpy.admission); admit_after=1 admits every key at once: none.

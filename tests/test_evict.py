@@ -15,6 +15,14 @@ def test_eviction_matches_the_reference(nranks, policy):
     assert out.count(f"stream {policy} ok") == nranks
 
 
+@pytest.mark.parametrize("nranks, policy", [(2, "lru"), (3, "lfu")])
+def test_eviction_with_a_margin_matches_the_reference(nranks, policy):
+    """A step that must evict frees a margin of its share more (3 rows of 11 here, 5 of the
+    placed 18 or 22), lowest score first, never a row of its own step."""
+    out = run_mpi(nranks, "evict_worker.py", "stream", policy, 70 + nranks, 0.3, timeout=300)
+    assert out.count(f"stream {policy} ok") == nranks
+
+
 def test_eviction_with_the_devices_launch_shapes():
     """set_slot_states and the moves of copy_rows in the device's launch shapes (blocks of
     threads, rows grid-stride) on the host: the same reference must hold."""

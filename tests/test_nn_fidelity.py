@@ -56,6 +56,8 @@ class PoolingType(Enum):  # the shape of TorchRec's enums
 class DataType(Enum):
     FP32 = "FP32"
     FP16 = "FP16"
+    BF16 = "BF16"
+    INT8 = "INT8"
 
 
 @dataclasses.dataclass
@@ -96,7 +98,7 @@ def test_torchrec_config_fields_are_honoured_or_refused(sokpy_host):
     (t,) = ebc.tables()
     assert t.initializer == sokpy.initializers.uniform(-0.25, 0.01)  # TorchRec's partial(uniform_) became ours
     for field, value, words in [
-        ("data_type", DataType.FP16, "data_type=FP16 is not supported"),
+        ("data_type", DataType.INT8, "data_type=INT8 is not supported"),
         ("need_pos", True, "need_pos=True is not supported"),
         ("num_embeddings_post_pruning", 8, "num_embeddings_post_pruning=8 is not supported"),
         ("pooling", PoolingType.NONE, "sequence table config"),
@@ -110,6 +112,10 @@ def test_torchrec_config_fields_are_honoured_or_refused(sokpy_host):
         EmbeddingCollection([TorchRecBagConfig(8, 2, "fid_bag_in_ec")])
     ec = EmbeddingCollection([TorchRecSeqConfig(8, 2, "fid_seq", ["s"])])
     assert ec.tables()[0].rows == 8
+    for data_type, dtype in ((DataType.FP16, "float16"), (DataType.BF16, "bfloat16")):
+        cfg = TorchRecBagConfig(16, 3, f"fid_{dtype}", feature_names=[f"f_{dtype}"], data_type=data_type)
+        (t,) = EmbeddingBagCollection([cfg]).tables()
+        assert t.dtype == dtype and t.weight.dtype == getattr(torch, dtype)
 
 
 def test_init_fn_and_data_type_of_sokpy_configs(sokpy_host):
@@ -131,8 +137,17 @@ def test_init_fn_and_data_type_of_sokpy_configs(sokpy_host):
         EmbeddingBagCollection([EmbeddingBagConfig("fid_dyn_fn", 2, None, init_fn=lambda w: w.fill_(1))])
     with pytest.raises(sokpy.InputError, match="table 'fid_bad_fn': init_fn failed: .*shape"):
         EmbeddingBagCollection([EmbeddingBagConfig("fid_bad_fn", 2, 5, init_fn=lambda w: torch.ones(3))])
-    with pytest.raises(ValueError, match="table 'fid_half': data_type=float16 is not supported"):
-        EmbeddingBagCollection([EmbeddingBagConfig("fid_half", 2, 5, data_type="float16")])
+    half = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig("fid_half", 2, 5, data_type="float16"),
+            EmbeddingBagConfig("fid_half_dyn", 2, None, data_type=torch.bfloat16, max_rows=8, evict_margin=0.25),
+        ]
+    )
+    static, dynamic = half.tables()
+    assert (static.dtype, dynamic.dtype) == ("float16", "bfloat16")
+    assert dynamic.evict_margin == 0.25 and dynamic.storage.margin_rows == int(0.25 * -(-8 // sokpy.world_size()))
+    with pytest.raises(ValueError, match="table 'fid_int8': data_type=int8 is not supported"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_int8", 2, 5, data_type="int8")])
 
 
 def test_dtype_and_device_moves_raise_or_pass(sokpy_host):

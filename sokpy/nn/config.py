@@ -3,8 +3,8 @@
 :class:`EmbeddingBagConfig` (pooled) and :class:`EmbeddingConfig` (sequence, one row per id)
 have TorchRec's field names. A TorchRec config is read field by field: ``name``,
 ``embedding_dim``, ``num_embeddings``, ``feature_names``, ``pooling``, ``weight_init_min`` /
-``weight_init_max`` and ``init_fn`` are honoured, ``data_type`` is honoured for FP32 only
-(sokpy's rows are float32), and any other field set away from its default is refused with an
+``weight_init_max``, ``init_fn`` and ``data_type`` (FP32, FP16 or BF16 rows; others are
+refused) are honoured, and any other field set away from its default is refused with an
 error naming the field; nothing is dropped in silence.
 
 ``init_fn`` (TorchRec's, ``torch.nn.init`` style: fills a tensor in place) is honoured with
@@ -53,8 +53,10 @@ class EmbeddingBagConfig:
     name); ``target_gpu`` and ``initializer`` as :class:`sokpy.Variable` (default: TorchRec's,
     uniform in ``±sqrt(1 / num_embeddings)``; sokpy's for a dynamic table); ``seed`` overrides
     the module's for this table; ``init_fn`` a ``torch.nn.init``-style function instead of
-    ``initializer`` (static tables; see the module's text); ``data_type`` "float32"
-    (half-precision rows are not implemented yet); ``max_rows``, ``evict`` and ``ttl_steps``
+    ``initializer`` (static tables; see the module's text); ``data_type`` the rows' storage:
+    "float32", "float16" or "bfloat16" (or TorchRec's ``DataType.FP32`` / ``FP16`` /
+    ``BF16``; half-precision rows are updated with stochastic rounding, as FBGEMM's, see
+    :class:`sokpy.Variable`); ``max_rows``, ``evict``, ``ttl_steps`` and ``evict_margin``
     cap a dynamic table and choose what it evicts, ``admit_after`` gives a key a row only
     from its k-th sighting (:class:`sokpy.DynamicVariable`).
     """
@@ -72,6 +74,7 @@ class EmbeddingBagConfig:
     max_rows: int | None = None  # a dynamic table's cap, evict and ttl_steps: see sokpy.DynamicVariable
     evict: str = "lru"
     ttl_steps: int | None = None
+    evict_margin: float = 1 / 64
     admit_after: int | None = None
 
 
@@ -93,6 +96,7 @@ class EmbeddingConfig:
     max_rows: int | None = None
     evict: str = "lru"
     ttl_steps: int | None = None
+    evict_margin: float = 1 / 64
     admit_after: int | None = None
 
 
@@ -110,7 +114,8 @@ class TableSpec:
     initializer: Any
     seed: int | None
     init_fn: Callable | None
-    eviction: dict = field(default_factory=dict)  # max_rows, evict, ttl_steps, admit_after of a dynamic table
+    dtype: str = "float32"  # the rows' storage: float32, float16 or bfloat16
+    eviction: dict = field(default_factory=dict)  # max_rows, evict, ttl_steps, evict_margin, admit_after (dynamic)
 
 
 # TorchRec's fields that sokpy does not implement, with what to use instead; each is refused
@@ -142,14 +147,27 @@ def _field_name(value) -> str:
     return str(getattr(value, "name", value))
 
 
-def _check_data_type(name: str, data_type) -> None:
+_DATA_TYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+
+
+def _dtype(name: str, data_type) -> str:
+    """The rows' storage dtype of a config's ``data_type`` (TorchRec's DataType, a torch dtype or a name)."""
     text = _field_name(data_type).lower().removeprefix("torch.")
-    if text not in ("fp32", "float32", "float"):
+    if text not in _DATA_TYPES:
         raise ValueError(
-            f"table {name!r}: data_type={_field_name(data_type)} is not supported: sokpy's tables hold float32 rows "
-            "(half-precision rows are not implemented yet); use FP32 / 'float32' (the rows between ranks can still "
-            "travel as float16 or bfloat16: wire_dtype=...)"
+            f"table {name!r}: data_type={_field_name(data_type)} is not supported: sokpy's tables hold float32, "
+            "float16 or bfloat16 rows (FP32, FP16, BF16)"
         )
+    return _DATA_TYPES[text]
 
 
 def _native(init_fn):
@@ -218,7 +236,7 @@ def table_spec(c, pooled: bool) -> TableSpec:
         )
     if pooled and pooling not in POOLINGS:
         raise ValueError(f"table {name!r}: unknown pooling {_field_name(c.pooling)!r} (use sum, mean or sqrtn)")
-    _check_data_type(name, getattr(c, "data_type", "float32"))
+    dtype = _dtype(name, getattr(c, "data_type", "float32"))
     ours = isinstance(c, (EmbeddingConfig, EmbeddingBagConfig))
     if not ours:
         _torchrec_fields(c, pooled)
@@ -244,14 +262,12 @@ def table_spec(c, pooled: bool) -> TableSpec:
             )
         elif not callable(init_fn):
             raise ValueError(f"table {name!r}: init_fn must be callable, got {type(init_fn).__name__}")
-    eviction = {k: getattr(c, k) for k in ("max_rows", "evict", "ttl_steps", "admit_after")} if ours else {}
-    if (
-        rows is not None
-        and eviction != {"max_rows": None, "evict": "lru", "ttl_steps": None, "admit_after": None}
-        and ours
-    ):
+    fields = ("max_rows", "evict", "ttl_steps", "evict_margin", "admit_after")
+    eviction = {k: getattr(c, k) for k in fields} if ours else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(EmbeddingBagConfig) if f.name in fields}
+    if rows is not None and ours and eviction != defaults:
         raise ValueError(
-            f"table {name!r}: max_rows, evict, ttl_steps and admit_after are for a dynamic table (num_embeddings=None); "
+            f"table {name!r}: {', '.join(fields)} are for a dynamic table (num_embeddings=None); "
             f"this one has num_embeddings={rows}"
         )
     if initializer is None and rows is not None:  # TorchRec's default: uniform in ±sqrt(1 / rows)
@@ -267,6 +283,7 @@ def table_spec(c, pooled: bool) -> TableSpec:
         initializer=initializer,
         seed=getattr(c, "seed", None),
         init_fn=init_fn,
+        dtype=dtype,
         eviction=eviction if rows is None else {},
     )
 

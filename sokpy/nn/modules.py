@@ -154,9 +154,11 @@ class EmbeddingCollectionBase(torch.nn.Module):
         for s in specs:
             table_seed = seed if s.seed is None else s.seed
             if s.rows is None:
-                var = DynamicVariable(s.dim, s.target_gpu, s.initializer, table_seed, s.name, **s.eviction)
+                var = DynamicVariable(
+                    s.dim, s.target_gpu, s.initializer, table_seed, s.name, dtype=s.dtype, **s.eviction
+                )
             else:
-                var = Variable(s.rows, s.dim, s.target_gpu, s.initializer, table_seed, s.name)
+                var = Variable(s.rows, s.dim, s.target_gpu, s.initializer, table_seed, s.name, dtype=s.dtype)
                 if s.init_fn is not None:
                     apply_init_fn(var, s.init_fn)
             self._tables[var.name] = var

@@ -46,8 +46,9 @@ NBAGS = 4
 class RefTable:
     """The eviction rule, from its definition: shards by owner, scores per key, SGD rows."""
 
-    def __init__(self, name, share, policy, placed, world=WORLD):
+    def __init__(self, name, share, policy, placed, world=WORLD, margin=0.0):
         self.name, self.share, self.policy, self.placed, self.world = name, share, policy, placed, world
+        self.margin = margin  # a step that must evict frees int(margin * share) rows more, if it can
         self.step = 0
         self.held = [dict() for _ in range(world)]  # per rank: key -> [last_seen, count]
         self.rows = {}  # key -> float32 row
@@ -101,6 +102,7 @@ class RefTable:
                 if excess > 0:
                     old = sorted((k for k in held if held[k][0] != self.step), key=lambda k: self.score(k, r))
                     assert len(old) >= excess
+                    excess = min(excess + int(self.margin * self.share), len(old))
                     for k in old[:excess]:
                         del held[k], self.rows[k]
                     self.evicted[r] += excess
@@ -158,21 +160,21 @@ def check_state(var, ref, where):
         assert max(len(h) for h in ref.held) <= ref.share
 
 
-def make(policy, caps, world=WORLD, with_tables=True):
-    """The three tables (capped spread, capped on the last rank, uncapped) and their references."""
+def make(policy, caps, world=WORLD, with_tables=True, margin=0.0):
+    """The three tables (capped spread, capped on the last rank, uncapped) and their references;
+    the capped ones evict ``margin`` of their share more when they must evict."""
     refs = [
-        RefTable("ev_spread", -(-caps[0] // world), policy, False, world),
-        RefTable("ev_placed", caps[1], policy, True, world),
+        RefTable("ev_spread", -(-caps[0] // world), policy, False, world, margin),
+        RefTable("ev_placed", caps[1], policy, True, world, margin),
         RefTable("ev_free", None, policy, False, world),
     ]
     if not with_tables:
         return None, refs, None
     init = sokpy.initializers.uniform(LOW, HIGH)
+    capped = dict(initializer=init, seed=SEED, evict=policy, evict_margin=margin)
     tables = [
-        sokpy.DynamicVariable(DIM, initializer=init, seed=SEED, name="ev_spread", max_rows=caps[0], evict=policy),
-        sokpy.DynamicVariable(
-            DIM, target_gpu=LAST, initializer=init, seed=SEED, name="ev_placed", max_rows=caps[1], evict=policy
-        ),
+        sokpy.DynamicVariable(DIM, name="ev_spread", max_rows=caps[0], **capped),
+        sokpy.DynamicVariable(DIM, target_gpu=LAST, name="ev_placed", max_rows=caps[1], **capped),
         sokpy.DynamicVariable(DIM, initializer=init, seed=SEED, name="ev_free", capacity=4),
     ]
     return tables, refs, sokpy.optim.SGD(tables, lr=LR)
@@ -227,9 +229,10 @@ def stream(tables, refs, opt, seed, steps, world=WORLD):
     return refused, evictions, returned
 
 
-def check_stream(policy, seed):
+def check_stream(policy, seed, margin="0"):
     caps = (10 * WORLD + 1, 10 + 4 * WORLD)  # shares: 10 + 1 (ceil) on every rank; all on the last rank
-    tables, refs, opt = make(policy, caps)
+    tables, refs, opt = make(policy, caps, margin=float(margin))
+    assert [t.storage.margin_rows for t in tables[:2]] == [int(float(margin) * r.share) for r in refs[:2]]
     refused, evictions, returned = stream(tables, refs, opt, int(seed), range(STEPS))
     assert ERR_STEP in refused and len(refused) <= 3 and evictions > 20, (refused, evictions)
     assert returned > 0, "no evicted key came back"
@@ -315,6 +318,8 @@ def check_args():
         ({"evict": "fifo"}, "evict"),
         ({"ttl_steps": 3}, "ttl_steps"),  # needs evict="step"
         ({"evict": "step", "ttl_steps": 0}, "ttl_steps"),
+        ({"max_rows": 8, "evict_margin": 1.0}, "evict_margin"),
+        ({"max_rows": 8, "evict_margin": -0.1}, "evict_margin"),
     ]
     # Only rank 0 passes the bad argument: every rank must raise the same error.
     refused_on_every_rank(lambda name, **kw: sokpy.DynamicVariable(4, name=name, **kw), bad, "bad_args")
@@ -326,7 +331,7 @@ def check_args():
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "stream":
-        check_stream(sys.argv[2], sys.argv[3])
+        check_stream(*sys.argv[2:])
     elif mode == "save":
         check_save(*sys.argv[2:5])
     elif mode == "load":
