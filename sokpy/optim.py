@@ -100,9 +100,10 @@ class _TableState(dict):
 
 
 # torch.optim.Optimizer.add_param_group, without the torch._dynamo.disable wrapper torch puts
-# around it: that wrapper imports torch._dynamo on its first call, 2-3 CPU-seconds that a
+# around it: that wrapper imports torch._dynamo on its first call, seconds of CPU that a
 # training process otherwise never pays (a sparse optimizer's groups are not built under
-# torch.compile). Where a torch build does not wrap it, the method itself.
+# torch.compile; docs/benchmarks.md, "Measurements behind design choices", has the cost).
+# Where a torch build does not wrap it, the method itself.
 _torch_add_param_group = getattr(
     torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
 )
