@@ -408,12 +408,14 @@ struct sokpy_grad_table {
     i64 stride, first_bag;
     int dim, sum;
 };
+// grad holds 2 * ntables words: the gradients' addresses, then their row strides in elements.
 __device__ __forceinline__ sokpy_grad_table sokpy_grad_table_of(const u64* grad, const i64* bag_start,
-                                                                const float* weights, const i64* tabs, int t) {
+                                                                const float* weights, const i64* tabs, int ntables,
+                                                                int t) {
     sokpy_grad_table tb;
     tb.g = (const float*)grad[t];
     tb.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-    tb.stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
+    tb.stride = (i64)grad[ntables + t];
     tb.first_bag = bag_start[t];
     tb.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
     tb.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
@@ -513,7 +515,7 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
         if ((s - a) / SOKPY_SEGMENT_PIECE < own || s >= b) continue;  // segment_sum's piece, or none here
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, (int)(cur % ntables));
+            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
         if (!tb.g) continue;  // segment_sum writes a zero row without reading the pieces
         const i64 end = min(s + (i64)SOKPY_SEGMENT_PIECE, b);
@@ -535,8 +537,9 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
 // its slot of pieces, where segment_piece_sums (launched first, with the same arguments up to
 // own) left the others. kbag, when not null, holds the same bags in the order of k (kbag[k] =
 // bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the chain from a
-// position to its gradient row. grad[t] is the address of dL/d(output of table t), laid out
-// as the output was (OUT_STRIDE); 0 means the output got no gradient: a zero row. When bad is
+// position to its gradient row. grad[t] is the address of dL/d(output of table t), its bag
+// rows grad[ntables + t] elements apart (columns adjacent; a stride of 0 repeats one row);
+// grad[t] = 0 means the output got no gradient: a zero row. When bad is
 // not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite. The unique keys
 // are the first nuniq, or, when count is not null, the first *count (a number the device knows
 // and the host does not: the launch covers nuniq, an upper bound).
@@ -554,7 +557,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
     SOKPY_FOR_ROWS(u, nuniq) {
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, (int)(cur % ntables));
+            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
         const int dim = tb.dim;
         float* __restrict__ o = dst + dst_off[u];
@@ -609,9 +612,8 @@ extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const
         }
         const int dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
         const int combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
-        const i64 row = (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
-        const float* gb = g + row;
-        const float* ob = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + row;
+        const float* gb = g + (b - bag_start[t]) * (i64)grad[ntables + t];
+        const float* ob = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START) + (b - bag_start[t]) * SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
         const float* e = val_off[j] < 0 ? 0 : (const float*)src[t] + val_off[j] * SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
         const int dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
         float ge = 0.0f, go = 0.0f;

@@ -136,6 +136,17 @@ _UID = attrgetter("uid")
 _is_none = partial(is_, None)
 
 
+def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
+    """``(tensor, row stride in elements)`` the gradient kernels can read for the output
+    gradient ``grad`` (2-D): itself where it is float32 with adjacent columns, else a
+    contiguous float32 copy (kept alive in ``keep`` until the kernels ran)."""
+    g = grad.detach()
+    if g.dtype != torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
+        g = g.to(torch.float32).contiguous()
+        keep.append(g)
+    return g, g.stride(0) if g.shape[0] > 1 else g.shape[1]
+
+
 def forget_table_sets() -> None:
     """Drops every cached table set (their keys are table uids; ``sokpy.testing.start_over``)."""
     _table_sets.clear()
@@ -779,29 +790,31 @@ class LookupPlan:
         for t in self.tables:
             t._grad_refs += (chunk,)
         weight_grads = self._weight_grads(gptr, grads)
-        del keep  # the contiguous gradient copies gptr points to: only now may they go
+        del keep  # the gradient copies gptr points to: only now may they go
         return weight_grads
 
     def _grad_pointers(self, grads):
-        """(used flags [T], device array of gradient addresses [T], tensors to keep alive)."""
+        """(used flags [T], device array of the gradients' addresses [T] then their row strides
+        [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
+        it lies, at its own row stride (an output's slice of a concatenation's gradient, a
+        broadcast row); any other is copied into a contiguous one first."""
         xp, c = runtime.xp(), _c()
         ntab = self.ntables
-        keep = []
-        addr = np.zeros(ntab, np.uint64)
+        keep: list = []
+        words = np.zeros(2 * ntab, np.uint64)
         if self.keyed:
-            g = grads[0]
-            used = np.full(ntab, g is not None)
-            if g is not None:
-                g = g.detach().to(torch.float32).contiguous()
-                keep.append(g)
-                addr[:] = runtime.current().address_of(g) + 4 * self.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
+            used = np.full(ntab, grads[0] is not None)
+            if grads[0] is not None:
+                g, stride = _readable(grads[0], keep)
+                start = self.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
+                words[:ntab] = runtime.current().address_of(g) + 4 * start
+                words[ntab:] = stride
         else:
             used = np.fromiter((g is not None for g in grads), bool, ntab)
             for t in np.flatnonzero(used):
-                g = grads[t].detach().to(torch.float32).contiguous()
-                keep.append(g)
-                addr[t] = runtime.current().address_of(g)
-        return used, xp.asarray(addr), keep
+                g, stride = _readable(grads[t], keep)
+                words[t], words[ntab + t] = runtime.current().address_of(g), stride
+        return used, xp.asarray(words), keep
 
     def _local_chunk(self, d: _Dedup, buf, bad, used) -> GradChunk:
         """One rank: the rows segment_sum wrote are the whole gradients. The backward's one

@@ -395,7 +395,7 @@ def test_segment_sum_gives_the_same_bits_whoever_sums_a_hot_keys_pieces(sorted_b
     tabs[0, c["SOKPY_TAB_COMBINER"]], tabs[0, c["SOKPY_TAB_WEIGHTED"]] = c["SOKPY_MEAN"], 1
     nuniq, npieces = counts.size, (n - 1) // piece
     kbag = bag_of[perm] if sorted_bags else None
-    common = [np.array([grad.ctypes.data], np.uint64), bag_of, kbag, np.array([0, nbags]), den, weights, perm, seg]
+    common = [np.array([grad.ctypes.data, dim], np.uint64), bag_of, kbag, np.array([0, nbags]), den, weights, perm, seg]
     common += [np.zeros(nuniq, np.int64), 1, tabs, nuniq, None]
     rows = {}
     for shapes in ("host", "device"):

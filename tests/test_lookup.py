@@ -269,6 +269,53 @@ def test_weight_gradients_from_a_non_contiguous_output_gradient(combiner):
     assert res.returncode == 0 and "weight grads ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_gradients_of_strided_outputs_are_read_where_they_lie(sokpy_host, combiner):
+    """Output gradients of any layout give the rows' and the weights' gradients of a dense
+    torch reference: slices of one concatenation's gradient (row stride = the concatenation's
+    width, read in place), a broadcast row (row stride 0, in place), a transposed one (columns
+    apart: copied first), a float64 one (converted), and an output the loss does not use."""
+    sokpy = sokpy_host
+    dims = [3, 5, 2, 4, 6]
+    tables = [sokpy.Variable(20, d, name=f"strided_{combiner}_{i}") for i, d in enumerate(dims)]
+    dense = [sokpy.export(t)[1].clone() for t in tables]
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, 20, (7, 3), generator=gen) for _ in dims]
+    weights = [torch.rand(7, 3, generator=gen).requires_grad_() for _ in dims]
+    upstream = torch.randn(7, sum(dims[:2]), generator=gen, dtype=torch.float64)
+    row, cols = torch.randn(dims[2], generator=gen), torch.randn(7, dims[3], generator=gen)
+
+    def loss_of(outs):
+        cat = torch.cat([outs[0], outs[1]], 1)  # gradients: slices of one [7, 8] tensor
+        return (
+            (cat.double() * upstream).sum()  # float64 upstream: float32 slices after the cast's backward
+            + (outs[2] * row).sum()  # a broadcast row: stride 0
+            + (outs[3].t() * cols.t()).sum()  # a transposed gradient: copied
+        )  # outs[4]: no gradient
+
+    outs = sokpy.lookup_sparse(tables, ids, weights, combiners=[combiner] * len(dims))
+    loss_of(outs).backward()
+    ref_w = [w.detach().clone().requires_grad_() for w in weights]
+    ref_t = [d.clone().requires_grad_() for d in dense]
+    mode = {"sum": "sum", "mean": "mean", "sqrtn": "sum"}[combiner]
+    ref_outs = []
+    for t, i, w in zip(ref_t, ids, ref_w):
+        pooled = torch.nn.functional.embedding_bag(i, t, per_sample_weights=w if mode == "sum" else None, mode=mode)
+        if combiner == "mean":  # weighted mean: sum(w e) / sum(w)
+            pooled = (t[i] * w[..., None]).sum(1) / w.sum(1, keepdim=True)
+        elif combiner == "sqrtn":
+            pooled = pooled / w.square().sum(1, keepdim=True).sqrt()
+        ref_outs.append(pooled)
+    loss_of(ref_outs).backward()
+    for k, (t, r) in enumerate(zip(tables[:4], ref_t)):
+        g = t.grad
+        got = torch.zeros_like(r) if g is None else torch.zeros_like(r).index_add_(0, g.keys, g.values)
+        torch.testing.assert_close(got, r.grad, rtol=1e-5, atol=1e-5, msg=f"table {k}")
+    for k, (w, r) in enumerate(zip(weights[:4], ref_w)):
+        torch.testing.assert_close(w.grad, r.grad, rtol=1e-4, atol=1e-5, msg=f"weights {k}")
+    assert tables[4].grad is None and ref_t[4].grad is None and not weights[4].grad.any()
+
+
 @pytest.mark.parametrize("optimizer", ["Adagrad", "Adam"])
 def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     """A table read by two features of one call (as several features share a table) gets one
