@@ -167,44 +167,47 @@ def merge_rows(table, rows, offsets, keys, buffer, tabs, ntables: int, capacity:
     ascending by (table, row) (0: unknown), which picks the sort."""
     xp = runtime.xp()
     n = int(table.shape[0])
-    tb, rb, ab = _bits(ntables), _bits(capacity), _bits(n)
+    table_bits, row_bits, pos_bits = _bits(ntables), _bits(capacity), _bits(n)
     invalid = None if valid is None else (~valid).astype(np.int64)
     if valid is not None:
         rows = xp.where(valid, rows, 0)  # a row left out may be -1 (a key the table does not hold)
-    if 1 + tb + rb + ab <= 63:  # one sort value per entry: (left out, table, row, position)
-        packed = (table << (rb + ab)) | (rows << ab) | xp.arange(n, dtype=np.int64)  # unique values
+    if 1 + table_bits + row_bits + pos_bits <= 63:  # one sort value per entry: (left out, table, row, position)
+        packed = (table << (row_bits + pos_bits)) | (rows << pos_bits) | xp.arange(n, dtype=np.int64)  # unique values
         if invalid is not None:
-            packed |= invalid << (tb + rb + ab)
-        packed = sort_by_bits(packed, ab, tb + rb + ab + (invalid is not None), ascending_runs=runs)
-        perm = packed & ((1 << ab) - 1)
-        key = packed >> ab
-        brk = runtime.scratch(n, bool)
+            packed |= invalid << (table_bits + row_bits + pos_bits)
+        packed = sort_by_bits(
+            packed, pos_bits, table_bits + row_bits + pos_bits + (invalid is not None), ascending_runs=runs
+        )
+        perm = packed & ((1 << pos_bits) - 1)
+        sort_key = packed >> pos_bits  # (left out, table, row): equal for the entries of one row
+        starts_unique = runtime.scratch(n, bool)
         if n:
-            brk[:1] = True
-            xp.not_equal(key[1:], key[:-1], out=brk[1:])
+            starts_unique[:1] = True
+            xp.not_equal(sort_key[1:], sort_key[:-1], out=starts_unique[1:])
     else:  # too many bits for one value: sort by (left out, table, row), arrival order within
         columns = [xp.arange(n, dtype=np.int64), rows, table] + ([] if invalid is None else [invalid])
         perm = xp.lexsort(xp.stack(columns))
-        brk = xp.zeros(n, bool)
+        starts_unique = xp.zeros(n, bool)
         if n:
-            brk[:1] = True
+            starts_unique[:1] = True
             for c in columns[1:]:
                 s = c[perm]
-                brk[1:] |= s[1:] != s[:-1]
+                starts_unique[1:] |= s[1:] != s[:-1]
+    # starts_unique: True where a sorted position starts a unique (table, row).
     # Unique row u starts at sorted position seg[u]; the unique rows of the entries left out
     # come last and are not counted.
-    before = xp.cumsum(brk, dtype=np.int64)  # unique rows up to and including each position
+    before = xp.cumsum(starts_unique, dtype=np.int64)  # unique rows up to and including each position
     nvalid = xp.full(1, n, np.int64) if valid is None else valid.sum(dtype=np.int64).reshape(1)
     count = xp.where(nvalid > 0, before[xp.maximum(nvalid - 1, 0)], 0) if n else xp.zeros(1, np.int64)
     seg = xp.zeros(n + 2, np.int64)  # slot n + 1 takes the positions that start no row
     if n:
-        seg[xp.where(brk, before - 1, n + 1)] = xp.arange(n, dtype=np.int64)
+        seg[xp.where(starts_unique, before - 1, n + 1)] = xp.arange(n, dtype=np.int64)
     first = perm[seg[:n]]  # (past the count: position 0's)
     seg[count] = nvalid
-    goff = runtime.scratch(max(n, 1), np.int64)
+    grad_offsets = runtime.scratch(max(n, 1), np.int64)
     bad = xp.zeros(max(n, 1), np.int32)
-    runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, goff, bad))
-    return Merge(table[first], rows[first], goff, keys[first], count, bad)
+    runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, grad_offsets, bad))
+    return Merge(table[first], rows[first], grad_offsets, keys[first], count, bad)
 
 
 def _index_of(chunk: GradChunk, table) -> np.ndarray:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -120,6 +120,20 @@ class _Layout(NamedTuple):
     uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
     sorted_uids: np.ndarray  # int64 [T]
     counts: np.ndarray  # int64 [T]: each table's place in the step counts
+
+
+class _GradEntries(NamedTuple):
+    """The gradient entries of an optimizer's tables, from every chunk they reference (one
+    entry per row of a chunk; after :meth:`SparseOptimizer._merged`, one per stored row)."""
+
+    table_index: Any  # int64: each entry's table, as its index in the optimizer's tables
+    rows: Any  # int64: its stored row
+    grad_offsets: Any  # int64: the element of ``buffer`` where its gradient row starts
+    keys: Any  # int64: its key
+    buffer: Any  # float32: the gradient rows (the chunks' buffers one after another)
+    merged: bool  # no (table, row) appears twice and every row is whole: nothing to merge
+    error: str | None  # the refusal of a row that is not finite (of merged entries), or None
+    runs: int  # the entries come as this many runs ascending by (table, row); 0: unknown
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -243,15 +257,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         used = np.zeros(len(tables), bool)
         entries = self._entries(layout, used)
         ts = table_set(tables)
-        error = None
-        if entries is not None:
-            otab, rows, goff, keys, buffer, error = self._merged(ts, *entries)
+        grads = None if entries is None else self._merged(ts, entries)
+        error = None if grads is None else grads.error
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error if self.check_finite else None)
         self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
-        if entries is None:
+        if grads is None:
             return loss
-        n = int(otab.shape[0])
+        n = int(grads.table_index.shape[0])
         steps = self._steps.values[layout.counts]
         hyper = self._hyper(layout.group_index, steps)
         tabs = ts.tabs
@@ -263,17 +276,26 @@ class SparseOptimizer(torch.optim.Optimizer):
             self.kernel,
             n,
             1 if self.row_kernel else int(ts.dims.max(initial=1)),
-            (otab, rows, buffer, goff, n, xp.asarray(tabs), xp.asarray(ts.ptrs), xp.asarray(hyper)),
+            (
+                grads.table_index,
+                grads.rows,
+                grads.buffer,
+                grads.grad_offsets,
+                n,
+                xp.asarray(tabs),
+                xp.asarray(ts.ptrs),
+                xp.asarray(hyper),
+            ),
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         chunk = GradChunk(
             tables,
-            buffer,
-            keys,
-            rows,
-            otab,
-            goff,
+            grads.buffer,
+            grads.keys,
+            grads.rows,
+            grads.table_index,
+            grads.grad_offsets,
             uids=ts.uids,
             merged=True,
             by_table=True,
@@ -286,10 +308,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                 v._grad_refs = held
         return loss
 
-    def _entries(self, layout: _Layout, used: np.ndarray):
-        """Every gradient entry of this optimizer's tables, from all chunks they reference:
-        ``(table index, stored row, element offset, key, buffer, merged, error, runs)`` or None
-        when there is none. Sets ``used[i]`` for the tables whose outputs received a gradient
+    def _entries(self, layout: _Layout, used: np.ndarray) -> _GradEntries | None:
+        """Every gradient entry of this optimizer's tables, from all chunks they reference, or
+        None when there is none. Sets ``used[i]`` for the tables whose outputs received a gradient
         on some rank."""
         xp = runtime.xp()
         ntab = len(layout.tables)
@@ -313,17 +334,17 @@ class SparseOptimizer(torch.optim.Optimizer):
             # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
             # train and for those whose reference to this chunk was dropped (zero_grad).
             at = np.minimum(np.searchsorted(layout.sorted_uids, chunk.uids), max(ntab - 1, 0))
-            imap = layout.uid_order[at]
+            index_of = layout.uid_order[at]
             held = np.zeros(ntab, bool)
             held[holders[cid]] = True
-            imap[(layout.sorted_uids[at] != chunk.uids) | ~held[imap]] = -1
-            mine = imap >= 0
-            used[imap[mine]] |= chunk.table_used()[mine]
-            otab, rows, offsets, keys = chunk.entries(imap)
-            kept = imap[mine]
+            index_of[(layout.sorted_uids[at] != chunk.uids) | ~held[index_of]] = -1
+            mine = index_of >= 0
+            used[index_of[mine]] |= chunk.table_used()[mine]
+            table_index, rows, offsets, keys = chunk.entries(index_of)
+            kept = index_of[mine]
             ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
             runs += chunk.runs
-            parts.append((otab, rows, offsets + base if base else offsets, keys))
+            parts.append((table_index, rows, offsets + base if base else offsets, keys))
             buffers.append(chunk.buffer)
             base += int(chunk.buffer.shape[0])
         runs = runs if ordered else 0  # 0: some chunk's order is unknown
@@ -332,25 +353,29 @@ class SparseOptimizer(torch.optim.Optimizer):
         merged = all(c.merged for c in chunks.values()) and all(len(held) <= 1 for held in refs)
         error = next((c.error for c in chunks.values() if c.error is not None), None)
         if len(parts) == 1:
-            return (*parts[0], buffers[0], merged, error, runs)
+            return _GradEntries(*parts[0], buffers[0], merged, error, runs)
         cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return (*cat, xp.concatenate(buffers), merged, error, runs)
+        return _GradEntries(*cat, xp.concatenate(buffers), merged, error, runs)
 
-    def _merged(self, ts, otab, rows, offsets, keys, buffer, merged: bool, error, runs: int = 0):
-        """``(table, row, gradient offset, key, buffer, error or None)`` per unique row. A
-        chunk that is ``merged`` already (every step after a single backward: its owner merged
-        it) is taken as it is, with its verdict; otherwise (gradients of several backward
-        passes) the rows of equal (table, row) are summed here, and the count and the verdict
-        read (one read)."""
-        if merged:
-            return otab, rows, offsets, keys, buffer, error
+    def _merged(self, ts, entries: _GradEntries) -> _GradEntries:
+        """The entries with one per unique (table, row), and ``error`` the refusal of a row that
+        is not finite, or None. Entries that are ``merged`` already (every step after a single
+        backward: its owner merged them) are taken as they are, with their verdict; otherwise
+        (gradients of several backward passes) the rows of equal (table, row) are summed here
+        into ``buffer``, and the count and the verdict read (one read)."""
+        if entries.merged:
+            return entries
         tables = self._layout().tables
         dim = int(ts.dims.max(initial=1))
         tabs = runtime.xp().asarray(ts.tabs)
-        m = merge_rows(otab, rows, offsets, keys, buffer, tabs, len(tables), ts.capacity, dim, runs=runs)
+        e = entries
+        m = merge_rows(
+            e.table_index, e.rows, e.grad_offsets, e.keys, e.buffer, tabs, len(tables), ts.capacity, dim, runs=e.runs
+        )
         count, any_bad = handoff.to_host(m.flags()).tolist()
-        otab, rows, goff, keys, error = m.take(count, bool(any_bad), tables)
-        return otab, rows, goff, keys, buffer, error
+        table_index, rows, grad_offsets, keys, error = m.take(count, bool(any_bad), tables)
+        # runs=0: the order of the merged rows is not claimed (the step does not need it).
+        return _GradEntries(table_index, rows, grad_offsets, keys, e.buffer, True, error, 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""

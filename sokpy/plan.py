@@ -61,10 +61,6 @@ __all__ = ["LookupPlan", "table_set", "owners", "rows_of", "COMBINERS"]
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 
-def _c() -> dict:
-    return kernels.constants()
-
-
 def _add_per_block(x, cut, values) -> None:
     """Adds ``values[p]`` to ``x[cut[p]:cut[p + 1]]`` for each block p (a loop over ranks, not
     keys or tables)."""
@@ -73,12 +69,12 @@ def _add_per_block(x, cut, values) -> None:
             x[lo:hi] += v
 
 
-def _rows_after_headers(cut, starts, hdr: int, dim: int, xp=np):
+def _rows_after_headers(cut, starts, header_slots: int, dim: int, xp=np):
     """The element offset of each key's row in a buffer of blocks of rows of one dimension:
     block p's keys, ``[cut[p], cut[p + 1])``, have their rows one after another from
-    ``starts[p] + hdr`` on (after the block's leading slots, ``row_header``)."""
+    ``starts[p] + header_slots`` on (after the block's leading slots, ``row_header``)."""
     out = xp.arange(0, int(cut[-1]) * dim, dim, dtype=np.int64)
-    _add_per_block(out, cut, np.asarray(starts) + hdr - cut[:-1] * dim)
+    _add_per_block(out, cut, np.asarray(starts) + header_slots - cut[:-1] * dim)
     return out
 
 
@@ -98,7 +94,7 @@ class TableSet:
     when a storage buffer was replaced."""
 
     def __init__(self, tables, key: tuple):
-        c = _c()
+        c = kernels.constants()
         ntab = len(tables)
         self.tabs = np.zeros((ntab, c["SOKPY_TAB_FIELDS"]), np.int64)
         self.ptrs = np.zeros((ntab, c["SOKPY_PTR_FIELDS"]), np.uint64)
@@ -165,7 +161,7 @@ def table_set(tables) -> TableSet:
     return ts
 
 
-def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bits: int):
+def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_bits: int):
     """``(packed, bad)`` of route_keys: ``bad`` is a one-element array of the backend with the
     first position of a key out of range, or n (read it when the caller needs the host to
     know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile)."""
@@ -173,19 +169,24 @@ def _route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, sv_bi
     n = int(keys.shape[0])
     packed = runtime.scratch(n, np.int64)
     bad = xp.full(1, n, np.int64)
-    runtime.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, sv_bits, packed, bad))
+    runtime.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, value_bits, packed, bad))
     return packed, bad
 
 
 def _sort_bits(n: int, ngroups: int) -> tuple[int, int]:
+    """``(pos_bits, value_bits)`` of a packed sort value ``(group, value, position)``
+    (``route_keys``' layout, where ``value_bits`` is ``sv_bits``): the position of a key in
+    the call takes the low ``pos_bits``, its sort value (its stored row, or the top bits of
+    a mix of the key) the ``value_bits`` above them, and the (owner, table) group the bits
+    above those (63 bits in all at most)."""
     pos_bits = max(1, _bits(n))
-    sv_bits = 63 - pos_bits - _bits(ngroups)
-    if sv_bits < 0:
+    value_bits = 63 - pos_bits - _bits(ngroups)
+    if value_bits < 0:
         raise ValueError(
             f"a lookup of {n} keys over {ngroups} (rank, table) groups is too large for one call; "
             "split it into several calls"
         )
-    return pos_bits, sv_bits
+    return pos_bits, value_bits
 
 
 class _Dedup:
@@ -207,17 +208,21 @@ class _Dedup:
     call's header; ``finish`` then takes their total. One rank reads nothing here: its
     layout is sized by the key count and the unique keys' number stays on the device."""
 
-    def __init__(self, packed, keys, tabs, pos_bits: int, sv_bits: int, hi: int, exact: bool, runs=None, bag_of=None):
+    def __init__(
+        self, packed, keys, tabs, pos_bits: int, value_bits: int, hi: int, exact: bool, runs=None, bag_of=None
+    ):
         xp = runtime.xp()
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
         self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
-        self.pos_bits, self.sv_bits = pos_bits, sv_bits
+        self.pos_bits, self.value_bits = pos_bits, value_bits
         self.pos = runtime.scratch(n, np.int64)
-        self.brk = runtime.scratch(n, np.uint8)  # 0 or 1: read as bool, which numpy compacts faster than ints
+        # 1 where a sorted position starts a unique key, else 0 (uint8 read as bool, which
+        # numpy compacts faster than ints)
+        self.starts_unique = runtime.scratch(n, np.uint8)
         self.collided_flag = xp.zeros(1, np.int32)
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
-        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.brk, self.collided_flag)
+        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
         runtime.launch("mark_unique_keys", n, 1, args)
         self.before: Any = None  # a device array once counted
 
@@ -229,10 +234,10 @@ class _Dedup:
         xp = runtime.xp()
         self.before = runtime.scratch(self.n + 1, np.int64)
         self.before[:1] = 0
-        xp.cumsum(self.brk, dtype=np.int64, out=self.before[1:])
+        xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
         edges = runtime.scratch(ngroups + 1, np.int64)
         edges[:1], edges[ngroups:] = 0, self.n
-        shift = self.pos_bits + self.sv_bits
+        shift = self.pos_bits + self.value_bits
         edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
         return xp.diff(self.before[edges])
 
@@ -250,7 +255,7 @@ class _Dedup:
         if starts is None and self.before is None:  # the running count (several ranks made it in counts())
             self.before = runtime.scratch(n + 1, np.int64)
             self.before[:1] = 0
-            xp.cumsum(self.brk, dtype=np.int64, out=self.before[1:])
+            xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
         self.count = self.before[n:] if nuniq is None else None
         self.collided = bool(collided)
         size = n if nuniq is None else nuniq
@@ -265,15 +270,26 @@ class _Dedup:
         self.group = runtime.scratch(size, np.int64) if nuniq is not None else xp.zeros(size, np.int64)
         ntab, world = int(self.tabs.shape[0]), runtime.world_size()
         count = n if starts is None else size
-        args = (self.s, starts, self.brk, self.before, count, self.keys, self.pos_bits, self.sv_bits, ntab, self.tabs)
+        args = (
+            self.s,
+            starts,
+            self.starts_unique,
+            self.before,
+            count,
+            self.keys,
+            self.pos_bits,
+            self.value_bits,
+            ntab,
+            self.tabs,
+        )
         runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
-        self.s = self.brk = self.before = None  # sort buffers: back to the pool
+        self.s = self.starts_unique = self.before = None  # sort buffers: back to the pool
 
     def finish_compacted(self) -> None:
         """:meth:`finish` with the unique keys' starts compacted from the marks, for a backend
         whose reads cost no wait (the host), where that costs less than the running count."""
         xp = runtime.xp()
-        starts = xp.flatnonzero(self.brk.view(bool))
+        starts = xp.flatnonzero(self.starts_unique.view(bool))
         self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)
 
 
@@ -353,11 +369,11 @@ class LookupPlan:
             (
                 self.src,
                 self.val_off,
-                self.d_offsets,
-                self.d_weights,
-                self.d_bag_start,
+                self.device_offsets,
+                self.device_weights,
+                self.device_bag_start,
                 ntab,
-                self.d_tabs,
+                self.device_tabs,
                 nbags,
                 self.out,
                 self.den,
@@ -365,14 +381,14 @@ class LookupPlan:
             ),
         )
         if not self.grad_mode or all(map(_is_none, b.weight_grads)):
-            self.src_keep = None  # the rows are read again only for the weights' gradient
+            self.src_rows = None  # the rows are read again only for the weights' gradient
         # Tensors that share the output buffer without being autograd views of it, so that
         # each may be modified in place like any other function's output.
         storage = handoff.to_torch(self.out).untyped_storage()
         if self.keyed:
             width = int(self.dims.sum())
             return [_alias(storage, 0, self.out_size // max(width, 1), width)]
-        start = self.tabs[:, _c()["SOKPY_TAB_OUT_START"]].tolist()
+        start = self.tabs[:, kernels.constants()["SOKPY_TAB_OUT_START"]].tolist()
         return [_alias(storage, s, int(bags), d) for s, bags, d in zip(start, np.diff(b.bag_start), self.dims.tolist())]
 
     def _detail(self) -> str:
@@ -381,7 +397,7 @@ class LookupPlan:
     def _prepare(self, world: int):
         """Local work before the header: checks, routing, grouping; returns (counts per peer,
         exchange volume)."""
-        xp, c = runtime.xp(), _c()
+        xp, c = runtime.xp(), kernels.constants()
         b, ntab = self.batch, self.ntables
         ts = table_set(self.tables)
         self.ts = ts
@@ -405,22 +421,26 @@ class LookupPlan:
         # Every table of the call has this dimension (0: they differ): rows of consecutive
         # keys then lie one dimension apart, whatever their tables.
         self.one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
-        self.pos_bits, self.sv_bits = _sort_bits(n, world * ntab)
-        exact = ts.row_bits <= self.sv_bits
+        self.pos_bits, self.value_bits = _sort_bits(n, world * ntab)
+        exact = ts.row_bits <= self.value_bits
         self.exact = bool(exact.all())
         if self.exact and ntab:  # rows alone: their bits are all the sort needs above the position
-            self.sv_bits = int(ts.row_bits.max())
+            self.value_bits = int(ts.row_bits.max())
         tabs[:, c["SOKPY_TAB_EXACT"]] = exact
-        self.sort_hi = self.pos_bits + self.sv_bits + _bits(world * ntab)
-        self.hdr = row_header(ntab)  # the leading slots of this call's buffers of rows
+        self.sort_hi = self.pos_bits + self.value_bits + _bits(world * ntab)
+        self.header_slots = row_header(ntab)  # the leading slots of this call's buffers of rows
         self.tabs = tabs
-        self.d_tabs = xp.asarray(tabs)
+        # device_*: the backend's copies of the call's host arrays (on a GPU, device arrays),
+        # as the kernels take them.
+        self.device_tabs = xp.asarray(tabs)
         self.keys = xp.asarray(b.keys)
-        self.d_key_start = xp.asarray(b.key_start)
-        self.d_bag_start = xp.asarray(b.bag_start)
-        self.d_offsets = xp.asarray(b.offsets)
-        self.d_weights = None if b.weights is None else xp.asarray(b.weights)
-        packed, bad = _route(self.d_tabs, self.keys, self.d_key_start, ntab, world, self.pos_bits, self.sv_bits)
+        self.device_key_start = xp.asarray(b.key_start)
+        self.device_bag_start = xp.asarray(b.bag_start)
+        self.device_offsets = xp.asarray(b.offsets)
+        self.device_weights = None if b.weights is None else xp.asarray(b.weights)
+        packed, bad = _route(
+            self.device_tabs, self.keys, self.device_key_start, ntab, world, self.pos_bits, self.value_bits
+        )
         self.packed = packed
         self.dedup: _Dedup | None = None
         # The call's one read from the device: the verdict on its ids (the range check, and the
@@ -433,7 +453,9 @@ class LookupPlan:
                 raise_fault(b, head[1:])
             self._check_range(int(head[0]))
             return np.zeros(1, np.int64), 0
-        d = self.dedup = _Dedup(packed, self.keys, self.d_tabs, self.pos_bits, self.sv_bits, self.sort_hi, self.exact)
+        d = self.dedup = _Dedup(
+            packed, self.keys, self.device_tabs, self.pos_bits, self.value_bits, self.sort_hi, self.exact
+        )
         self.packed = None
         head = handoff.to_host(xp.concatenate([bad, d.collided_flag.astype(np.int64), *faults, d.counts(world * ntab)]))
         if faults:
@@ -442,15 +464,20 @@ class LookupPlan:
         per = head[2 + len(faults) * N_FAULTS :].reshape(world, ntab)
         d.finish(int(per.sum()), bool(head[1]))
         self.counts = per
-        self.ucut = segment_starts(per.sum(axis=1))  # the unique keys owned by peer p: [ucut[p], ucut[p + 1])
-        # Where each unique key's row lands in the buffer of rows that comes back: peer blocks,
-        # each a header (row_header) then the rows, table after table.
-        self.recv_elems = self.hdr + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
+        # The unique keys owned by peer p: [owner_bounds[p], owner_bounds[p + 1]) (they are
+        # sorted by owner first).
+        self.owner_bounds = segment_starts(per.sum(axis=1))
+        # unique_offsets: where each unique key's row lands (its element offset) in the buffer
+        # of rows that comes back: peer blocks, each a header (row_header) then the rows,
+        # table after table. The backward's segment_sum writes the key's gradient row there.
+        self.recv_elems = self.header_slots + (per * ts.dims).sum(axis=1)  # rows this rank receives per peer
         if self.one_dim:
-            self.urow = _rows_after_headers(self.ucut, segment_starts(self.recv_elems)[:-1], self.hdr, self.one_dim, xp)
+            self.unique_offsets = _rows_after_headers(
+                self.owner_bounds, segment_starts(self.recv_elems)[:-1], self.header_slots, self.one_dim, xp
+            )
         else:
-            self.urow = segment_starts(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
-            _add_per_block(self.urow, self.ucut, self.hdr * np.arange(1, world + 1))
+            self.unique_offsets = segment_starts(xp.asarray(ts.dims)[d.group % ntab], xp)[:-1]
+            _add_per_block(self.unique_offsets, self.owner_bounds, self.header_slots * np.arange(1, world + 1))
         msg = ntab + per.sum(axis=1)  # keys this rank sends per peer (counts first)
         volume = max(int(msg.sum()), int(self.recv_elems.sum()))
         return msg, volume
@@ -494,7 +521,7 @@ class LookupPlan:
         self._sync_tables()
         rows = runtime.scratch(n, np.int64)
         insert = int(self.insert and not ts.admitting)
-        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, insert, rows)
+        args = (keys, n, seg_start, nseg, self.ntables, self.device_tabs, self.device_ptrs, self.world, insert, rows)
         runtime.launch("find_rows", n, 1, (*args, seg_of))
         if ts.dynamic and self.insert:
             finish_inserts([self.tables[i].storage for i in ts.dynamic])
@@ -515,7 +542,7 @@ class LookupPlan:
         self._sync_tables()
         n = int(keys.shape[0])
         rows, seg = runtime.scratch(n, np.int64), runtime.scratch(n, np.int64)
-        args = (keys, n, seg_start, nseg, self.ntables, self.d_tabs, self.d_ptrs, self.world, 0, rows, seg)
+        args = (keys, n, seg_start, nseg, self.ntables, self.device_tabs, self.device_ptrs, self.world, 0, rows, seg)
         runtime.launch("find_rows", n, 1, args)
         first: dict[int, int] = {}  # a table passed twice counts once, under its first index
         alias = np.array([first.setdefault(id(t), i) for i, t in enumerate(self.tables)], np.int64)
@@ -580,41 +607,43 @@ class LookupPlan:
         k = xp.ascontiguousarray(k[order])
         seg_start = segment_starts(xp.bincount(t, minlength=self.ntables).astype(np.int64), xp)
         self._sync_tables()
-        args = (k, m, seg_start, self.ntables, self.ntables, self.d_tabs, self.d_ptrs, self.world, 1)
+        args = (k, m, seg_start, self.ntables, self.ntables, self.device_tabs, self.device_ptrs, self.world, 1)
         runtime.launch("find_rows", m, 1, (*args, runtime.scratch(m, np.int64), None))
 
     def _sync_tables(self) -> None:
         """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
         now into this call's descriptor: a growth may have replaced them."""
-        xp, c = runtime.xp(), _c()
+        xp, c = runtime.xp(), kernels.constants()
         self.ts.refresh(self.tables)
         for field in ("SOKPY_TAB_DIM", "SOKPY_TAB_WIDTH", "SOKPY_TAB_KIND", "SOKPY_TAB_INDEX_MASK"):
             self.tabs[:, c[field]] = self.ts.tabs[:, c[field]]
-        self.d_tabs = xp.asarray(self.tabs)
-        self.d_ptrs = xp.asarray(self.ts.ptrs)
+        self.device_tabs = xp.asarray(self.tabs)
+        self.device_ptrs = xp.asarray(self.ts.ptrs)
 
     def _local_rows(self) -> None:
         """One rank: pool straight from the tables (rows by key, no exchange)."""
-        xp, c = runtime.xp(), _c()
+        xp, c = runtime.xp(), kernels.constants()
         b = self.batch
         if self.ts.dynamic:
-            self.rows = self._find_rows(self.keys, self.d_key_start, self.ntables, lambda: np.diff(b.host_key_start()))
+            self.rows = self._find_rows(
+                self.keys, self.device_key_start, self.ntables, lambda: np.diff(b.host_key_start())
+            )
         else:  # static tables on one rank: key k is stored row k (route_keys checked the range)
             self._sync_tables()
             self.rows = self.keys
         self.val_off = self.rows
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = self.tabs[:, c["SOKPY_TAB_WIDTH"]]
         self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = self.tabs[:, c["SOKPY_TAB_DTYPE"]]  # half rows: widened as read
-        self.d_tabs = xp.asarray(self.tabs)
+        self.device_tabs = xp.asarray(self.tabs)
         self.src = xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
-        self.src_keep = None
+        self.src_rows = None
 
     def _exchange_rows(self, recv_msg, replies) -> None:
         """The exchanges of a call on several ranks: keys out, rows back. ``recv_msg``: the
         length of each peer's key message to this rank; ``replies``: the row elements each peer
         expects back (both from the header), so that the per-table counts in the key messages
         need not come to the host."""
-        comm, xp, c = runtime.comm(), runtime.xp(), _c()
+        comm, xp, c = runtime.comm(), runtime.xp(), kernels.constants()
         world, ntab = self.world, self.ntables
         d = self.dedup
         assert d is not None  # prepare() deduplicated (several ranks)
@@ -623,29 +652,35 @@ class LookupPlan:
         blk = segment_starts(msg)[:-1]
         send = runtime.scratch(int(msg.sum()), np.int64)
         send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(self.counts.reshape(-1))
-        for p, (lo, hi) in enumerate(zip(self.ucut[:-1].tolist(), self.ucut[1:].tolist())):
+        for p, (lo, hi) in enumerate(zip(self.owner_bounds[:-1].tolist(), self.owner_bounds[1:].tolist())):
             send[blk[p] + ntab : blk[p] + ntab + hi - lo] = d.ukeys[lo:hi]
         recv, _ = comm.alltoallv(send, msg, recv_msg, large=self.large)
-        # Owner: the counts stay on the device; find and gather the rows.
+        # Owner: the counts stay on the device; find and gather the rows. received_*: the keys
+        # the peers sent (peer after peer, table after table), their (peer, table) segments and
+        # their stored rows on this rank.
         recv_msg = np.asarray(recv_msg)
         rblk = segment_starts(recv_msg)[:-1]
         head = (rblk[:, None] + np.arange(ntab)).reshape(-1)
         rcnt = recv[xp.asarray(head)]  # keys per (peer, table)
-        self.okeys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
+        self.received_keys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
         self.peer_keys = recv_msg - ntab  # keys from each peer
-        self.d_seg_start = segment_starts(rcnt, xp)
-        self.oseg = runtime.scratch(int(self.okeys.shape[0]), np.int64)  # each received key's (peer, table)
+        self.device_seg_start = segment_starts(rcnt, xp)
+        self.received_seg = runtime.scratch(
+            int(self.received_keys.shape[0]), np.int64
+        )  # each received key's (peer, table)
 
         def incoming():  # keys per table, for growing dynamic tables (a read only for them)
             return handoff.to_host(rcnt).reshape(world, ntab).sum(axis=0)
 
-        self.orows = self._find_rows(self.okeys, self.d_seg_start, world * ntab, incoming, self.oseg)
-        hdr = self.hdr
-        peer_len = np.asarray(replies, np.int64)  # hdr + the peer's rows, as it counted them
+        self.received_rows = self._find_rows(
+            self.received_keys, self.device_seg_start, world * ntab, incoming, self.received_seg
+        )
+        header_slots = self.header_slots
+        peer_len = np.asarray(replies, np.int64)  # header_slots + the peer's rows, as it counted them
         pstart = segment_starts(peer_len)[:-1]
         elems = rcnt.reshape(world, ntab) * xp.asarray(self.dims)
         within = xp.cumsum(elems, axis=1) - elems
-        self.seg_elem = (xp.asarray(pstart + hdr)[:, None] + within).reshape(-1)
+        self.seg_elem = (xp.asarray(pstart + header_slots)[:, None] + within).reshape(-1)
         self.send_elems = peer_len
         # float32 on the wire: the rows this rank asks itself for are not copied but read
         # where gather_rows put them. One buffer holds the received rows and then the sent
@@ -654,34 +689,34 @@ class LookupPlan:
         recv_total = int(self.recv_elems.sum()) if in_place else 0
         both = runtime.scratch(recv_total + int(peer_len.sum()), np.float32)
         rows_out = both[recv_total:]
-        rows_out[xp.asarray((pstart[:, None] + np.arange(hdr)).reshape(-1))] = 0.0
-        nkeys = int(self.okeys.shape[0])
+        rows_out[xp.asarray((pstart[:, None] + np.arange(header_slots)).reshape(-1))] = 0.0
+        nkeys = int(self.received_keys.shape[0])
         runtime.launch(
             "gather_rows",
             nkeys,
             int(self.dims.max(initial=1)),
             (
-                self.orows,
+                self.received_rows,
                 nkeys,
-                self.d_seg_start,
+                self.device_seg_start,
                 self.seg_elem,
                 world * ntab,
                 ntab,
-                self.d_tabs,
-                self.d_ptrs,
+                self.device_tabs,
+                self.device_ptrs,
                 rows_out,
             ),
         )
-        urow = self.urow
+        unique_offsets = self.unique_offsets
         if in_place:
             comm.alltoallv(rows_out, peer_len, self.recv_elems, large=self.large, out=both[:recv_total], skip_self=True)
             rows_in = both
             me, rstart = comm.rank, segment_starts(self.recv_elems)[:-1]
-            lo, hi = self.ucut[me : me + 2]  # the own keys: group order is owner order
+            lo, hi = self.owner_bounds[me : me + 2]  # the own keys: group order is owner order
             if hi > lo:
-                urow = runtime.scratch(d.nuniq, np.int64)
-                urow[...] = self.urow
-                urow[lo:hi] += recv_total + int(pstart[me]) - int(rstart[me])
+                unique_offsets = runtime.scratch(d.nuniq, np.int64)
+                unique_offsets[...] = self.unique_offsets
+                unique_offsets[lo:hi] += recv_total + int(pstart[me]) - int(rstart[me])
         else:
             wire, _ = comm.alltoallv(
                 to_wire(rows_out, self.wire_dtype, runtime.scratch), peer_len, self.recv_elems, large=self.large
@@ -690,12 +725,14 @@ class LookupPlan:
         # Requester: every key's row offset in rows_in, then pool from there.
         n = int(self.keys.shape[0])
         self.val_off = runtime.scratch(max(n, 1), np.int64)
-        runtime.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, urow, d.nuniq, self.val_off))
+        runtime.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, unique_offsets, d.nuniq, self.val_off))
         self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
         self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = 0  # gather_rows widened half rows to float32
-        self.d_tabs = xp.asarray(self.tabs)
+        self.device_tabs = xp.asarray(self.tabs)
         self.src = xp.full(ntab, runtime.current().address_of(rows_in), np.uint64)
-        self.src_keep = rows_in  # the pooled rows, for the weights' gradient
+        # src holds only the address of rows_in: src_rows keeps the buffer alive, for the
+        # weights' gradient, which reads the pooled rows again.
+        self.src_rows = rows_in
 
     # ---- backward ----------------------------------------------------------------------------
     def backward(self, grads):
@@ -720,15 +757,15 @@ class LookupPlan:
             uids=self.ts.key,
         ) as call:
             agreement = call.agree(error, volume=int(self.recv_elems.sum()) if self.world > 1 else 0)
-            hdr = self.hdr
+            header_slots = self.header_slots
             if self.dedup is None:  # one rank: a key's group is its table, so tables are runs of groups
-                runs = (self.d_key_start, self.pos_bits + self.sv_bits)
+                runs = (self.device_key_start, self.pos_bits + self.value_bits)
                 d = self.dedup = _Dedup(
                     self.packed,
                     self.keys,
-                    self.d_tabs,
+                    self.device_tabs,
                     self.pos_bits,
-                    self.sv_bits,
+                    self.value_bits,
                     self.sort_hi,
                     self.exact,
                     runs,
@@ -739,12 +776,12 @@ class LookupPlan:
                 else:  # a device: sized for every key, nothing is read before the verdict below
                     d.finish(None)
                 self.packed = None
-                if self.one_dim:  # row u at hdr + u * dim
+                if self.one_dim:  # row u at header_slots + u * dim
                     dim = self.one_dim
-                    self.urow = xp.arange(hdr, hdr + d.nuniq * dim, dim, dtype=np.int64)
+                    self.unique_offsets = xp.arange(header_slots, header_slots + d.nuniq * dim, dim, dtype=np.int64)
                 else:  # the entries past the unique keys are table 0: their rows lie past the rest
-                    self.urow = segment_starts(xp.asarray(self.dims)[d.group], xp)[:-1] + hdr
-                self.recv_elems = np.array([hdr + d.nuniq * int(self.dims.max(initial=1))], np.int64)
+                    self.unique_offsets = segment_starts(xp.asarray(self.dims)[d.group], xp)[:-1] + header_slots
+                self.recv_elems = np.array([header_slots + d.nuniq * int(self.dims.max(initial=1))], np.int64)
             d = self.dedup
             # float32 on the wire with other ranks: one buffer holds what arrives and then
             # what is sent, so that the owner reads its own block where segment_sum wrote it.
@@ -753,9 +790,9 @@ class LookupPlan:
             both = runtime.scratch(recv_total + int(self.recv_elems.sum()), np.float32)
             buf = both[recv_total:]
             starts = segment_starts(self.recv_elems)[:-1]
-            flags = np.zeros((self.world, hdr), np.float32)  # the header: the used flags, then zeros
+            flags = np.zeros((self.world, header_slots), np.float32)  # the header: the used flags, then zeros
             flags[:, :ntab] = used
-            buf[xp.asarray((starts[:, None] + np.arange(hdr)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+            buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
             scale = 1.0 / self.world if self.grad_reduction == "mean" else 1.0
             # One rank: these rows are the whole gradients (no other rank adds to them), so the
             # kernel checks them as it writes them and the optimizer step needs no merge pass.
@@ -763,19 +800,29 @@ class LookupPlan:
             count = d.count if self.world == 1 else None  # one rank: known on the device only
             # kbag: the bags in sorted order, where the deduplication ran after the forward (one
             # rank); several ranks deduplicate before it, and segment_sum reads bag_of there.
-            args = (gptr, self.bag_of, d.kbag, self.d_bag_start, self.den, self.d_weights, d.pos, d.seg, d.group)
+            args = (
+                gptr,
+                self.bag_of,
+                d.kbag,
+                self.device_bag_start,
+                self.den,
+                self.device_weights,
+                d.pos,
+                d.seg,
+                d.group,
+            )
             # A hot key's pieces (cuda_src/embedding.cu): a slot for each piece the call's
             # positions could make (the hot keys are not known here); those segment_sum's thread
             # does not sum itself (kernels.own_pieces) are summed in parallel first, where the
             # call has positions enough for one.
             dim = int(self.dims.max(initial=1))
-            npieces = max(d.n - 1, 0) // _c()["SOKPY_SEGMENT_PIECE"]
+            npieces = max(d.n - 1, 0) // kernels.constants()["SOKPY_SEGMENT_PIECE"]
             pieces = runtime.scratch(npieces * dim, np.float32) if npieces else None
             own = runtime.current().own_pieces()
-            args += (ntab, self.d_tabs, d.nuniq, count, pieces, dim, own)
+            args += (ntab, self.device_tabs, d.nuniq, count, pieces, dim, own)
             if npieces >= own:
                 runtime.launch("segment_piece_sums", npieces, dim, (*args, npieces))
-            runtime.launch("segment_sum", d.nuniq, dim, (*args, buf, self.urow, scale, bad))
+            runtime.launch("segment_sum", d.nuniq, dim, (*args, buf, self.unique_offsets, scale, bad))
             if self.world == 1:
                 chunk = self._local_chunk(d, buf, bad, used)
             elif in_place:
@@ -798,7 +845,7 @@ class LookupPlan:
         [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
         it lies, at its own row stride (an output's slice of a concatenation's gradient, a
         broadcast row); any other is copied into a contiguous one first."""
-        xp, c = runtime.xp(), _c()
+        xp, c = runtime.xp(), kernels.constants()
         ntab = self.ntables
         keep: list = []
         words = np.zeros(2 * ntab, np.uint64)
@@ -846,7 +893,7 @@ class LookupPlan:
             ukeys,
             rows,
             group,
-            self.urow[:nuniq],
+            self.unique_offsets[:nuniq],
             None if used.all() else used[None, :],
             merged=self.ts.distinct and not d.collided,
             by_table=True,  # one rank: a key's group is its table
@@ -868,26 +915,26 @@ class LookupPlan:
         starts = segment_starts(self.send_elems)[:-1]
         starts[me] += own
         flags = grecv[xp.asarray((starts[:, None] + np.arange(ntab)).reshape(-1))] != 0
-        seg = self.oseg
+        seg = self.received_seg
         if self.one_dim:  # peer p's keys have their rows one after another after its header
-            offsets = _rows_after_headers(segment_starts(self.peer_keys), starts, self.hdr, self.one_dim, xp)
+            offsets = _rows_after_headers(segment_starts(self.peer_keys), starts, self.header_slots, self.one_dim, xp)
         else:
             seg_elem = self.seg_elem.copy()
             seg_elem[me * ntab : (me + 1) * ntab] += own
             dims = xp.asarray(np.tile(self.dims, world))
-            offsets = seg_elem[seg] + (xp.arange(seg.size, dtype=np.int64) - self.d_seg_start[seg]) * dims[seg]
+            offsets = seg_elem[seg] + (xp.arange(seg.size, dtype=np.int64) - self.device_seg_start[seg]) * dims[seg]
         table = xp.asarray(np.tile(np.arange(ntab, dtype=np.int64), world))[seg]
         valid = flags[seg]
         if self.ts.dynamic:
-            valid &= self.orows >= 0  # insert=False: keys the table does not hold
+            valid &= self.received_rows >= 0  # insert=False: keys the table does not hold
         # Exact sort values are the stored rows: each sender's block is sorted by (table, row).
         m = merge_rows(
             table,
-            self.orows,
+            self.received_rows,
             offsets,
-            self.okeys,
+            self.received_keys,
             grecv,
-            self.d_tabs,
+            self.device_tabs,
             ntab,
             self.ts.capacity,
             int(self.dims.max(initial=1)),
@@ -896,14 +943,14 @@ class LookupPlan:
         )
         head = handoff.to_host(xp.concatenate([flags.astype(np.int64), m.flags()]))
         used = head[: world * ntab].reshape(world, ntab) != 0
-        table, rows, goff, keys, error = m.take(int(head[-2]), bool(head[-1]), self.tables)
+        table, rows, grad_offsets, keys, error = m.take(int(head[-2]), bool(head[-1]), self.tables)
         return GradChunk(
             self.tables,
             grecv,
             keys,
             rows,
             table,
-            goff,
+            grad_offsets,
             uids=self.ts.uids,
             merged=self.ts.distinct,  # a table passed twice has rows under both of its slots
             error=error,
@@ -916,7 +963,7 @@ class LookupPlan:
         b = self.batch
         if all(map(_is_none, b.weight_grads)):
             return [None] * len(b.weight_grads)
-        xp, c = runtime.xp(), _c()
+        xp, c = runtime.xp(), kernels.constants()
         n = int(b.keys.shape[0])
         dw = runtime.scratch(max(n, 1), np.float32)
         src = self.src
@@ -932,13 +979,13 @@ class LookupPlan:
                 self.val_off,
                 gptr,
                 self.out,
-                self.d_weights,
+                self.device_weights,
                 self.den,
                 self.bag_of,
-                self.d_key_start,
-                self.d_bag_start,
+                self.device_key_start,
+                self.device_bag_start,
                 self.ntables,
-                self.d_tabs,
+                self.device_tabs,
                 n,
                 dw,
             ),
@@ -983,16 +1030,16 @@ def owners(var, keys) -> np.ndarray:
     ts = table_set([var])
     keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))  # host or device keys
     n = int(keys.shape[0])
-    pos_bits, sv_bits = _sort_bits(n, world)
+    pos_bits, value_bits = _sort_bits(n, world)
     tabs = ts.tabs.copy()
-    tabs[:, _c()["SOKPY_TAB_EXACT"]] = 0
+    tabs[:, kernels.constants()["SOKPY_TAB_EXACT"]] = 0
     packed, bad = _route(
-        xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, sv_bits
+        xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, value_bits
     )
     bad = int(bad[0])
     if bad < n:
         raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
-    return handoff.to_host(packed >> (pos_bits + sv_bits))
+    return handoff.to_host(packed >> (pos_bits + value_bits))
 
 
 def rows_of(var, keys, insert: bool, verdict=None):
