@@ -284,7 +284,7 @@ import os, signal, sokpy
 sokpy.init(backend="host")
 v = sokpy.Variable(10, 4, name=os.environ["TABLE"])
 sokpy.save(os.environ["CKPT"], [v])  # a whole checkpoint
-sokpy.checkpoint._commit = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed with its files staged
+sokpy.checkpoint.saving.commit = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # killed with its files staged
 sokpy.save(os.environ["CKPT"], [v])
 """
 

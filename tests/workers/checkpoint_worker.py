@@ -174,12 +174,12 @@ def main_corrupt(folder, case):
     piece = sokpy.comm().bcast(piece)
     sokpy.comm().barrier()
     if case == "oserror" and RANK == WORLD - 1:
-        read_npy = sokpy.checkpoint._read_npy
+        read_npy = sokpy.checkpoint.format.read_npy
 
         def failing_read(*args, **kwargs):
             raise OSError(5, "Input/output error")
 
-        sokpy.checkpoint._read_npy = failing_read
+        sokpy.checkpoint.format.read_npy = failing_read
     texts = []
     manifest_damaged = case in ("newer", "escape")  # then no table check is reached
     for attempt in range(1 if manifest_damaged else 2):
@@ -198,7 +198,7 @@ def main_corrupt(folder, case):
     assert len(set(sokpy.comm().allgather_object(texts[0]))) == 1, "the ranks raised different errors"
     assert not re.search(r"rank \d+: rank \d+", texts[0]), f"a rank named twice: {texts[0]}"
     if case == "oserror" and RANK == WORLD - 1:
-        sokpy.checkpoint._read_npy = read_npy
+        sokpy.checkpoint.format.read_npy = read_npy
     for k, v in state(tables, opt).items():
         assert np.array_equal(v, before[k]), f"rank {RANK}: {k} changed by a refused load"
     train(tables, opt, 2, 3)  # the ranks are still in step
@@ -260,16 +260,18 @@ def main_faults(folder):
         raise OSError(5, "Input/output error")
 
     cases = [
-        ("full disk", "save", "_write_npy", full_disk, {}, ["No space left on device", f"rank {bad_rank}"]),
+        ("full disk", "save", ("saving", "write_npy"), full_disk, {}, ["No space left on device", f"rank {bad_rank}"]),
         ("bad extra", "save", None, None, {"extra": {"loss": float("nan")}}, [f"rank {bad_rank}", "ValueError"]),
         ("table list", "save", None, None, {"tables": tables[:2]}, []),
-        ("failing read", "load", "_read_npy", failing_read, {}, ["Input/output error", f"rank {bad_rank}"]),
+        ("failing read", "load", ("format", "read_npy"), failing_read, {}, ["Input/output error", f"rank {bad_rank}"]),
         ("table list", "load", None, None, {"tables": tables[1:]}, []),
     ]
     for what, op, patch, fault, kw, pieces in cases:
-        original = getattr(sokpy.checkpoint, patch) if patch else None
+        # patch: (module of sokpy.checkpoint, name), the name as the module that calls it sees it
+        where = getattr(sokpy.checkpoint, patch[0]) if patch else None
+        original = getattr(where, patch[1]) if patch else None
         if bad and patch:
-            setattr(sokpy.checkpoint, patch, fault)
+            setattr(where, patch[1], fault)
         mine = kw.get("tables", tables) if bad else tables
         cls = sokpy.CollectiveMismatchError if what == "table list" else sokpy.CheckpointError
         try:
@@ -283,7 +285,7 @@ def main_faults(folder):
             raise AssertionError(f"rank {RANK}: {op} with a {what} on rank {bad_rank} did not raise")
         finally:
             if bad and patch:
-                setattr(sokpy.checkpoint, patch, original)
+                setattr(where, patch[1], original)
         for piece in pieces:
             assert piece in text, f"rank {RANK}: {what}: {piece!r} not in {text}"
         texts = sokpy.comm().allgather_object(text)
