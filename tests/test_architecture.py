@@ -98,3 +98,15 @@ def test_no_module_reads_a_backend_setting_at_import():
                     assert not node.value.startswith(("SOKPY_EMULATE", "SOKPY_BACKEND")), (
                         f"{name} reads {node.value} at import; the backend object decides at init"
                     )
+
+
+def test_the_install_lists_every_package():
+    """A non-editable install (a wheel) holds only the packages setup.cfg names: every folder
+    of sokpy/ with an __init__.py must be among them."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = {p.strip() for p in cfg["options"]["packages"].replace("\n", ",").split(",") if p.strip()}
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert folders <= listed, f"setup.cfg [options] packages misses {sorted(folders - listed)}"
