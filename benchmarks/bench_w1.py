@@ -172,6 +172,46 @@ class SokpyContestant:
         return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
+class PerTableSokpyContestant(SokpyContestant):
+    """sokpy called as SOK users write it: ``lookup_sparse([t0, ..., tT], [ids0, ..., idsT])``
+    with one input per table, one output per table, and the model's ``torch.cat`` of the
+    outputs (timed with the lookup) before the same loss as the keyed call's."""
+
+    name = "sokpy_per_table"
+
+    def __init__(self, wl, init_tables):
+        import sokpy
+
+        self.sokpy = sokpy
+        self.wl = wl
+        self.vars = [sokpy.Variable(wl.rows, wl.dim, name=f"per_table_t{t}") for t in range(wl.tables)]
+        for v, w in zip(self.vars, init_tables):
+            sokpy.assign(v, torch.arange(wl.rows), w)
+        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
+        offsets = torch.from_numpy(wl.offsets.astype(np.int64))
+        self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), offsets) for t in range(wl.tables)] for b in wl.batches]
+        self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
+
+    def step(self, i, marks=None):
+        t0 = time.perf_counter()
+        outs = self.sokpy.lookup_sparse(
+            self.vars, self.inputs[i % len(self.inputs)], combiners=["sum"] * self.wl.tables
+        )
+        out = torch.cat(outs, 1)
+        t1 = time.perf_counter()
+        loss = (out * self.upstream).sum()
+        t2 = time.perf_counter()
+        if marks is not None:
+            out.register_hook(lambda g: marks.append(time.perf_counter()))
+            marks.append(time.perf_counter())
+        loss.backward()
+        t3 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad()
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
 class DynamicSokpyContestant(SokpyContestant):
     """sokpy with W1's tables as DynamicVariables: key k of the workload becomes
     ``k * SPREAD mod 2**64`` (a bijection that spreads the keys over the whole int64 range),
@@ -381,6 +421,8 @@ def run(args) -> dict:
     init = contestants[0].initial_tables()
     if args.dynamic:
         contestants.append(DynamicSokpyContestant(wl, init))
+    if args.per_table:
+        contestants.append(PerTableSokpyContestant(wl, init))
     contestants.append(TorchContestant(wl, init))
     if args.half:  # half-precision rows, from the same tables rounded to nearest
         contestants.insert(1, SokpyContestant(wl, args.half, init))
@@ -640,6 +682,11 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--dynamic", action="store_true", help="also run sokpy with the tables as DynamicVariables (keys over int64)"
+    )
+    p.add_argument(
+        "--per-table",
+        action="store_true",
+        help="also run sokpy's per-table call (one input and one output per table, torch.cat of the outputs)",
     )
     p.add_argument(
         "--wait-quiet",

@@ -15,7 +15,7 @@ def run(args, tmp_path):
     return res.stdout
 
 
-def test_w1_with_dynamic_tables_agrees_with_the_peers(tmp_path):
+def test_w1_with_dynamic_tables_and_the_per_table_call_agrees_with_the_peers(tmp_path):
     out = tmp_path / "w1.json"
     bench = str(ROOT / "benchmarks" / "bench_w1.py")
     run(
@@ -32,6 +32,7 @@ def test_w1_with_dynamic_tables_agrees_with_the_peers(tmp_path):
             "--stream-mb",
             "8",
             "--dynamic",
+            "--per-table",
             "--skip-fbgemm",
             "--out",
             str(out),
@@ -41,7 +42,8 @@ def test_w1_with_dynamic_tables_agrees_with_the_peers(tmp_path):
     report = json.loads(out.read_text())
     assert report["correctness"]["passed"]
     assert report["correctness"]["sokpy_vs_sokpy_dynamic_max_abs_diff"] < 1e-6
-    assert {"sokpy", "sokpy_dynamic", "torch"} <= set(report["results"])
+    assert report["correctness"]["sokpy_vs_sokpy_per_table_max_abs_diff"] < 1e-6
+    assert {"sokpy", "sokpy_dynamic", "sokpy_per_table", "torch"} <= set(report["results"])
     for r in report["results"].values():  # the four phases of a step, each timed
         assert min(r["forward_ms"], r["loss_forward_ms"], r["backward_ms"], r["optimizer_ms"]) > 0
     sp = report["results"]["sokpy"]["split_ms"]  # the loss inside steps and alone
