@@ -42,6 +42,7 @@ import _common  # noqa: E402
 _common.set_threads_early()
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -50,8 +51,6 @@ from synthetic_data import DriftingFeature, SyntheticClicks  # noqa: E402
 
 import sokpy  # noqa: E402
 from sokpy.nn import EmbeddingBagConfig  # noqa: E402
-
-VARIANTS = ("uncapped", "lru", "lfu", "lru0", "lfu0")
 
 
 def stream_features(ranks: int, drift: float) -> list[DriftingFeature]:
@@ -70,18 +69,36 @@ def allocated_bytes(table) -> int:
     return int(sum(a.nbytes for a in arrays if a is not None))
 
 
+VARIANT = re.compile(r"^(uncapped|lru0?|lfu0?)(\+admit([2-9]))?$")
+
+
+def table_options(kind: str, max_rows: int) -> dict:
+    """The dynamic table's options of variant ``kind``: "uncapped", or "lru" / "lfu" capped at
+    ``max_rows`` ("lru0" / "lfu0": evict_margin=0, evicting only what each step needs), each
+    optionally with "+admitK" (admit_after=K)."""
+    match = VARIANT.match(kind)
+    if match is None:
+        raise ValueError(f"unknown variant {kind!r}")
+    policy, _, admit = match.groups()
+    options: dict = {}
+    if policy != "uncapped":
+        options.update(
+            max_rows=max_rows, evict=policy.rstrip("0"), evict_margin=0.0 if policy.endswith("0") else 1 / 64
+        )
+    if admit:
+        options["admit_after"] = int(admit)
+    return options
+
+
 class Variant:
-    """One model on the stream, with its table capped (``lru``, ``lfu``) or not."""
+    """One model on the stream, with its table capped (``lru``, ``lfu``) or not, admitting
+    every key or only from its k-th sighting."""
 
     def __init__(self, kind: str, args, job, features):
         self.kind = kind
-        cap = {}
-        if kind != "uncapped":  # "lru0", "lfu0": evicting only what each step needs (evict_margin=0)
-            cap = dict(
-                max_rows=args.max_rows, evict=kind.rstrip("0"), evict_margin=0.0 if kind.endswith("0") else 1 / 64
-            )
+        cap = table_options(kind, args.max_rows)
         config = EmbeddingBagConfig(
-            name=f"stream_{kind}",
+            name=f"stream_{kind.replace('+', '_')}",
             embedding_dim=args.dim,
             num_embeddings=None,
             feature_names=[f.name for f in features],
@@ -115,7 +132,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=256, help="global batch")
-    p.add_argument("--variants", default="uncapped,lru", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        default="uncapped,lru",
+        help="comma-separated, each uncapped, lru, lfu, lru0 or lfu0 (evict_margin=0), optionally +admitK (admit_after=K)",
+    )
     p.add_argument("--max-rows", type=int, default=1_000_000, help="the capped tables' max_rows")
     p.add_argument("--ranks", type=int, default=10_000_000, help="popularity ranks of each feature")
     p.add_argument("--drift", type=float, default=50.0, help="ids the rank-to-id mapping moves per step")
@@ -128,8 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="PNG path of the plot (needs matplotlib)")
     args = p.parse_args(argv)
     kinds = args.variants.split(",")
-    if not kinds or any(k not in VARIANTS for k in kinds) or len(set(kinds)) != len(kinds):
-        p.error(f"--variants: distinct names of {', '.join(VARIANTS)}, got {args.variants!r}")
+    if not kinds or any(VARIANT.match(k) is None for k in kinds) or len(set(kinds)) != len(kinds):
+        p.error(f"--variants: distinct names as --help says, got {args.variants!r}")
     sokpy.init()
     comm, rank, world = sokpy.comm(), sokpy.rank(), sokpy.world_size()
     sokpy.nn.init_process_group()
