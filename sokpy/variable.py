@@ -30,7 +30,7 @@ import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,9 +40,6 @@ from .admission import AdmissionFilter
 from .gradients import SparseGrad, table_grad
 from .initializers import Initializer, resolve
 from .storage import HashStorage, InitSpec, Room, StaticStorage, Storage, check_format
-
-if TYPE_CHECKING:
-    from .optim import SparseOptimizer
 
 __all__ = ["Variable", "DynamicVariable", "TableStatistics", "SparseGrad", "export", "assign"]
 
@@ -118,7 +115,9 @@ class Table:
         self._grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
         # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
         self._grad_view: tuple[tuple, SparseGrad | None] | None = None
-        self.optimizer: SparseOptimizer | None = None  # the optimizer that trains this table, once it joins one
+        # The optimizer that trains this table (a sokpy.optim.SparseOptimizer: optim imports this
+        # module, so not named here), once it joins one.
+        self.optimizer: torch.optim.Optimizer | None = None
 
     # ---- this rank's rows and gradients --------------------------------------------------------
     @property
