@@ -28,8 +28,9 @@ Dense parameters keep their own torch optimizer (two-optimizer pattern)::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -37,7 +38,12 @@ import torch
 from . import collective, handoff, kernels, runtime
 from .gradients import GradChunk, merge_rows
 from .plan import rows_of, table_set
+from .storage import HashStorage
 from .variable import Table
+
+# What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
+# with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
+Params = Iterable[Table | torch.Tensor] | Iterable[dict[str, Any]]
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Ftrl", "Adam"]
 
@@ -46,7 +52,7 @@ class _StepCounts:
     """The step counts of an optimizer's tables, one int64 each: a step adds one to the tables
     it updates with one array operation, whatever their number."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values = np.zeros(0, np.int64)
 
     def add(self) -> int:
@@ -154,14 +160,14 @@ class SparseOptimizer(torch.optim.Optimizer):
     row_slots: tuple = ()
     row_kernel: bool = False
 
-    def __init__(self, params, defaults: dict, check_finite: bool = True):
+    def __init__(self, params: Params, defaults: dict, check_finite: bool = True) -> None:
         self._var_of: dict[int, Table] = {}
         self._layout_cache: _Layout | None = None
         self._steps = _StepCounts()
-        params = list(params)
-        if not params:
+        given: list[Any] = list(params)
+        if not given:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
-        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        groups: list[dict[str, Any]] = given if isinstance(given[0], dict) else [{"params": given}]
         self.check_finite = check_finite
         super().__init__(groups, defaults)
 
@@ -200,7 +206,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             self._var_of[id(v.handle)] = v
             self.state[v.handle] = _TableState(v, self._steps)
 
-    def variables(self):
+    def variables(self) -> Iterator[tuple[dict, Table]]:
         """``(param_group, table)`` for every table this optimizer updates."""
         for group in self.param_groups:
             for h in group["params"]:
@@ -244,7 +250,7 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     @runtime.entry
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Applies the gradients the tables hold (``var.grad``): collective, one merge and one
         fused update for all tables."""
         loss = None
@@ -318,14 +324,18 @@ class SparseOptimizer(torch.optim.Optimizer):
         flat = list(chain.from_iterable(refs))
         if not flat:
             return None
-        chunks, holders = {}, {}  # chunk id -> chunk, and the indices of the tables holding it
+        # chunk id -> chunk, and the indices of the tables holding it
+        chunks: dict[int, GradChunk] = {}
+        holders: dict[int, slice | list[int]] = {}
         if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
             chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
         else:
+            held_by: dict[int, list[int]] = {}
             for i, held in enumerate(refs):
                 for chunk in held:
                     chunks[id(chunk)] = chunk
-                    holders.setdefault(id(chunk), []).append(i)
+                    held_by.setdefault(id(chunk), []).append(i)
+            holders.update(held_by)
         parts, buffers, base = [], [], 0
         # Ascending runs of (index, row) in the entries: every chunk's runs stay runs when its
         # tables keep their order here.
@@ -355,7 +365,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         if len(parts) == 1:
             return _GradEntries(*parts[0], buffers[0], merged, error, runs)
         cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return _GradEntries(*cat, xp.concatenate(buffers), merged, error, runs)
+        return _GradEntries(cat[0], cat[1], cat[2], cat[3], xp.concatenate(buffers), merged, error, runs)
 
     def _merged(self, ts, entries: _GradEntries) -> _GradEntries:
         """The entries with one per unique (table, row), and ``error`` the refusal of a row that
@@ -388,12 +398,13 @@ class SparseOptimizer(torch.optim.Optimizer):
         """Hyper-parameters, and per table its step count and this rank's slots with their keys
         (``keys`` int64 [n], one ``[n, dim]`` tensor per slot, ``[n, 1]`` for a row-wise one): a per-rank ``torch.save`` of it
         resumes at the same world size. ``sokpy.save`` writes a resharding checkpoint."""
-        index, groups = {}, []
+        index: dict[int, int] = {}  # id(handle) -> its place over all groups
+        groups = []
         for group in self.param_groups:
             g = {k: v for k, v in group.items() if k != "params"}
             g["params"] = [index.setdefault(id(h), len(index)) for h in group["params"]]
             groups.append(g)
-        state = {}
+        state: dict[int, dict[str, Any]] = {}
         for _, var in self.variables():
             st = self.state[var.handle]
             keys = _export_keys(var)
@@ -438,15 +449,20 @@ class SparseOptimizer(torch.optim.Optimizer):
             st["step"] = int(entry.get("step", 0))
             keys = handoff.from_torch(entry["keys"], np.int64)
             if keys.size:
-                capped = var.dynamic and var.storage.capped  # creates no rows: that would take a step
+                # (a dynamic table's storage is a HashStorage)
+                capped = (
+                    var.dynamic and cast(HashStorage, var.storage).capped
+                )  # creates no rows: that would take a step
                 rows = rows_of(var, keys, insert=not capped)
                 held = rows >= 0 if capped else slice(None)
+                data = var.storage.data
+                assert data is not None  # set by every storage's __init__ (None only as the class default)
                 for name in var.storage.slot_names:
                     slot = handoff.from_torch(entry[name], np.float32)
-                    var.storage.data[rows[held], var.storage.columns(name)] = slot[held]
+                    data[rows[held], var.storage.columns(name)] = slot[held]
 
 
-def _export_keys(var: Table):
+def _export_keys(var: Table) -> torch.Tensor:
     return handoff.to_torch(runtime.xp().array(var.storage.keys()))
 
 
@@ -478,11 +494,11 @@ class SGD(SparseOptimizer):
 
     kernel = "sgd_update"
 
-    def __init__(self, params, lr: float, check_finite: bool = True):
+    def __init__(self, params: Params, lr: float, check_finite: bool = True) -> None:
         _check("lr", lr, lr >= 0, ">= 0")
         super().__init__(params, {"lr": lr}, check_finite)
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"]]
 
 
@@ -513,15 +529,15 @@ class Adagrad(SparseOptimizer):
 
     def __init__(
         self,
-        params,
+        params: Params,
         lr: float = 0.01,
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
         check_finite: bool = True,
-    ):
+    ) -> None:
         super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"], group["eps"]]
 
 
@@ -559,15 +575,15 @@ class RowWiseAdagrad(SparseOptimizer):
 
     def __init__(
         self,
-        params,
+        params: Params,
         lr: float = 0.01,
         eps: float = 1e-8,
         initial_accumulator_value: float = 0.0,
         check_finite: bool = True,
-    ):
+    ) -> None:
         super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"], group["eps"]]
 
 
@@ -591,7 +607,7 @@ class Ftrl(SparseOptimizer):
 
     def __init__(
         self,
-        params,
+        params: Params,
         lr: float = 0.001,
         lr_power: float = -0.5,
         initial_accumulator_value: float = 0.1,
@@ -600,7 +616,7 @@ class Ftrl(SparseOptimizer):
         l2_shrinkage: float = 0.0,
         beta: float = 0.0,
         check_finite: bool = True,
-    ):
+    ) -> None:
         _check("lr", lr, lr > 0, "> 0")
         _check("lr_power", lr_power, lr_power <= 0, "<= 0")
         _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
@@ -620,7 +636,7 @@ class Ftrl(SparseOptimizer):
             check_finite,
         )
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> list[float]:
         lr = np.float32(group["lr"])
         # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
         l2 = np.float32(group["l2"]) + np.float32(group["beta"]) / (np.float32(2.0) * lr)
@@ -649,14 +665,21 @@ class Adam(SparseOptimizer):
     kernel = "adam_update"
     slots = {"exp_avg": lambda g: 0.0, "exp_avg_sq": lambda g: 0.0}  # noqa: RUF012
 
-    def __init__(self, params, lr: float = 0.001, betas=(0.9, 0.999), eps: float = 1e-8, check_finite: bool = True):
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.001,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        check_finite: bool = True,
+    ) -> None:
         _check("lr", lr, lr >= 0, ">= 0")
         _check("eps", eps, eps >= 0, ">= 0")
         for i, b in enumerate(betas):
             _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite)
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> list[float]:
         b1, b2 = group["betas"]
         t = max(step, 1)
         return [group["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t), b1, b2, group["eps"]]

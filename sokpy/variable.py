@@ -28,7 +28,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,8 +38,8 @@ import torch
 from . import collective, handoff, plan, runtime
 from .admission import AdmissionFilter
 from .gradients import SparseGrad, table_grad
-from .initializers import resolve
-from .storage import HashStorage, InitSpec, StaticStorage, check_format
+from .initializers import Initializer, resolve
+from .storage import HashStorage, InitSpec, Room, StaticStorage, Storage, check_format
 
 __all__ = ["Variable", "DynamicVariable", "TableStatistics", "SparseGrad", "export", "assign"]
 
@@ -62,8 +64,18 @@ class Table:
     other modules test for a table with ``isinstance(x, Table)``; not exported by ``sokpy``."""
 
     dynamic = False
+    storage: Storage  # set by the subclass's __init__: a StaticStorage or a HashStorage
 
-    def _create(self, spec: str, dim, target_gpu, initializer, seed, name, check) -> None:
+    def _create(
+        self,
+        spec: str,
+        dim: int,
+        target_gpu: int,
+        initializer: Initializer | float | None,
+        seed: int,
+        name: str | None,
+        check: Callable[[], None],
+    ) -> None:
         """The collective part of creating a table: every rank checks the arguments, the ranks
         agree on the verdict and on the spec, and the table gets its identity."""
         world, rank = runtime.world_size(), runtime.rank()
@@ -86,7 +98,8 @@ class Table:
                 )
         except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
             error = f"{type(self).__name__}(name={name!r}): {e}"
-        self.uid, self.name = uid, name if error is None else f"<invalid {uid}>"
+        # With no error the try above made ``name`` a str.
+        self.uid, self.name = uid, cast(str, name) if error is None else f"<invalid {uid}>"
         with collective.Call(
             type(self).__name__, detail=f"uid={uid} {spec} seed={seed} initializer={initializer!r} name={name!r}"
         ) as call:
@@ -100,8 +113,11 @@ class Table:
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
         self._grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
-        self._grad_view = None  # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
-        self.optimizer = None  # the optimizer that trains this table, once it joins one
+        # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
+        self._grad_view: tuple[tuple, SparseGrad | None] | None = None
+        # The optimizer that trains this table (a sokpy.optim.SparseOptimizer: optim imports this
+        # module, so not named here), once it joins one.
+        self.optimizer: torch.optim.Optimizer | None = None
 
     # ---- this rank's rows and gradients --------------------------------------------------------
     @property
@@ -164,19 +180,21 @@ class Variable(Table):
         print(half.weight.dtype)                  # torch.float16, half the memory of item's values
     """
 
+    storage: StaticStorage
+
     @runtime.entry
     def __init__(
         self,
         rows: int,
         dim: int,
         target_gpu: int = -1,
-        initializer=None,
+        initializer: Initializer | float | None = None,
         seed: int = 0,
         name: str | None = None,
         dtype: str = "float32",
         rounding: str = "stochastic",
-    ):
-        def check():
+    ) -> None:
+        def check() -> None:
             if int(rows) != rows or rows < 0:
                 raise ValueError(f"rows must be a non-negative integer, got {rows!r}")
             check_format(dtype, rounding)
@@ -197,7 +215,7 @@ class Variable(Table):
     def local_rows(self) -> int:
         return self.storage.size
 
-    def local_keys(self):
+    def local_keys(self) -> Any:
         """Global keys of this rank's rows, in row order."""
         return self.storage.keys()
 
@@ -219,7 +237,7 @@ class TableStatistics:
     inserted: int
     evicted: int
     refused: int = 0
-    per_rank: tuple = ()
+    per_rank: tuple[TableStatistics, ...] = ()
 
 
 class DynamicVariable(Table):
@@ -300,13 +318,14 @@ class DynamicVariable(Table):
     """
 
     dynamic = True
+    storage: HashStorage
 
     @runtime.entry
     def __init__(
         self,
         dim: int,
         target_gpu: int = -1,
-        initializer=None,
+        initializer: Initializer | float | None = None,
         seed: int = 0,
         name: str | None = None,
         capacity: int = 1024,
@@ -319,12 +338,12 @@ class DynamicVariable(Table):
         admit_filter_depth: int = AdmissionFilter.DEPTH,
         dtype: str = "float32",
         rounding: str = "stochastic",
-    ):
-        def positive(name, value):
+    ) -> None:
+        def positive(name: str, value: int | None) -> None:
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
                 raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
 
-        def check():
+        def check() -> None:
             if int(capacity) != capacity or capacity < 0:
                 raise ValueError(f"capacity must be a non-negative integer, got {capacity!r}")
             positive("max_rows", max_rows)
@@ -354,10 +373,12 @@ class DynamicVariable(Table):
         self.evict_policy = evict
         self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
         self.evict_margin = float(evict_margin)
-        share = self.max_rows
-        if share is not None and self.target_gpu == -1:
-            share = -(-share // self._world)
-        if share is None and evict == "step":  # scores and steps kept, no cap
+        share: int | None = None  # this shard's share of max_rows
+        margin_rows = 0
+        if self.max_rows is not None:
+            share = self.max_rows if self.target_gpu != -1 else -(-self.max_rows // self._world)
+            margin_rows = int(self.evict_margin * share)
+        elif evict == "step":  # scores and steps kept, no cap
             share = HashStorage.UNCAPPED
         self.storage = HashStorage(
             self.dim,
@@ -368,11 +389,11 @@ class DynamicVariable(Table):
             policy=evict,
             dtype=dtype,
             rounding=rounding,
-            margin_rows=0 if self.max_rows is None else int(self.evict_margin * share),
+            margin_rows=margin_rows,
         )
         self.admit_after = None if admit_after is None else int(admit_after)
         # The shard's sighting counters (sokpy.admission); admit_after=1 admits every key at once: none.
-        self.admission = None
+        self.admission: AdmissionFilter | None = None
         if self.admit_after is not None and self.admit_after > 1:
             self.admission = AdmissionFilter(self.admit_after, admit_filter_width, admit_filter_depth)
 
@@ -396,8 +417,9 @@ class DynamicVariable(Table):
         st = self.local_statistics()
         mine = np.array([st.rows, st.inserted, st.evicted, st.refused], np.int64)
         ranks = np.asarray(runtime.comm().allgather(mine)).reshape(-1, 4)
-        per_rank = tuple(TableStatistics(*map(int, r)) for r in ranks)
-        return TableStatistics(*map(int, ranks.sum(axis=0)), per_rank=per_rank)
+        per_rank = tuple(TableStatistics(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in ranks)
+        rows, inserted, evicted, refused = (int(x) for x in ranks.sum(axis=0))
+        return TableStatistics(rows, inserted, evicted, refused, per_rank=per_rank)
 
     @runtime.entry
     def evict(self) -> int:
@@ -412,6 +434,7 @@ class DynamicVariable(Table):
             error = f"table {self.name!r}: evict() while gradients wait for the optimizer: call step() and zero_grad() first"
         with collective.Call("DynamicVariable.evict", [self]) as call:
             call.agree(error)
+        assert self.ttl_steps is not None  # the agreement above raised on every rank otherwise
         dropped = self.storage.evict_older(self.ttl_steps)
         return int(runtime.comm().allreduce(np.array([dropped], np.int64))[0])
 
@@ -424,7 +447,7 @@ class DynamicVariable(Table):
 
 
 @runtime.entry
-def export(var: Table):
+def export(var: Table) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of ``var``: ``(keys, values)``, global int64 keys ``[n]`` and a float32
     copy ``[n, dim]`` (``[0, dim]`` on a rank that holds no rows). A dynamic table's rows come
     sorted by key. Local, not collective.
@@ -456,14 +479,14 @@ def _last_of_equal(keys: np.ndarray) -> np.ndarray:
     return order[last]
 
 
-def _room_verdict(var: Table):
+def _room_verdict(var: Table) -> Callable[[Room], None] | None:
     """For a capped dynamic table: the agreement (on every rank) that an assign's new keys fit."""
-    if not (var.dynamic and var.storage.capped):
+    if not (var.dynamic and cast(HashStorage, var.storage).capped):  # a dynamic table's storage
         return None
 
-    def verdict(room) -> None:
+    def verdict(room: Room) -> None:
         error = room.error
-        if error is None and var._grad_refs and var.storage.to_evict(room.new):
+        if error is None and var._grad_refs and cast(HashStorage, var.storage).to_evict(room.new):
             error = "it must evict rows while gradients wait for the optimizer: call step() and zero_grad() first"
         collective.agree_verdict("assign", None if error is None else f"table {var.name!r}: {error}")
 
@@ -471,7 +494,7 @@ def _room_verdict(var: Table):
 
 
 @runtime.entry
-def assign(var: Table, keys, values) -> None:
+def assign(var: Table, keys: Any, values: Any) -> None:
     """Sets rows of ``var``: collective; each rank may pass any keys (any count, none too)
     and they reach their owners; a dynamic table creates rows for new keys (their optimizer
     state starts at its initial value). A bad key or shape on any rank raises the same error

@@ -69,7 +69,7 @@ def write_npy(path: Path, array: np.ndarray) -> dict:
     with open(path, "wb") as f:
         f.write(head)
         for lo in range(0, array.shape[0], step):
-            piece = memoryview(np.ascontiguousarray(array[lo : lo + step])).cast("B")
+            piece = np.ascontiguousarray(array[lo : lo + step]).data.cast("B")
             crc = zlib.crc32(piece, crc)
             f.write(piece)
         f.flush()
@@ -107,7 +107,7 @@ def read_npy(path: Path, entry: dict, dtype, ncols: int | None) -> np.ndarray:
         if header_len + int(np.prod(shape, dtype=np.int64)) * dt.itemsize != size:  # before allocating it
             raise ValueError(f"the header says {list(shape)}, which does not fit the file's {size} bytes")
         out = np.empty(shape, dt)
-        view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(bytearray())
+        view = out.reshape(-1).data.cast("B") if out.size else memoryview(bytearray())
         for lo in range(0, len(view), _CHUNK):
             piece = view[lo : lo + _CHUNK]
             if f.readinto(piece) != len(piece):
@@ -196,6 +196,7 @@ def _check_manifest(file: Path, m: dict) -> None:
     need(isinstance(data, str) and DATA_RE.match(data), f"names a data folder {data!r} that is not one of a checkpoint")
     tables = m.get("tables")
     need(isinstance(tables, list) and all(isinstance(t, dict) for t in tables), "has no list of tables")
+    assert isinstance(tables, list)  # need() raised otherwise
     for t in tables:
         need(isinstance(t.get("name"), str), "a table has no name")
         where = f"table {t['name']!r}"

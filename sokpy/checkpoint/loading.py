@@ -20,7 +20,10 @@ The checks of a saved table against a live one (:func:`dtype_error`, :func:`chec
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -28,6 +31,10 @@ from .. import admission, collective, plan, runtime
 from ..errors import CheckpointError
 from ..storage import new_epoch
 from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging
+
+if TYPE_CHECKING:
+    from ..optim import SparseOptimizer
+    from ..variable import DynamicVariable, Table
 
 
 def dtype_error(var, saved: str | None, convert: bool) -> str | None:
@@ -121,7 +128,12 @@ def same_placement(var, saved: dict) -> bool:
 
 
 @runtime.entry
-def load(path, variables, optimizer=None, convert: bool = False):
+def load(
+    path: str | os.PathLike[str],
+    variables: Iterable[Table],
+    optimizer: SparseOptimizer | None = None,
+    convert: bool = False,
+) -> Any:
     """Loads ``variables`` (and ``optimizer``'s state) from the checkpoint at ``path``, saved at
     any world size; collective. Everything is checked before anything changes: a fault raises
     :class:`sokpy.CheckpointError` on every rank and leaves tables and optimizer as they were.
@@ -148,7 +160,8 @@ def load(path, variables, optimizer=None, convert: bool = False):
     path = Path(path).absolute()
     if comm.rank == 0:
         remove_killed_staging(path)
-    m, error = None, None
+    m: dict | None = None
+    error = None
     try:
         m = read_manifest(path)
         error = _check_tables(m, variables, optimizer, convert)
@@ -158,6 +171,7 @@ def load(path, variables, optimizer=None, convert: bool = False):
         error = _reason(e)
     with collective.Call("load", variables, detail=f"path={path} optimizer={type(optimizer).__name__}") as call:
         agree(call, error)
+        assert m is not None  # agree() raised on every rank otherwise
         saved = {t["name"]: t for t in m["tables"]}
         with_slots = set() if optimizer is None else {v.name for _, v in optimizer.variables()}
         # Read this rank's share of the saved files (saved rank s is read by rank s % W), checked.
@@ -183,15 +197,16 @@ def load(path, variables, optimizer=None, convert: bool = False):
                 new[var.name] = new_storage(var, *parts.pop(var.name))
             except Exception as e:  # noqa: BLE001
                 error = error or f"{data}: table {var.name!r}: {_reason(e)}"
-            if var.dynamic and var.admission is not None:  # collective where the placement changed
+            counters = cast("DynamicVariable", var).admission if var.dynamic else None
+            if counters is not None:  # collective where the placement changed
                 same = same_placement(var, {**saved[var.name], "world_size": m["world_size"]})
-                filters[var.name] = admission.loaded(var.admission.new_like(), sightings[var.name], same, comm)
+                filters[var.name] = admission.loaded(counters.new_like(), sightings[var.name], same, comm)
         agree(call, error)
     # Everything checked and built: put it in place.
     for var in variables:
         var.storage = new[var.name]
-        if var.name in filters:
-            var.admission = filters[var.name]
+        if var.name in filters:  # a dynamic table with admission
+            cast("DynamicVariable", var).admission = filters[var.name]
         var.zero_grad()
     new_epoch()
     if optimizer is not None:

@@ -16,7 +16,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import collective, handoff, runtime
 from .format import (
@@ -33,9 +35,18 @@ from .format import (
     write_npy,
 )
 
+if TYPE_CHECKING:
+    from ..optim import SparseOptimizer
+    from ..variable import Table
+
 
 @runtime.entry
-def save(path, variables, optimizer=None, extra: dict | None = None) -> None:
+def save(
+    path: str | os.PathLike[str],
+    variables: Iterable[Table],
+    optimizer: SparseOptimizer | None = None,
+    extra: dict | None = None,
+) -> None:
     """Saves ``variables`` (and ``optimizer``'s state: its slots, step counts and
     hyper-parameters) to the folder ``path``; collective, atomic (see the module's docs).
 
