@@ -126,7 +126,7 @@ __device__ __forceinline__ u64 sokpy_slot_hash(i64 key) {
 //   SOKPY_SLOT_WRITING claimed by a thread that is writing the key
 //   SOKPY_SLOT_TOMBSTONE held a key that a capped table evicted: a find probes past it, an
 //                      insert never reuses it (only empty slots are claimed), and the next
-//                      rehash of the index drops it (sokpy/storage.py counts them)
+//                      rehash of the index drops it (sokpy/storage/ counts them)
 //   r >= 0             full: the key is written and lives in row r
 #define SOKPY_SLOT_EMPTY (-1LL)
 #define SOKPY_SLOT_WRITING (-2LL)
