@@ -151,13 +151,18 @@ class SokpyContestant:
         phases = self.step(i, marks)
         return phases[1] + (marks[1] - marks[0])
 
+    def output(self, i):
+        """The step's ``[B, T*dim]`` output. Keyed: every table's bags side by side in one
+        tensor, the layout FBGEMM's TBE returns and a model concatenates anyway (one autograd
+        node, not T)."""
+        (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
+        return out
+
     def step(self, i, marks=None):
         """One step; returns the seconds of its four phases. ``marks``, when given (a list),
         gets the clock at the start of the backward and when the output's gradient is ready."""
-        # Keyed output: every table's bags side by side in one [B, T*dim] tensor, the layout
-        # FBGEMM's TBE returns and a model concatenates anyway (one autograd node, not T).
         t0 = time.perf_counter()
-        (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
+        out = self.output(i)
         t1 = time.perf_counter()
         loss = (out * self.upstream).sum()
         t2 = time.perf_counter()
@@ -192,24 +197,11 @@ class PerTableSokpyContestant(SokpyContestant):
         self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), offsets) for t in range(wl.tables)] for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
 
-    def step(self, i, marks=None):
-        t0 = time.perf_counter()
+    def output(self, i):
         outs = self.sokpy.lookup_sparse(
             self.vars, self.inputs[i % len(self.inputs)], combiners=["sum"] * self.wl.tables
         )
-        out = torch.cat(outs, 1)
-        t1 = time.perf_counter()
-        loss = (out * self.upstream).sum()
-        t2 = time.perf_counter()
-        if marks is not None:
-            out.register_hook(lambda g: marks.append(time.perf_counter()))
-            marks.append(time.perf_counter())
-        loss.backward()
-        t3 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad()
-        t4 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        return torch.cat(outs, 1)
 
 
 class DynamicSokpyContestant(SokpyContestant):
