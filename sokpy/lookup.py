@@ -1,7 +1,7 @@
 """``lookup_sparse``: pooled embedding lookups over sharded tables, with autograd.
 
 All tables of one call share one exchange, and every phase is one kernel launch for all of
-them (``sokpy/plan.py`` has the data flow). The call is collective: every rank makes the same
+them (the package ``sokpy/plan/`` has the data flow). The call is collective: every rank makes the same
 lookup calls with the same tables in the same order, and runs backward through the same
 calls; a rank with an empty batch passes empty bags.
 

@@ -1,0 +1,70 @@
+"""The routing of keys to their owners: ``route_keys``' packed sort values (:func:`route`,
+:func:`sort_bits`), and the single-table routing of ``assign`` and ``load`` (:func:`owners`,
+:func:`rows_of`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import handoff, kernels, runtime
+from .table_sets import bits, table_set
+
+
+def route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_bits: int):
+    """``(packed, bad)`` of route_keys: ``bad`` is a one-element array of the backend with the
+    first position of a key out of range, or n (read it when the caller needs the host to
+    know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile)."""
+    xp = runtime.xp()
+    n = int(keys.shape[0])
+    packed = runtime.scratch(n, np.int64)
+    bad = xp.full(1, n, np.int64)
+    runtime.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, value_bits, packed, bad))
+    return packed, bad
+
+
+def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
+    """``(pos_bits, value_bits)`` of a packed sort value ``(group, value, position)``
+    (``route_keys``' layout, where ``value_bits`` is ``sv_bits``): the position of a key in
+    the call takes the low ``pos_bits``, its sort value (its stored row, or the top bits of
+    a mix of the key) the ``value_bits`` above them, and the (owner, table) group the bits
+    above those (63 bits in all at most)."""
+    pos_bits = max(1, bits(n))
+    value_bits = 63 - pos_bits - bits(ngroups)
+    if value_bits < 0:
+        raise ValueError(
+            f"a lookup of {n} keys over {ngroups} (rank, table) groups is too large for one call; "
+            "split it into several calls"
+        )
+    return pos_bits, value_bits
+
+
+# ---- single tables: routing for assign and load ------------------------------------------------
+
+
+def owners(var, keys) -> np.ndarray:
+    """The owning rank of each key of ``var`` (host int64); raises ValueError naming the first
+    key a static table does not have."""
+    xp = runtime.xp()
+    world = runtime.world_size()
+    ts = table_set([var])
+    keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))  # host or device keys
+    n = int(keys.shape[0])
+    pos_bits, value_bits = sort_bits(n, world)
+    tabs = ts.tabs.copy()
+    tabs[:, kernels.constants()["SOKPY_TAB_EXACT"]] = 0
+    packed, bad = route(
+        xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, value_bits
+    )
+    bad = int(bad[0])
+    if bad < n:
+        raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
+    return handoff.to_host(packed >> (pos_bits + value_bits))
+
+
+def rows_of(var, keys, insert: bool, verdict=None):
+    """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
+    dynamic table when ``insert`` (and initialising their rows). ``verdict``: see
+    ``HashStorage.find`` (a capped table's agreement that the new keys fit)."""
+    xp = runtime.xp()
+    keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))
+    return var.storage.find(keys, insert) if verdict is None else var.storage.find(keys, insert, verdict)
