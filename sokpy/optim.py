@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from . import collective, handoff, kernels, runtime
-from .gradients import GradChunk, merge_rows
+from .gradients import GradChunk, collect_entries, merge_entries
 from .plan import rows_of, table_set
 from .storage import HashStorage
 from .variable import Table
@@ -126,20 +125,6 @@ class _Layout(NamedTuple):
     uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
     sorted_uids: np.ndarray  # int64 [T]
     counts: np.ndarray  # int64 [T]: each table's place in the step counts
-
-
-class _GradEntries(NamedTuple):
-    """The gradient entries of an optimizer's tables, from every chunk they reference (one
-    entry per row of a chunk; after :meth:`SparseOptimizer._merged`, one per stored row)."""
-
-    table_index: Any  # int64: each entry's table, as its index in the optimizer's tables
-    rows: Any  # int64: its stored row
-    grad_offsets: Any  # int64: the element of ``buffer`` where its gradient row starts
-    keys: Any  # int64: its key
-    buffer: Any  # float32: the gradient rows (the chunks' buffers one after another)
-    merged: bool  # no (table, row) appears twice and every row is whole: nothing to merge
-    error: str | None  # the refusal of a row that is not finite (of merged entries), or None
-    runs: int  # the entries come as this many runs ascending by (table, row); 0: unknown
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -261,9 +246,9 @@ class SparseOptimizer(torch.optim.Optimizer):
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
-        entries = self._entries(layout, used)
+        entries = collect_entries(tables, layout.uid_order, layout.sorted_uids, used)
         ts = table_set(tables)
-        grads = None if entries is None else self._merged(ts, entries)
+        grads = None if entries is None else merge_entries(entries, tables, ts)
         error = None if grads is None else grads.error
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error if self.check_finite else None)
@@ -313,79 +298,6 @@ class SparseOptimizer(torch.optim.Optimizer):
             if v._grad_refs:
                 v._grad_refs = held
         return loss
-
-    def _entries(self, layout: _Layout, used: np.ndarray) -> _GradEntries | None:
-        """Every gradient entry of this optimizer's tables, from all chunks they reference, or
-        None when there is none. Sets ``used[i]`` for the tables whose outputs received a gradient
-        on some rank."""
-        xp = runtime.xp()
-        ntab = len(layout.tables)
-        refs = [v._grad_refs for v in layout.tables]
-        flat = list(chain.from_iterable(refs))
-        if not flat:
-            return None
-        # chunk id -> chunk, and the indices of the tables holding it
-        chunks: dict[int, GradChunk] = {}
-        holders: dict[int, slice | list[int]] = {}
-        if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
-            chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
-        else:
-            held_by: dict[int, list[int]] = {}
-            for i, held in enumerate(refs):
-                for chunk in held:
-                    chunks[id(chunk)] = chunk
-                    held_by.setdefault(id(chunk), []).append(i)
-            holders.update(held_by)
-        parts, buffers, base = [], [], 0
-        # Ascending runs of (index, row) in the entries: every chunk's runs stay runs when its
-        # tables keep their order here.
-        runs, ordered = 0, True
-        for cid, chunk in chunks.items():
-            # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
-            # train and for those whose reference to this chunk was dropped (zero_grad).
-            at = np.minimum(np.searchsorted(layout.sorted_uids, chunk.uids), max(ntab - 1, 0))
-            index_of = layout.uid_order[at]
-            held = np.zeros(ntab, bool)
-            held[holders[cid]] = True
-            index_of[(layout.sorted_uids[at] != chunk.uids) | ~held[index_of]] = -1
-            mine = index_of >= 0
-            used[index_of[mine]] |= chunk.table_used()[mine]
-            table_index, rows, offsets, keys = chunk.entries(index_of)
-            kept = index_of[mine]
-            ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
-            runs += chunk.runs
-            parts.append((table_index, rows, offsets + base if base else offsets, keys))
-            buffers.append(chunk.buffer)
-            base += int(chunk.buffer.shape[0])
-        runs = runs if ordered else 0  # 0: some chunk's order is unknown
-        # Merged chunks of tables that each hold one chunk (one backward since zero_grad, over
-        # one lookup call or several) need no merge together: no (table, row) is in two.
-        merged = all(c.merged for c in chunks.values()) and all(len(held) <= 1 for held in refs)
-        error = next((c.error for c in chunks.values() if c.error is not None), None)
-        if len(parts) == 1:
-            return _GradEntries(*parts[0], buffers[0], merged, error, runs)
-        cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return _GradEntries(cat[0], cat[1], cat[2], cat[3], xp.concatenate(buffers), merged, error, runs)
-
-    def _merged(self, ts, entries: _GradEntries) -> _GradEntries:
-        """The entries with one per unique (table, row), and ``error`` the refusal of a row that
-        is not finite, or None. Entries that are ``merged`` already (every step after a single
-        backward: its owner merged them) are taken as they are, with their verdict; otherwise
-        (gradients of several backward passes) the rows of equal (table, row) are summed here
-        into ``buffer``, and the count and the verdict read (one read)."""
-        if entries.merged:
-            return entries
-        tables = self._layout().tables
-        dim = int(ts.dims.max(initial=1))
-        tabs = runtime.xp().asarray(ts.tabs)
-        e = entries
-        m = merge_rows(
-            e.table_index, e.rows, e.grad_offsets, e.keys, e.buffer, tabs, len(tables), ts.capacity, dim, runs=e.runs
-        )
-        count, any_bad = handoff.to_host(m.flags()).tolist()
-        table_index, rows, grad_offsets, keys, error = m.take(count, bool(any_bad), tables)
-        # runs=0: the order of the merged rows is not claimed (the step does not need it).
-        return _GradEntries(table_index, rows, grad_offsets, keys, e.buffer, True, error, 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
