@@ -4,10 +4,10 @@ A lookup's backward exchange delivers, on each owner, one buffer of gradient row
 tables of the call: a :class:`GradChunk`. Each table keeps references to the chunks that hold
 its gradients (``Variable._grad_refs``), so that no table's rows are copied out of the
 buffer. An optimizer step reads the entries of its tables from every chunk at once
-(:meth:`GradChunk.entries`), merges the rows of equal keys and updates each row once; it then
-replaces those chunks by one merged chunk, so ``var.grad`` reads the same after ``step()``
-as before it (and a second ``step()`` without ``zero_grad()`` applies it again, as torch
-does).
+(:func:`collect_entries`, through :meth:`GradChunk.entries`), merges the rows of equal keys
+(:func:`merge_entries`) and updates each row once; it then replaces those chunks by one merged
+chunk, so ``var.grad`` reads the same after ``step()`` as before it (and a second ``step()``
+without ``zero_grad()`` applies it again, as torch does).
 
 Example::
 
@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,7 +29,17 @@ import torch
 from . import handoff, runtime
 from .sorting import sort_by_bits
 
-__all__ = ["GradChunk", "SparseGrad", "Merge", "merge_rows", "table_grad", "nonfinite_message"]
+__all__ = [
+    "GradChunk",
+    "SparseGrad",
+    "Merge",
+    "merge_rows",
+    "GradEntries",
+    "collect_entries",
+    "merge_entries",
+    "table_grad",
+    "nonfinite_message",
+]
 
 
 class SparseGrad(NamedTuple):
@@ -208,6 +219,99 @@ def merge_rows(table, rows, offsets, keys, buffer, tabs, ntables: int, capacity:
     bad = xp.zeros(max(n, 1), np.int32)
     runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, grad_offsets, bad))
     return Merge(table[first], rows[first], grad_offsets, keys[first], count, bad)
+
+
+class GradEntries(NamedTuple):
+    """The gradient entries of an optimizer's tables, from every chunk they reference (one
+    entry per row of a chunk; after :func:`merge_entries`, one per stored row)."""
+
+    table_index: Any  # int64: each entry's table, as its index in the optimizer's tables
+    rows: Any  # int64: its stored row
+    grad_offsets: Any  # int64: the element of ``buffer`` where its gradient row starts
+    keys: Any  # int64: its key
+    buffer: Any  # float32: the gradient rows (the chunks' buffers one after another)
+    merged: bool  # no (table, row) appears twice and every row is whole: nothing to merge
+    error: str | None  # the refusal of a row that is not finite (of merged entries), or None
+    runs: int  # the entries come as this many runs ascending by (table, row); 0: unknown
+
+
+def collect_entries(
+    tables: list, uid_order: np.ndarray, sorted_uids: np.ndarray, used: np.ndarray
+) -> GradEntries | None:
+    """Every gradient entry of an optimizer's ``tables`` (in its param-group order), from all
+    chunks they reference, or None when there is none. ``sorted_uids`` are the tables' uids in
+    increasing order and ``uid_order`` the table indices in that order (the optimizer's layout
+    caches both). Sets ``used[i]`` for the tables whose outputs received a gradient on some
+    rank."""
+    xp = runtime.xp()
+    ntab = len(tables)
+    refs = [v._grad_refs for v in tables]
+    flat = list(chain.from_iterable(refs))
+    if not flat:
+        return None
+    # chunk id -> chunk, and the indices of the tables holding it
+    chunks: dict[int, GradChunk] = {}
+    holders: dict[int, slice | list[int]] = {}
+    if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
+        chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
+    else:
+        held_by: dict[int, list[int]] = {}
+        for i, held in enumerate(refs):
+            for chunk in held:
+                chunks[id(chunk)] = chunk
+                held_by.setdefault(id(chunk), []).append(i)
+        holders.update(held_by)
+    parts, buffers, base = [], [], 0
+    # Ascending runs of (index, row) in the entries: every chunk's runs stay runs when its
+    # tables keep their order here.
+    runs, ordered = 0, True
+    for cid, chunk in chunks.items():
+        # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
+        # train and for those whose reference to this chunk was dropped (zero_grad).
+        at = np.minimum(np.searchsorted(sorted_uids, chunk.uids), max(ntab - 1, 0))
+        index_of = uid_order[at]
+        held = np.zeros(ntab, bool)
+        held[holders[cid]] = True
+        index_of[(sorted_uids[at] != chunk.uids) | ~held[index_of]] = -1
+        mine = index_of >= 0
+        used[index_of[mine]] |= chunk.table_used()[mine]
+        table_index, rows, offsets, keys = chunk.entries(index_of)
+        kept = index_of[mine]
+        ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
+        runs += chunk.runs
+        parts.append((table_index, rows, offsets + base if base else offsets, keys))
+        buffers.append(chunk.buffer)
+        base += int(chunk.buffer.shape[0])
+    runs = runs if ordered else 0  # 0: some chunk's order is unknown
+    # Merged chunks of tables that each hold one chunk (one backward since zero_grad, over
+    # one lookup call or several) need no merge together: no (table, row) is in two.
+    merged = all(c.merged for c in chunks.values()) and all(len(held) <= 1 for held in refs)
+    error = next((c.error for c in chunks.values() if c.error is not None), None)
+    if len(parts) == 1:
+        return GradEntries(*parts[0], buffers[0], merged, error, runs)
+    cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
+    return GradEntries(cat[0], cat[1], cat[2], cat[3], xp.concatenate(buffers), merged, error, runs)
+
+
+def merge_entries(entries: GradEntries, tables: list, ts) -> GradEntries:
+    """The entries of an optimizer's ``tables`` (``ts``: their TableSet, ``plan.table_set``)
+    with one per unique (table, row), and ``error`` the refusal of a row that is not finite,
+    or None. Entries that are ``merged`` already (every step after a single
+    backward: its owner merged them) are taken as they are, with their verdict; otherwise
+    (gradients of several backward passes) the rows of equal (table, row) are summed here
+    into ``buffer``, and the count and the verdict read (one read)."""
+    if entries.merged:
+        return entries
+    dim = int(ts.dims.max(initial=1))
+    tabs = runtime.xp().asarray(ts.tabs)
+    e = entries
+    m = merge_rows(
+        e.table_index, e.rows, e.grad_offsets, e.keys, e.buffer, tabs, len(tables), ts.capacity, dim, runs=e.runs
+    )
+    count, any_bad = handoff.to_host(m.flags()).tolist()
+    table_index, rows, grad_offsets, keys, error = m.take(count, bool(any_bad), tables)
+    # runs=0: the order of the merged rows is not claimed (the step does not need it).
+    return GradEntries(table_index, rows, grad_offsets, keys, e.buffer, True, error, 0)
 
 
 def _index_of(chunk: GradChunk, table) -> np.ndarray:

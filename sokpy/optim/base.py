@@ -1,51 +1,25 @@
-"""Sparse optimizers for sokpy tables: SGD, Adagrad, row-wise Adagrad, FTRL and lazy Adam, as fused
-kernels.
-
-They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a mutable
-``"lr"``, so ``torch.optim.lr_scheduler`` works), ``add_param_group``, ``state_dict()`` /
-``load_state_dict()`` (hyper-parameters, step counts and this rank's slots, so a per-rank
-``torch.save``/``torch.load`` resumes exactly at the same world size; ``sokpy.save`` /
-``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
-rows in the table's storage and are created when the table joins the optimizer, so the memory
-is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``
-(``[local rows, 1]`` for a row-wise slot: RowWiseAdagrad's accumulator).
-
-``step()`` is collective and costs a fixed number of launches whatever the number of tables:
-it merges the gradient rows that arrived for each row (from every rank and every backward
-since ``zero_grad``), refuses on every rank alike, before any change, a merged gradient that
-is not finite, then runs one fused update kernel for all its tables. Rows without a
-gradient are not touched. The numerics are in ``docs/numerics.md``.
-
-Dense parameters keep their own torch optimizer (two-optimizer pattern)::
-
-    emb_opt = sokpy.optim.Adagrad([user, item], lr=0.05)
-    dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss.backward()
-    emb_opt.step(); dense_opt.step()
-    emb_opt.zero_grad(); dense_opt.zero_grad()
-"""
+"""The base of sokpy's optimizers, :class:`SparseOptimizer`: param groups of tables, each
+table's state (its step count and its slots, views of its storage), the collective
+:meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.gradients`, the agreed
+finite verdict, one fused update kernel for all tables) and ``state_dict``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from . import collective, handoff, kernels, runtime
-from .gradients import GradChunk, merge_rows
-from .plan import rows_of, table_set
-from .storage import HashStorage
-from .variable import Table
+from .. import collective, handoff, kernels, runtime
+from ..gradients import GradChunk, collect_entries, merge_entries
+from ..plan import rows_of, table_set
+from ..storage import HashStorage
+from ..variable import Table
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
 Params = Iterable[Table | torch.Tensor] | Iterable[dict[str, Any]]
-
-__all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Ftrl", "Adam"]
 
 
 class _StepCounts:
@@ -126,20 +100,6 @@ class _Layout(NamedTuple):
     uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
     sorted_uids: np.ndarray  # int64 [T]
     counts: np.ndarray  # int64 [T]: each table's place in the step counts
-
-
-class _GradEntries(NamedTuple):
-    """The gradient entries of an optimizer's tables, from every chunk they reference (one
-    entry per row of a chunk; after :meth:`SparseOptimizer._merged`, one per stored row)."""
-
-    table_index: Any  # int64: each entry's table, as its index in the optimizer's tables
-    rows: Any  # int64: its stored row
-    grad_offsets: Any  # int64: the element of ``buffer`` where its gradient row starts
-    keys: Any  # int64: its key
-    buffer: Any  # float32: the gradient rows (the chunks' buffers one after another)
-    merged: bool  # no (table, row) appears twice and every row is whole: nothing to merge
-    error: str | None  # the refusal of a row that is not finite (of merged entries), or None
-    runs: int  # the entries come as this many runs ascending by (table, row); 0: unknown
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -261,9 +221,9 @@ class SparseOptimizer(torch.optim.Optimizer):
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
-        entries = self._entries(layout, used)
+        entries = collect_entries(tables, layout.uid_order, layout.sorted_uids, used)
         ts = table_set(tables)
-        grads = None if entries is None else self._merged(ts, entries)
+        grads = None if entries is None else merge_entries(entries, tables, ts)
         error = None if grads is None else grads.error
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error if self.check_finite else None)
@@ -313,79 +273,6 @@ class SparseOptimizer(torch.optim.Optimizer):
             if v._grad_refs:
                 v._grad_refs = held
         return loss
-
-    def _entries(self, layout: _Layout, used: np.ndarray) -> _GradEntries | None:
-        """Every gradient entry of this optimizer's tables, from all chunks they reference, or
-        None when there is none. Sets ``used[i]`` for the tables whose outputs received a gradient
-        on some rank."""
-        xp = runtime.xp()
-        ntab = len(layout.tables)
-        refs = [v._grad_refs for v in layout.tables]
-        flat = list(chain.from_iterable(refs))
-        if not flat:
-            return None
-        # chunk id -> chunk, and the indices of the tables holding it
-        chunks: dict[int, GradChunk] = {}
-        holders: dict[int, slice | list[int]] = {}
-        if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
-            chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
-        else:
-            held_by: dict[int, list[int]] = {}
-            for i, held in enumerate(refs):
-                for chunk in held:
-                    chunks[id(chunk)] = chunk
-                    held_by.setdefault(id(chunk), []).append(i)
-            holders.update(held_by)
-        parts, buffers, base = [], [], 0
-        # Ascending runs of (index, row) in the entries: every chunk's runs stay runs when its
-        # tables keep their order here.
-        runs, ordered = 0, True
-        for cid, chunk in chunks.items():
-            # Chunk table -> this optimizer's index, by uid; -1 for the tables it does not
-            # train and for those whose reference to this chunk was dropped (zero_grad).
-            at = np.minimum(np.searchsorted(layout.sorted_uids, chunk.uids), max(ntab - 1, 0))
-            index_of = layout.uid_order[at]
-            held = np.zeros(ntab, bool)
-            held[holders[cid]] = True
-            index_of[(layout.sorted_uids[at] != chunk.uids) | ~held[index_of]] = -1
-            mine = index_of >= 0
-            used[index_of[mine]] |= chunk.table_used()[mine]
-            table_index, rows, offsets, keys = chunk.entries(index_of)
-            kept = index_of[mine]
-            ordered = ordered and chunk.runs > 0 and bool((kept[1:] > kept[:-1]).all())
-            runs += chunk.runs
-            parts.append((table_index, rows, offsets + base if base else offsets, keys))
-            buffers.append(chunk.buffer)
-            base += int(chunk.buffer.shape[0])
-        runs = runs if ordered else 0  # 0: some chunk's order is unknown
-        # Merged chunks of tables that each hold one chunk (one backward since zero_grad, over
-        # one lookup call or several) need no merge together: no (table, row) is in two.
-        merged = all(c.merged for c in chunks.values()) and all(len(held) <= 1 for held in refs)
-        error = next((c.error for c in chunks.values() if c.error is not None), None)
-        if len(parts) == 1:
-            return _GradEntries(*parts[0], buffers[0], merged, error, runs)
-        cat = [xp.concatenate([p[k] for p in parts]) for k in range(4)]
-        return _GradEntries(cat[0], cat[1], cat[2], cat[3], xp.concatenate(buffers), merged, error, runs)
-
-    def _merged(self, ts, entries: _GradEntries) -> _GradEntries:
-        """The entries with one per unique (table, row), and ``error`` the refusal of a row that
-        is not finite, or None. Entries that are ``merged`` already (every step after a single
-        backward: its owner merged them) are taken as they are, with their verdict; otherwise
-        (gradients of several backward passes) the rows of equal (table, row) are summed here
-        into ``buffer``, and the count and the verdict read (one read)."""
-        if entries.merged:
-            return entries
-        tables = self._layout().tables
-        dim = int(ts.dims.max(initial=1))
-        tabs = runtime.xp().asarray(ts.tabs)
-        e = entries
-        m = merge_rows(
-            e.table_index, e.rows, e.grad_offsets, e.keys, e.buffer, tabs, len(tables), ts.capacity, dim, runs=e.runs
-        )
-        count, any_bad = handoff.to_host(m.flags()).tolist()
-        table_index, rows, grad_offsets, keys, error = m.take(count, bool(any_bad), tables)
-        # runs=0: the order of the merged rows is not claimed (the step does not need it).
-        return _GradEntries(table_index, rows, grad_offsets, keys, e.buffer, True, error, 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the sparse gradients of every table."""
@@ -466,220 +353,8 @@ def _export_keys(var: Table) -> torch.Tensor:
     return handoff.to_torch(runtime.xp().array(var.storage.keys()))
 
 
-def _check(name: str, value: float, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value}")
-
-
 def _fields(rows: list[list[float]]) -> np.ndarray:
     out = np.zeros((len(rows), kernels.constants()["SOKPY_HYPER_FIELDS"]), np.float32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
-
-
-class SGD(SparseOptimizer):
-    """``w -= lr * g`` on the rows that got a gradient.
-
-    Example::
-
-        import sokpy
-        sokpy.init()
-        v = sokpy.Variable(100, 8, name="sgd_doc")
-        opt = sokpy.optim.SGD([v], lr=0.1)
-        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
-        opt.step()                          # collective: rows 1 and 2 move
-        opt.zero_grad()
-    """
-
-    kernel = "sgd_update"
-
-    def __init__(self, params: Params, lr: float, check_finite: bool = True) -> None:
-        _check("lr", lr, lr >= 0, ">= 0")
-        super().__init__(params, {"lr": lr}, check_finite)
-
-    def hyper(self, group: dict, step: int) -> list[float]:
-        return [group["lr"]]
-
-
-def _adagrad_defaults(lr: float, eps: float, initial_accumulator_value: float) -> dict:
-    """The checked hyper-parameters of Adagrad and RowWiseAdagrad."""
-    _check("lr", lr, lr >= 0, ">= 0")
-    _check("eps", eps, eps >= 0, ">= 0")
-    _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
-    return {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
-
-
-class Adagrad(SparseOptimizer):
-    """``acc += g*g; w -= lr * g / (sqrt(acc) + eps)``; ``acc`` starts at ``initial_accumulator_value``.
-
-    Example::
-
-        import sokpy
-        sokpy.init()
-        v = sokpy.Variable(100, 8, name="adagrad_doc")
-        opt = sokpy.optim.Adagrad([v], lr=0.01, initial_accumulator_value=0.1, eps=1e-7)  # TF's values
-        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
-        opt.step()                          # collective: rows 1 and 2 move
-        opt.zero_grad()
-    """
-
-    kernel = "adagrad_update"
-    slots = {"sum": lambda g: g["initial_accumulator_value"]}  # noqa: RUF012
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 0.01,
-        initial_accumulator_value: float = 0.0,
-        eps: float = 1e-10,
-        check_finite: bool = True,
-    ) -> None:
-        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
-
-    def hyper(self, group: dict, step: int) -> list[float]:
-        return [group["lr"], group["eps"]]
-
-
-class RowWiseAdagrad(SparseOptimizer):
-    """Row-wise Adagrad: one accumulator per row, FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's
-    ``EmbOptimType.EXACT_ROWWISE_ADAGRAD``) with ``weight_decay`` 0. For each row that got a
-    gradient ``g`` (the gradients of its duplicate keys summed first, as every sokpy optimizer
-    merges them), in float32::
-
-        m = (g[0]^2 + ... + g[dim-1]^2) / dim      # the mean square, summed in column order
-        acc += m
-        w -= g * (lr / (sqrt(acc) + eps))          # eps outside the square root, as FBGEMM
-
-    ``acc`` (slot ``"sum"``, ``[local rows, 1]``) starts at ``initial_accumulator_value``;
-    ``lr`` and ``eps`` default to FBGEMM's TBE defaults (0.01 and 1e-8; TorchRec's own
-    ``torchrec.optim.RowWiseAdagrad`` defaults to ``eps=1e-10``). The state is ``dim`` times
-    smaller than :class:`Adagrad`'s. The order of operations is FBGEMM's CPU kernel's (its GPU
-    kernel sums the squares in another order: the last bits may differ).
-
-    Example::
-
-        import torch, sokpy
-        sokpy.init()
-        v = sokpy.Variable(100, 8, name="rowwise_doc")
-        opt = sokpy.optim.RowWiseAdagrad([v], lr=0.1)
-        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
-        opt.step()
-        print(opt.state[v.handle]["sum"].shape)  # torch.Size([100, 1]) on one rank
-    """
-
-    kernel = "rowwise_adagrad_update"
-    slots = {"sum": lambda g: g["initial_accumulator_value"]}  # noqa: RUF012
-    row_slots = ("sum",)
-    row_kernel = True
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 0.01,
-        eps: float = 1e-8,
-        initial_accumulator_value: float = 0.0,
-        check_finite: bool = True,
-    ) -> None:
-        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
-
-    def hyper(self, group: dict, step: int) -> list[float]:
-        return [group["lr"], group["eps"]]
-
-
-class Ftrl(SparseOptimizer):
-    """TensorFlow's sparse FTRL (``ResourceSparseApplyFtrlV2``, Keras ``Ftrl``), slots
-    ``accumulator`` and ``linear``.
-
-    Example::
-
-        import sokpy
-        sokpy.init()
-        v = sokpy.Variable(100, 8, name="ftrl_doc")
-        opt = sokpy.optim.Ftrl([v], lr=0.05, l1=0.001, l2=0.01)
-        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
-        opt.step()                          # collective: rows 1 and 2 move
-        opt.zero_grad()
-    """
-
-    kernel = "ftrl_update"
-    slots = {"accumulator": lambda g: g["initial_accumulator_value"], "linear": lambda g: 0.0}  # noqa: RUF012
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 0.001,
-        lr_power: float = -0.5,
-        initial_accumulator_value: float = 0.1,
-        l1: float = 0.0,
-        l2: float = 0.0,
-        l2_shrinkage: float = 0.0,
-        beta: float = 0.0,
-        check_finite: bool = True,
-    ) -> None:
-        _check("lr", lr, lr > 0, "> 0")
-        _check("lr_power", lr_power, lr_power <= 0, "<= 0")
-        _check("initial_accumulator_value", initial_accumulator_value, initial_accumulator_value >= 0, ">= 0")
-        for name, value in (("l1", l1), ("l2", l2), ("l2_shrinkage", l2_shrinkage), ("beta", beta)):
-            _check(name, value, value >= 0, ">= 0")
-        super().__init__(
-            params,
-            {
-                "lr": lr,
-                "lr_power": lr_power,
-                "initial_accumulator_value": initial_accumulator_value,
-                "l1": l1,
-                "l2": l2,
-                "l2_shrinkage": l2_shrinkage,
-                "beta": beta,
-            },
-            check_finite,
-        )
-
-    def hyper(self, group: dict, step: int) -> list[float]:
-        lr = np.float32(group["lr"])
-        # Keras passes beta to the raw op as extra L2: l2 + beta / (2 lr), in float32.
-        l2 = np.float32(group["l2"]) + np.float32(group["beta"]) / (np.float32(2.0) * lr)
-        return [lr, group["lr_power"], group["l1"], l2, group["l2_shrinkage"]]
-
-
-class Adam(SparseOptimizer):
-    """Lazy Adam, the semantics of ``torch.optim.SparseAdam``: moments of rows without a gradient
-    stay as they are; a table's step count t counts the steps in which it received a gradient
-    (on any rank), as SparseAdam counts per parameter::
-
-        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-        w -= lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
-
-    Example::
-
-        import sokpy
-        sokpy.init()
-        v = sokpy.Variable(100, 8, name="adam_doc")
-        opt = sokpy.optim.Adam([v], lr=1e-3, betas=(0.9, 0.999))
-        sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()
-        opt.step()                          # collective: rows 1 and 2 move
-        opt.zero_grad()
-    """
-
-    kernel = "adam_update"
-    slots = {"exp_avg": lambda g: 0.0, "exp_avg_sq": lambda g: 0.0}  # noqa: RUF012
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 0.001,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        check_finite: bool = True,
-    ) -> None:
-        _check("lr", lr, lr >= 0, ">= 0")
-        _check("eps", eps, eps >= 0, ">= 0")
-        for i, b in enumerate(betas):
-            _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite)
-
-    def hyper(self, group: dict, step: int) -> list[float]:
-        b1, b2 = group["betas"]
-        t = max(step, 1)
-        return [group["lr"] * math.sqrt(1 - b2**t) / (1 - b1**t), b1, b2, group["eps"]]
