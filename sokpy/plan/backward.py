@@ -4,8 +4,6 @@ owners' :class:`~sokpy.gradients.GradChunk`, and the weights' gradients."""
 
 from __future__ import annotations
 
-from functools import partial
-from operator import is_
 from typing import Any
 
 import numpy as np
@@ -18,8 +16,6 @@ from ..wire import from_wire, to_wire
 from .dedup import Dedup
 from .layout import rows_after_headers
 from .table_sets import TableSet
-
-_is_none = partial(is_, None)
 
 
 def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
@@ -284,7 +280,7 @@ class Backward:
 
     def _weight_grads(self, gptr, grads):
         b = self.batch
-        if all(map(_is_none, b.weight_grads)):
+        if not b.any_weight_grad():
             return [None] * len(b.weight_grads)
         xp, c = runtime.xp(), kernels.constants()
         n = int(b.keys.shape[0])

@@ -5,9 +5,6 @@ backward (:class:`~sokpy.plan.backward.Backward`); its dynamic tables' rows are 
 
 from __future__ import annotations
 
-from functools import partial
-from operator import is_
-
 import numpy as np
 import torch
 
@@ -22,7 +19,6 @@ from .routing import route, sort_bits
 from .table_sets import bits, table_set
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
-_is_none = partial(is_, None)
 
 
 class LookupPlan(DynamicRows, Backward):
@@ -102,7 +98,7 @@ class LookupPlan(DynamicRows, Backward):
                 self.bag_of,
             ),
         )
-        if not self.grad_mode or all(map(_is_none, b.weight_grads)):
+        if not self.grad_mode or not b.any_weight_grad():
             self.src_rows = None  # the rows are read again only for the weights' gradient
         # Tensors that share the output buffer without being autograd views of it, so that
         # each may be modified in place like any other function's output.

@@ -58,6 +58,10 @@ class Batch(NamedTuple):
     weight_layouts: list
     faults: DeviceFaults | None = None
 
+    def any_weight_grad(self) -> bool:
+        """Whether some table's weights require a gradient."""
+        return any(w is not None for w in self.weight_grads)
+
     def host_key_start(self) -> np.ndarray:
         """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""
         return self.key_start if isinstance(self.key_start, np.ndarray) else handoff.to_host(self.key_start)
