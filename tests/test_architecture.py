@@ -1,6 +1,7 @@
-"""The package's shape holds its rules (docs/architecture.md): no import circle (imports
-inside functions included), MPI only in comm (and the test doubles), the test doubles
-imported only when asked for, and no module reading a backend setting at import."""
+"""The package's shape holds its rules (docs/architecture.md): every module in one layer and
+no import from a lower layer to a higher one, no import circle (imports inside functions
+included), MPI only in comm (and the test doubles), the test doubles imported only when
+asked for, and no module reading a backend setting at import."""
 
 import ast
 from pathlib import Path
@@ -42,6 +43,67 @@ def _imports(name: str, path: Path) -> set[str]:
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+# docs/architecture.md's layers, lowest first: a module (or every module of a package) may
+# import its own layer and those below it. Beside the layers: the job launchers (never
+# imported by a layer) and sokpy.testing (imported only when asked for, tested below).
+LAYERS = {
+    "foundation": ["sokpy.errors", "sokpy.timing", "sokpy.arrays"],
+    "backend": [
+        "sokpy.runtime",
+        "sokpy.backends",
+        "sokpy.comm",
+        "sokpy.nccl_comm",
+        "sokpy.kernels",
+        "sokpy.handoff",
+        "sokpy.hostpool",
+        "sokpy.watchdog",
+        "sokpy.sorting",
+    ],
+    "tables": ["sokpy.storage", "sokpy.admission"],
+    "agreement": ["sokpy.collective"],
+    "exchange": ["sokpy.plan", "sokpy.gradients", "sokpy.wire", "sokpy.sparse"],
+    "public API": [
+        "sokpy.lookup",
+        "sokpy.optim",
+        "sokpy.variable",
+        "sokpy.checkpoint",
+        "sokpy.initializers",
+    ],
+    "modules": ["sokpy.nn"],
+    "the package": ["sokpy"],  # its __init__ gathers the public names of every layer
+}
+BESIDE = ["sokpy.launcher", "sokpy.emulated_nodes", "sokpy.testing"]
+
+
+def _placed(name: str, places: list[str]) -> str | None:
+    """The longest of ``places`` that is ``name`` or a package holding it."""
+    hits = [p for p in places if name == p or (p != "sokpy" and name.startswith(p + "."))]
+    return max(hits, key=len) if hits else None
+
+
+def _layer(name: str) -> int | None:
+    """``name``'s layer (0: the lowest), None for the modules beside the layers."""
+    where = _placed(name, [m for mods in LAYERS.values() for m in mods] + BESIDE)
+    assert where is not None, f"{name} is in no layer: place it in LAYERS (and docs/architecture.md)"
+    if where in BESIDE:
+        return None
+    return next(i for i, mods in enumerate(LAYERS.values()) if where in mods)
+
+
+def test_no_module_imports_a_higher_layer():
+    names = list(LAYERS)
+    upward = []
+    for name, deps in GRAPH.items():
+        mine = _layer(name)
+        for dep in deps:
+            theirs = _layer(dep)
+            if theirs is None:
+                if mine is not None and not dep.startswith("sokpy.testing"):  # the doubles: tested below
+                    upward.append(f"{name} ({names[mine]}) -> {dep} (a launcher)")
+            elif mine is not None and theirs > mine:
+                upward.append(f"{name} ({names[mine]}) -> {dep} ({names[theirs]})")
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
 
 
 def test_the_import_graph_has_no_circle():
