@@ -1,4 +1,4 @@
-"""Jobs across emulated nodes (sokpy/emulated_nodes.py: network namespaces joined by
+"""Jobs across emulated nodes (sokpy/emulated_nodes/: network namespaces joined by
 rate-limited links, Open MPI over TCP between them): 2 nodes x 2 ranks give the results of
 the independent references and of a 1-rank run, node-local ranks follow the node, and a
 failure on one node ends the job on both, leaving no process on either node, as a timeout

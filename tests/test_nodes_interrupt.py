@@ -1,4 +1,4 @@
-"""sokpy-nodes ends what it started (sokpy/emulated_nodes.py): SIGINT or SIGTERM to it during a
+"""sokpy-nodes ends what it started (sokpy/emulated_nodes/): SIGINT or SIGTERM to it during a
 2-node job leaves no process of the job on either node (mpirun, the other node's daemon,
 every rank) and none of its namespaces; ``--cleanup`` removes only the runs it is given, or
 with none given, the recorded runs whose sokpy-nodes is gone, never a live run it was not

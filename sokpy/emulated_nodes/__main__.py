@@ -1,0 +1,5 @@
+"""``python -m sokpy.emulated_nodes``: the ``sokpy-nodes`` command."""
+
+from .cli import main
+
+main()
