@@ -142,7 +142,8 @@ def load(
     A table keeps the type of its values (``dtype``: float32, float16, bfloat16): one saved
     with another type loads only with ``convert=True``, which rounds the saved values to the
     table's type (to nearest even; widening is exact). Half rows saved and loaded keep their
-    bits.
+    bits: their values files hold the 16-bit words (``values_dtype``), or, in checkpoints of an
+    older sokpy, the values widened to float32; both load.
 
     Example::
 
