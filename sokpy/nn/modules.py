@@ -27,7 +27,8 @@ those are set (nothing changes in silence).
 it, and rank 0's holds every table whole (keys, rows, the optimizer's slots and step: see
 :func:`sokpy.checkpoint.gather_state`), under ``<prefix><table name>``; the other ranks' hold
 the tables' descriptions only, and ``torch.save`` of one of those raises (it would lose every
-row). ``load_state_dict`` on every rank (all of them reading rank 0's file, or only some ranks
+row). A half table's values are ``torch.float16`` / ``torch.bfloat16`` tensors, as TorchRec's
+FP16 / BF16 tables' weights (older state dicts' float32 values of such tables load too). ``load_state_dict`` on every rank (all of them reading rank 0's file, or only some ranks
 holding it) puts the rows back at any world size, checked first, all or nothing. It also
 reads TorchRec's keys, ``embedding_bags.<table>.weight`` (EmbeddingBagCollection) or
 ``embeddings.<table>.weight`` (EmbeddingCollection), a whole ``[rows, dim]`` tensor of a
@@ -250,9 +251,11 @@ class EmbeddingCollectionBase(torch.nn.Module):
             )
             if entry is not None:
                 state.update(entry)
-                for k in ("keys", "values", "scores", "sightings"):  # a capped table's, one with admission's
+                for k in ("keys", "scores", "sightings"):  # a capped table's, one with admission's
                     if k in entry:
                         state[k] = torch.from_numpy(entry[k])
+                # In the table's type: torch.float16 / torch.bfloat16 for a half table, as TorchRec's.
+                state["values"] = checkpoint.values_tensor(entry["values"], entry.get("dtype"))
                 state["slots"] = {n: torch.from_numpy(a) for n, a in entry["slots"].items()}
             destination[prefix + var.name] = state
 
