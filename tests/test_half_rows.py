@@ -2,15 +2,19 @@
 ``cuda_src/sokpy_half.cuh`` bit for bit against numpy (float16) and a bfloat16 reference written
 from the definition; stochastic rounding unbiased and reproducible from its documented hash;
 training with SGD, Adagrad and RowWiseAdagrad bit for bit against a numpy reference that makes
-the same float32 update and the same rounding; lookups, checkpoints and state dicts.
-All in this process, at one rank (the launch-shape worker runs them at 2 and 3 ranks)."""
+the same float32 update and the same rounding; lookups, checkpoints and state dicts (their
+values in the tables' own type, old float32 ones still read, convert across dtypes).
+All in this process, at one rank (the launch-shape worker runs them at 2 and 3 ranks), except
+the checkpoints saved at 2 ranks and loaded at 1, 2 and 3 (``workers/half_ckpt_worker.py``)."""
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from reference import _mix64, table_seed  # noqa: E402
@@ -355,3 +359,281 @@ def test_checkpoint_and_state_keep_the_bits_and_refuse_another_dtype(sokpy_host,
         load_state([w], [state[0]])
     load_state([w], [state[0]], convert=True)
     assert torch.equal(w.weight, saved[0][1])
+
+
+# ---- checkpoints and states in the tables' own type -------------------------------------------------
+
+
+def npy_header_bytes(path) -> int:
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(f)
+        return f.tell()
+
+
+def words(var) -> np.ndarray:
+    """The stored 16-bit words of a half table's rows in use (uint16 [size, dim], stored order)."""
+    return var.weight.view(torch.int16).numpy().view(np.uint16)
+
+
+def rows_bits(var) -> tuple[np.ndarray, np.ndarray]:
+    """A table's keys and its values' bits (float32-widened, so every 16-bit word apart), by key."""
+    import sokpy
+
+    keys, values = sokpy.export(var)
+    order = np.argsort(keys.numpy(), kind="stable")
+    return keys.numpy()[order], values.numpy()[order].view(np.uint32)
+
+
+def same_rows(var, saved) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(rows_bits(var), saved))
+
+
+def test_half_values_files_hold_their_own_type_at_half_the_size(sokpy_host, tmp_path):
+    """float16 values as '<f2', bfloat16 as its bit patterns in '<u2' (the manifest says which),
+    slots float32; the files hold the tables' own words and take half a float32 table's bytes;
+    load gives every bit back; read_table widens them to float32."""
+    sokpy = sokpy_host
+    init = sokpy.initializers.uniform(-1, 1)
+
+    def make():
+        return [
+            sokpy.Variable(40, 7, name="own_f16", dtype="float16", initializer=init),
+            sokpy.DynamicVariable(7, name="own_bf16", dtype="bfloat16", initializer=init),
+            sokpy.Variable(40, 7, name="own_f32", initializer=init),
+        ]
+
+    tables = make()
+    opt = sokpy.optim.Adagrad(tables, lr=0.1)
+    ids = [[[1, 2], [39]], [[-5, 2**40, 7], [8]], [[3], [4]]]
+    sum(o.sum() for o in sokpy.lookup_sparse(tables, ids, combiners="sum")).backward()
+    opt.step()
+    saved = [(sokpy.export(t)[0], words(t).copy() if t.storage.half else None) for t in tables]
+    slots = [opt.state[t.handle]["sum"].clone() for t in tables]
+    sokpy.save(tmp_path / "ck", tables, optimizer=opt)
+
+    m = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    data = tmp_path / "ck" / m["data"]
+    assert [(t.get("dtype"), t.get("values_dtype")) for t in m["tables"]] == [
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        (None, None),
+    ]
+    files = [t["files"][0] for t in m["tables"]]
+    got = [np.load(data / g["values"]["file"]) for g in files]
+    assert [a.dtype.str for a in got] == ["<f2", "<u2", "<f4"]
+    assert np.array_equal(got[0].view(np.uint16), words(tables[0]))
+    assert np.array_equal(got[1], words(tables[1]))
+    for t, g, a in zip(tables, files, got):
+        assert np.array_equal(np.load(data / g["keys"]["file"]), t.storage.keys())
+        assert np.load(data / g["slots"]["sum"]["file"]).dtype == np.float32
+        size = (data / g["values"]["file"]).stat().st_size
+        assert size == g["values"]["bytes"] == npy_header_bytes(data / g["values"]["file"]) + a.nbytes
+        assert a.nbytes == t.storage.size * 7 * (4 if t.dtype == "float32" else 2)
+    keys, values = sokpy.checkpoint.read_table(tmp_path / "ck", "own_bf16")
+    assert values.dtype == np.float32
+    assert np.array_equal(values.view(np.uint32), words(tables[1]).astype(np.uint32) << 16)
+
+    del tables, opt, t
+    tables = make()
+    opt = sokpy.optim.Adagrad(tables, lr=0.1)
+    sokpy.load(tmp_path / "ck", tables, optimizer=opt)
+    for t, (k, w), s in zip(tables, saved, slots):
+        assert torch.equal(sokpy.export(t)[0], k)
+        if w is not None:
+            assert np.array_equal(words(t), w)
+        assert torch.equal(opt.state[t.handle]["sum"].view(torch.int32), s.view(torch.int32))
+
+
+def to_old_format(ckpt) -> None:
+    """Rewrites a checkpoint into the layout sokpy wrote before half tables kept their type: a
+    half table's values widened to float32 (with numpy alone), its dtype in the manifest, no
+    values_dtype."""
+    from sokpy.checkpoint.format import write_npy
+
+    m = json.loads((ckpt / "manifest.json").read_text())
+    data = ckpt / m["data"]
+    for t in m["tables"]:
+        stored = t.pop("values_dtype", None)
+        for g in t["files"]:
+            f = data / g["values"]["file"]
+            x = np.load(f)
+            if stored == "bfloat16":
+                x = (x.astype(np.uint32) << 16).view(np.float32)
+            g["values"] = write_npy(f, x.astype(np.float32))
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_checkpoint_with_float32_values_of_half_tables_still_loads(sokpy_host, tmp_path):
+    """Checkpoints (and states) written before: a half table's values widened to float32, its
+    dtype in the manifest. They load bit for bit as before, and refuse another dtype alike."""
+    sokpy = sokpy_host
+    from sokpy.checkpoint import gather_state, load_state
+
+    def make():
+        init = sokpy.initializers.normal(0.0, 3.0)
+        return [
+            sokpy.Variable(20, 5, name="old_f16", dtype="float16", initializer=init),
+            sokpy.DynamicVariable(3, name="old_bf16", dtype="bfloat16", initializer=init),
+        ]
+
+    tables = make()
+    opt = sokpy.optim.Adagrad(tables, lr=0.1)
+    out = sokpy.lookup_sparse(tables, [[[1, 2], [19]], [[-5, 2**40], [8]]], combiners="sum")
+    (out[0].sum() + out[1].sum()).backward()
+    opt.step()
+    saved = [rows_bits(t) for t in tables]
+    state = gather_state(tables)
+    sokpy.save(tmp_path / "ck", tables, optimizer=opt)
+    to_old_format(tmp_path / "ck")
+    m = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert all(
+        np.load(tmp_path / "ck" / m["data"] / t["files"][0]["values"]["file"]).dtype == np.float32 for t in m["tables"]
+    )
+    # The old state: float32 values, with the table's dtype.
+    old_state = [{**e, "values": sokpy.checkpoint.float32_values(e)} for e in state]
+    assert all(e["values"].dtype == np.float32 for e in old_state)
+
+    del tables, opt, out
+    for load in (
+        lambda ts, o: sokpy.load(tmp_path / "ck", ts, optimizer=o),
+        lambda ts, o: load_state(ts, old_state),
+    ):
+        tables = make()
+        opt = sokpy.optim.Adagrad(tables, lr=0.1)
+        load(tables, opt)
+        for t, w in zip(tables, saved):
+            assert same_rows(t, w)
+        del tables, opt, t
+    w = sokpy.Variable(20, 5, name="old_f16")
+    before = sokpy.export(w)[1].clone()
+    with pytest.raises(sokpy.CheckpointError, match="float32 here but float16 in the checkpoint; pass convert=True"):
+        sokpy.load(tmp_path / "ck", [w])
+    with pytest.raises(sokpy.CheckpointError, match="float32 here but float16 in the state; pass convert=True"):
+        load_state([w], [old_state[0]])
+    assert torch.equal(sokpy.export(w)[1], before)
+    sokpy.load(tmp_path / "ck", [w], convert=True)
+    assert same_rows(w, saved[0])
+
+
+def convert_values() -> np.ndarray:
+    """float32 values [64, 8] that float16 and bfloat16 round: ties of both (to even), their
+    neighbours, values at the top of float16's range and below its normals, random ones (all
+    finite in every type: a state refuses values that are not)."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 4, (64, 8)).astype(np.float32)
+    ties16 = np.float32(1 + 2**-11) * np.arange(1, 9, dtype=np.float32)
+    x[0] = ties16
+    x[1] = np.nextafter(ties16, np.float32(np.inf))
+    x[2] = ((rng.integers(0x3F00, 0x4100, 8).astype(np.uint32) << 16) | 0x8000).view(np.float32)  # bfloat16 ties
+    x[3] = [65504, 65519.99, -65000, 60000.5, 2**-14 + 2**-30, 2**-24, 2**-26, 1e-8]
+    return x
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("source", ["float32", "float16", "bfloat16"])
+def test_convert_loads_across_dtypes_rounding_to_nearest_even(sokpy_host, tmp_path, source):
+    """A checkpoint (and a state) of each type into a table of each other type: refused without
+    convert (the table unchanged), with convert rounded to nearest even (widened exactly)."""
+    sokpy = sokpy_host
+    from sokpy.checkpoint import gather_state, load_state
+
+    name = f"cv_{source}"
+    src = sokpy.Variable(64, 8, name=name, dtype=source)
+    sokpy.assign(src, torch.arange(64), torch.from_numpy(convert_values()))
+    x = sokpy.export(src)[1].numpy()  # the source's values, widened
+    state = gather_state([src])
+    sokpy.save(tmp_path / "ck", [src])
+    del src
+    want = {
+        "float32": x.view(np.uint32),
+        "float16": x.astype(np.float16).view(np.uint16),
+        "bfloat16": bfloat16_reference(x.ravel()).reshape(x.shape),
+    }
+    for target in ("float32", "float16", "bfloat16"):
+        if target == source:
+            continue
+        for how in ("checkpoint", "state"):
+            dst = sokpy.Variable(64, 8, name=name, dtype=target, initializer=0.25)
+
+            def load(convert, dst=dst, how=how):
+                if how == "checkpoint":
+                    sokpy.load(tmp_path / "ck", [dst], convert=convert)
+                else:
+                    load_state([dst], state, convert=convert)
+
+            pattern = f"{target} here but {source} in the {how}; pass convert=True"
+            with pytest.raises(sokpy.CheckpointError, match=pattern):
+                load(False)
+            assert (sokpy.export(dst)[1] == 0.25).all()
+            load(True)
+            got = dst.weight.numpy() if target == "float32" else words(dst)
+            assert np.array_equal(got.view(want[target].dtype), want[target]), (source, target, how)
+            del dst, load
+
+
+def test_state_dict_holds_half_weights_in_their_type(sokpy_host):
+    """EmbeddingBagCollection.state_dict(): a half table's values are torch.float16 /
+    torch.bfloat16 tensors (slots float32), as TorchRec's FP16 tables; torch.save with
+    weights_only reads them back; load_state_dict takes them bit for bit, and float32 ones of an
+    older state; another dtype is refused; TorchRec's float16 weight loads into a float16 table."""
+    sokpy = sokpy_host
+    import io
+
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    def make(f16="float16", bf16="bfloat16"):
+        return EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig("sd_f16", 5, 12, ["a"], data_type=f16),
+                EmbeddingBagConfig("sd_bf16", 3, None, ["b"], data_type=bf16),
+            ]
+        )
+
+    ebc = make()
+    opt = sokpy.optim.Adagrad(ebc.tables(), lr=0.1)
+    out = ebc({"a": [[1, 2], [11]], "b": [[-4, 2**33], [6]]})
+    sum(o.sum() for o in out.values()).backward()
+    opt.step()
+    saved = [rows_bits(t) for t in ebc.tables()]
+    sd = ebc.state_dict()
+    assert sd["sd_f16"]["values"].dtype == torch.float16 and sd["sd_bf16"]["values"].dtype == torch.bfloat16
+    assert all(s.dtype == torch.float32 for e in (sd["sd_f16"], sd["sd_bf16"]) for s in e["slots"].values())
+    assert np.array_equal(sd["sd_f16"]["values"].float().numpy().view(np.uint32), saved[0][1])
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    old = {k: {**e, "values": e["values"].float()} for k, e in loaded.items()}  # as state_dict gave them before
+    del ebc, opt, out
+
+    for state in (loaded, old):
+        ebc = make()
+        ebc.load_state_dict(state)
+        for t, w in zip(ebc.tables(), saved):
+            assert same_rows(t, w)
+        del ebc, t
+    ebc = make()
+    bad = {**loaded, "sd_bf16": {**loaded["sd_bf16"], "values": loaded["sd_bf16"]["values"].half()}}
+    with pytest.raises(sokpy.CheckpointError, match="the state's values are float16, but its dtype is bfloat16"):
+        ebc.load_state_dict(bad)
+    # TorchRec's weight of an FP16 table: exact into a float16 table.
+    weight = loaded["sd_f16"]["values"].clone()  # keys 0 .. 11 in order
+    ebc.load_state_dict({"embedding_bags.sd_f16.weight": weight}, strict=False)
+    assert same_rows(ebc.tables()[0], saved[0])
+    del ebc
+    ebc = make(f16="float32", bf16="float32")
+    with pytest.raises(sokpy.CheckpointError, match="float32 here but float16 in the state; pass convert=True"):
+        ebc.load_state_dict(loaded)
+    del ebc
+
+
+def test_half_checkpoints_and_states_round_trip_bit_for_bit_at_any_world_size(tmp_path):
+    """Saved at 2 ranks, loaded at 2, 1 and 3 (checkpoint and load_state): every bit of the
+    values and slots back; the files hold each shard's own words (checked in the jobs); a
+    dtype mismatch raises the same error on every rank and changes nothing."""
+    out = run_mpi(2, "half_ckpt_worker.py", "save", tmp_path, timeout=240)
+    assert out.count("save ok") == 2
+    for nranks in (2, 1, 3):
+        out = run_mpi(nranks, "half_ckpt_worker.py", "load", tmp_path, timeout=240)
+        assert out.count("load ok") == nranks

@@ -26,7 +26,9 @@ from .saving import save
 
 # Not in __all__, as before the split; sokpy.nn uses them as sokpy.checkpoint.<name>.
 from .state import STATE_FORMAT as STATE_FORMAT
+from .state import float32_values as float32_values
 from .state import gather_state as gather_state
 from .state import load_state as load_state
+from .state import values_tensor as values_tensor
 
 __all__ = ["save", "load", "FORMAT", "VERSION", "read_table"]

@@ -6,7 +6,10 @@ A checkpoint is a folder::
       manifest.json                 what is saved, which files hold it, a CRC-32 per file
       data-<token>/
         t<i>.r<rank>.keys.npy       int64 [n]: global keys of table i that rank <rank> held
-        t<i>.r<rank>.values.npy     float32 [n, dim]: their rows
+        t<i>.r<rank>.values.npy     [n, dim]: their rows, in the table's own type: float32 ('<f4'),
+                                    float16 ('<f2'), or bfloat16 as its raw 16-bit patterns in
+                                    uint16 ('<u2': numpy has no bfloat16); the table's manifest
+                                    entry says which (``values_dtype``, :data:`VALUE_DTYPES`)
         t<i>.r<rank>.<slot>.npy     float32 [n, dim]: an optimizer slot of those rows ([n, 1] for
                                     a row-wise slot: RowWiseAdagrad's accumulator)
         t<i>.r<rank>.scores.npy     int64 [n, 2]: a capped table's last_seen and count per row
@@ -14,7 +17,11 @@ A checkpoint is a folder::
                                     sighting counters (sokpy.admission)
 
 Every data file is a plain ``.npy`` array that numpy alone reads (``numpy.load(f)``; no
-pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``).
+pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``). A
+bfloat16 values file holds the upper halves of float32 bit patterns: ``(words.astype(uint32)
+<< 16).view(float32)`` are the values (:func:`decode_values`). Checkpoints written before
+half tables kept their type hold a half table's values widened to float32 (the table's
+``dtype`` in the manifest, no ``values_dtype``); they load as they did.
 
 Loading never runs code from the checkpoint: arrays are read with ``allow_pickle=False``, the
 manifest is JSON, and every file name in it must match the pattern above (no path taken from
@@ -50,6 +57,37 @@ MANIFEST_TMP_RE = re.compile(r"^\.manifest-[0-9a-f]{32}\.json$")
 # later save or load can tell a killed save's leftover from a live save's folder.
 _STAGING_RE = re.compile(r"^\.staging-[0-9a-f]{32}-(\d+)@([A-Za-z0-9._-]+)$")
 _CHUNK = 64 << 20  # bytes per write / checksum step
+
+# How a values file holds each type of values: its own 16 bits for a half table, bfloat16 as raw
+# bit patterns (numpy has no bfloat16). Optimizer slots are float32 whatever the values' type.
+VALUE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+}
+
+
+def values_dtype(spec: dict) -> str:
+    """The type the values files of the table ``spec`` (a manifest entry) hold: its
+    ``values_dtype``; float32 where absent (float32 tables, and half tables saved widened to
+    float32 by an older sokpy)."""
+    return spec.get("values_dtype", "float32")
+
+
+def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values ``[n, dim]`` of a ``dtype`` table (exactly representable in it, as
+    widening gave them) as a values file holds them (:data:`VALUE_DTYPES`), bit for bit."""
+    values = np.ascontiguousarray(values, np.float32)
+    if dtype == "bfloat16":  # the upper 16 bits; the lower ones are zero
+        return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return values.astype(VALUE_DTYPES[dtype])
+
+
+def decode_values(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Values as a values file of ``dtype`` holds them, widened to float32 (exact)."""
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return values.astype(np.float32, copy=False)
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -130,9 +168,11 @@ def read_file(data: Path, entry: dict, table: str, dtype, ncols: int | None) -> 
 
 
 def read_rank(data: Path, spec: dict, group: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The keys and values one saved rank (``group``) wrote of the table ``spec``, checked."""
+    """The keys and values one saved rank (``group``) wrote of the table ``spec``, checked;
+    the values widened to float32 (exact) from the type the file holds (:func:`values_dtype`)."""
     keys = read_file(data, group["keys"], spec["name"], np.int64, None)
-    values = read_file(data, group["values"], spec["name"], np.float32, spec["dim"])
+    stored = values_dtype(spec)
+    values = decode_values(read_file(data, group["values"], spec["name"], VALUE_DTYPES[stored], spec["dim"]), stored)
     if keys.shape[0] != group["rows"] or values.shape[0] != group["rows"]:
         raise CheckpointError(
             f"{data / group['keys']['file']}: table {spec['name']!r}: {keys.shape[0]} keys and "
@@ -203,6 +243,11 @@ def _check_manifest(file: Path, m: dict) -> None:
         need(t.get("kind") in ("static", "dynamic"), f"{where}: kind {t.get('kind')!r} is not static or dynamic")
         need(is_int(t.get("dim")) and t["dim"] > 0, f"{where}: no valid dim ({t.get('dim')!r})")
         need(t["kind"] == "dynamic" or is_int(t.get("rows")), f"{where}: a static table without its rows")
+        need(t.get("dtype", "float32") in VALUE_DTYPES, f"{where}: dtype {t.get('dtype')!r} is not one sokpy knows")
+        need(
+            t.get("values_dtype", "float32") in ("float32", t.get("dtype")),
+            f"{where}: values_dtype {t.get('values_dtype')!r} is neither float32 nor the table's dtype",
+        )
         need(isinstance(t.get("files"), list), f"{where}: no list of files")
         for g in t["files"]:
             ok = isinstance(g, dict) and is_int(g.get("rank")) and g["rank"] >= 0 and is_int(g.get("rows"))
@@ -232,7 +277,8 @@ def _check_manifest(file: Path, m: dict) -> None:
 
 def read_table(path, name: str):
     """``(keys, values)`` of table ``name`` in the checkpoint at ``path``, from every saved rank,
-    as numpy arrays (checked against the manifest). Needs no sokpy runtime: serving code can
+    as numpy arrays (checked against the manifest), the values in float32 whatever the table's
+    type (a half table's widened, exactly). Needs no sokpy runtime: serving code can
     use this, or numpy directly (``docs/checkpoints.md``). A missing, truncated or corrupt
     manifest or file, or a table the checkpoint does not hold, raises
     :class:`~sokpy.errors.CheckpointError` naming the file and the table.
@@ -274,7 +320,7 @@ def table_spec(var) -> dict:
         "seed": var.seed,
         "initializer": {"kind": init.kind, "a": init.a, "b": init.b},
     }
-    if var.storage.half:  # the values file holds them widened to float32 (exact); absent: float32
+    if var.storage.half:  # absent: float32 (a checkpoint's values files: values_dtype, set by saving)
         spec["dtype"] = var.storage.dtype
     if not var.dynamic:
         spec["rows"] = var.rows

@@ -44,8 +44,9 @@ def dtype_error(var, saved: str | None, convert: bool) -> str | None:
     if saved == var.storage.dtype or convert:
         return None
     return (
-        f"its values are {var.storage.dtype} here but {saved} in the checkpoint; pass convert=True to "
-        f"load them as {var.storage.dtype} (rounded to nearest even where they do not fit)"
+        f"its values are {var.storage.dtype} here but {saved} in the checkpoint; pass convert=True (to "
+        f"sokpy.load or sokpy.checkpoint.load_state) to load them as {var.storage.dtype} (rounded to nearest even "
+        "where they do not fit)"
     )
 
 
@@ -142,7 +143,8 @@ def load(
     A table keeps the type of its values (``dtype``: float32, float16, bfloat16): one saved
     with another type loads only with ``convert=True``, which rounds the saved values to the
     table's type (to nearest even; widening is exact). Half rows saved and loaded keep their
-    bits.
+    bits: their values files hold the 16-bit words (``values_dtype``), or, in checkpoints of an
+    older sokpy, the values widened to float32; both load.
 
     Example::
 

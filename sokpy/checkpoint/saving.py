@@ -20,11 +20,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from .. import collective, handoff, runtime
 from .format import (
     DATA_RE,
     FORMAT,
     MANIFEST_TMP_RE,
+    VALUE_DTYPES,
     VERSION,
     agree,
     fsync_dir,
@@ -120,7 +124,7 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
         "rank": rank,
         "rows": int(keys.size),
         "keys": write_npy(staging / f"t{i}.r{rank}.keys.npy", keys),
-        "values": write_npy(staging / f"t{i}.r{rank}.values.npy", handoff.to_host(s.values())),
+        "values": write_npy(staging / f"t{i}.r{rank}.values.npy", _values(s)),
     }
     if var.dynamic and s.capped:
         out["scores"] = write_npy(staging / f"t{i}.r{rank}.scores.npy", handoff.to_host(s.scores()))
@@ -134,6 +138,15 @@ def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:
     return out
 
 
+def _values(s) -> np.ndarray:
+    """The values of a shard's rows in use, as its values file holds them: float32, or a half
+    shard's own 16-bit words (float16, or bfloat16's bit patterns as uint16), bit for bit."""
+    if not s.half:
+        return handoff.to_host(s.values())
+    words = handoff.to_host(handoff.from_torch(s.weight().view(torch.int16)))  # [size, dim], copied
+    return words.view(VALUE_DTYPES[s.dtype])
+
+
 def commit(path: Path, staging: Path, token: str, variables, optimizer, files, world: int, extra) -> None:
     """Rank 0: puts the staged data folder and a new manifest in place; removes what the
     previous manifest named and the leftovers of killed saves."""
@@ -144,6 +157,8 @@ def commit(path: Path, staging: Path, token: str, variables, optimizer, files, w
     tables = []
     for i, var in enumerate(variables):
         spec = table_spec(var)
+        if var.storage.half:  # the values files hold the table's own type (absent: float32)
+            spec["values_dtype"] = var.storage.dtype
         spec["files"] = [ranks[i] for ranks in files]
         spec["size"] = sum(f["rows"] for f in spec["files"])
         tables.append(spec)

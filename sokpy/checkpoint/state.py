@@ -5,35 +5,66 @@ as numpy arrays); :func:`load_state` puts such states back at any world size, by
 owner exchange as :func:`sokpy.checkpoint.load`, with every check agreed across ranks before
 any row changes. This is what :meth:`sokpy.nn.EmbeddingBagCollection.state_dict` and
 ``load_state_dict`` use.
+
+A half table's values are held in its own type, as in a checkpoint's values file: numpy
+float16, or bfloat16's bit patterns as uint16 (numpy has no bfloat16), with the entry's
+``dtype``; :func:`values_tensor` makes the torch tensor of that type (what a module's
+state_dict holds). :func:`load_state` takes them as numpy arrays or torch tensors of their
+type, or widened to float32 (states made before half tables kept their type).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
 
 from .. import admission, collective, handoff, plan, runtime
 from ..errors import CheckpointError
 from ..storage import new_epoch
-from .format import agree, table_spec
+from .format import agree, decode_values, encode_values, table_spec
 from .loading import check_filter, dtype_error, new_storage, same_placement
 
 STATE_FORMAT = "sokpy.table/1"
 
+# A checked state of one table: keys, rows (float32, the unpacked layout with the slots the table
+# has now), a capped table's scores or None, a table with admission's sighting counters or None.
+Checked = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+_TORCH_HALF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def values_tensor(values: np.ndarray, dtype: str | None) -> torch.Tensor:
+    """A state's ``values`` (as :func:`gather_state` gives them: numpy float32, float16, or
+    bfloat16's bit patterns as uint16) as a torch tensor of the table's type ``dtype`` (None:
+    float32), sharing their memory."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
+def float32_values(entry: dict) -> np.ndarray:
+    """The ``values`` of a state :func:`gather_state` made, widened to float32 (exact)."""
+    dtype = entry.get("dtype")
+    return entry["values"] if dtype is None else decode_values(entry["values"], dtype)
+
 
 @runtime.entry
-def gather_state(variables) -> list:
+def gather_state(variables) -> list[dict[str, Any] | None]:
     """Every table of ``variables`` whole on rank 0: per table a dict (format, name, kind,
     rows, dim, placement, the world size it was gathered at, sorted int64 ``keys`` ``[n]``,
-    float32 ``values`` ``[n, dim]`` (a half table's widened, exactly, with its ``dtype``), the ``slots`` of the optimizer that trains it and its
-    ``step``; a capped dynamic table's int64 ``scores`` ``[n, 2]`` and ``evict_step``), host
-    numpy arrays; on the other ranks None. Collective; changes nothing.
+    ``values`` ``[n, dim]`` in the table's type (float32; a half table's as its ``dtype`` says:
+    float16, or bfloat16's bit patterns as uint16), the ``slots`` (float32) of the optimizer
+    that trains it and its ``step``; a capped dynamic table's int64 ``scores`` ``[n, 2]`` and
+    ``evict_step``), host numpy arrays; on the other ranks None. Collective; changes nothing.
 
     This is what :meth:`sokpy.nn.EmbeddingBagCollection.state_dict` holds: a checkpoint in
     memory, as ``torch.save`` of one state dict needs it. Tables that do not fit one host's
     memory are saved with :func:`sokpy.save` instead (every rank writes its own rows)."""
     comm = runtime.comm()
     variables = list(variables)
-    out = []
+    out: list[dict[str, Any] | None] = []
     with collective.Call("state_dict", variables) as call:
         call.agree(None, error_type=CheckpointError)
         for var in variables:
@@ -52,12 +83,13 @@ def gather_state(variables) -> list:
             rk, rr = handoff.to_host(rk), handoff.to_host(s.widen(rr))
             order = np.argsort(rk, kind="stable")
             rk, rr = rk[order], rr[order]
+            values = rr[:, s.columns("values", unpacked=True)]
             entry = table_spec(var)
             entry.update(
                 format=STATE_FORMAT,
                 world_size=comm.size,
                 keys=rk,
-                values=np.ascontiguousarray(rr[:, s.columns("values", unpacked=True)]),
+                values=encode_values(values, s.dtype) if s.half else np.ascontiguousarray(values),
                 slots={n: np.ascontiguousarray(rr[:, s.columns(n, unpacked=True)]) for n in s.slot_names},
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
                 step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
@@ -82,7 +114,7 @@ def _gather_sightings(var, comm):
     return handoff.to_host(got).reshape(comm.size, f.depth, f.width) if comm.rank == 0 else None
 
 
-def _scatter_sightings(var, entries: list, sender: int, comm):
+def _scatter_sightings(var, entries: tuple[np.ndarray | None, dict] | None, sender: int, comm):
     """A table with admission: its new filter, filled from the gathered counters that rank
     ``sender`` holds (``entries``: this rank's checked states; uint32 ``[S, depth, width]`` or
     None: an empty filter), each rank's share as ``admission.shares`` says; collective."""
@@ -90,6 +122,7 @@ def _scatter_sightings(var, entries: list, sender: int, comm):
     size = f.depth * f.width
     send, counts = np.empty(0, np.uint32), np.zeros(comm.size, np.int64)
     if comm.rank == sender:
+        assert entries is not None  # the sender holds them
         state, saved = entries
         counts[:] = size
         if state is None:
@@ -101,12 +134,37 @@ def _scatter_sightings(var, entries: list, sender: int, comm):
     return f
 
 
-def _check_state(
-    var, entry, convert: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+def _values_type(values, declared: str | None) -> str | None:
+    """The half type ``values`` are held in (a torch float16 / bfloat16 tensor, a numpy float16
+    array, or uint16 bit patterns of a state whose ``dtype`` is bfloat16), or None (any other:
+    read as float32)."""
+    if isinstance(values, torch.Tensor):
+        return _TORCH_HALF.get(values.dtype)
+    if isinstance(values, np.ndarray):
+        if values.dtype == np.float16:
+            return "float16"
+        if values.dtype == np.uint16 and declared == "bfloat16":
+            return "bfloat16"
+    return None
+
+
+def _float32_values(values, held: str | None) -> np.ndarray:
+    """A state's values widened to a float32 host array (exact from a half type)."""
+    if isinstance(values, torch.Tensor) and held is not None:
+        values = values.float()  # exact, on the tensor's device
+    elif isinstance(values, np.ndarray) and held is not None:
+        values = decode_values(values, held)
+    return handoff.to_host(handoff.from_torch(values, np.float32))
+
+
+def _check_state(var, entry, convert: bool = False) -> Checked | None:
     """This rank's copy of ``var``'s saved state, checked: (keys, rows with the slots the
     table has now, a capped table's scores or None, a table with admission's sighting
-    counters or None), or None when this rank holds no copy; raises ValueError on a fault."""
+    counters or None), or None when this rank holds no copy; raises ValueError on a fault.
+
+    The state's type is its ``dtype`` (absent: float32); its ``values`` are of that type or
+    float32 (widened). An entry without ``dtype`` (a TorchRec weight) whose values are of the
+    table's half type is of that type; any other values of it are read as float32."""
     if entry is None or entry.get("keys") is None:
         return None
     if entry.get("format") != STATE_FORMAT:
@@ -118,7 +176,13 @@ def _check_state(
         )
         here = f"{kind} table of dim {var.dim}" + ("" if var.dynamic else f" and {var.rows} rows")
         raise ValueError(f"the state holds a {saved}, this is a {here}")
-    error = dtype_error(var, entry.get("dtype"), convert)
+    declared = entry.get("dtype")
+    held = _values_type(entry.get("values"), declared)
+    if declared is None:
+        declared = held if held == var.storage.dtype else None
+    elif held is not None and held != declared:
+        raise ValueError(f"the state's values are {held}, but its dtype is {declared}")
+    error = dtype_error(var, declared, convert)
     if error is not None:
         raise ValueError(error.replace("in the checkpoint", "in the state"))
 
@@ -126,12 +190,12 @@ def _check_state(
         return handoff.to_host(handoff.from_torch(x, dtype))
 
     keys = host(entry["keys"], np.int64).reshape(-1)
-    cols = [host(entry["values"], np.float32)]
+    cols = [_float32_values(entry["values"], held)]
     if cols[0].shape != (keys.size, var.dim):
         raise ValueError(f"values of shape {list(cols[0].shape)} for {keys.size} keys of dim {var.dim}")
     slots = entry.get("slots") or {}
-    kind = None if var.optimizer is None else type(var.optimizer).__name__
-    if entry.get("optimizer", kind) != kind:
+    opt_kind = None if var.optimizer is None else type(var.optimizer).__name__
+    if entry.get("optimizer", opt_kind) != opt_kind:
         slots = {}  # another optimizer's slots (Adagrad's "sum" is not RowWiseAdagrad's): they start afresh
     s = var.storage
     for name, init in zip(s.slot_names, s.slot_init):
@@ -183,7 +247,8 @@ def load_state(variables, entries, missing_ok: bool = False, convert: bool = Fal
     its state's loads only with ``convert`` (as :func:`sokpy.load`)."""
     comm = runtime.comm()
     variables, entries = list(variables), list(entries)
-    mine, error = [], None
+    mine: list[Checked | None] = []
+    error = None
     for var, entry in zip(variables, entries):
         try:
             state = _check_state(var, entry, convert)
@@ -211,21 +276,24 @@ def load_state(variables, entries, missing_ok: bool = False, convert: bool = Fal
             elif len(copies) > 1:
                 error = error or f"table {var.name!r}: the ranks hold different states: {sorted(map(str, copies))}"
         agree(call, error)
-        new, filters = [], {}
+        new: list[Any] = []
+        filters = {}
         for t, var in enumerate(variables):
             if var in skipped:
                 new.append(None)
                 continue
             readers = [r for r, h in enumerate(everyone) if h[t] is not None]
+            st = mine[t]  # this rank's checked copy: held by exactly the readers
             if var.dynamic and var.admission is not None:
-                held_state = (mine[t][3], entries[t]) if comm.rank == readers[0] else None
+                held_state = (st[3], entries[t]) if st is not None and comm.rank == readers[0] else None
                 filters[t] = _scatter_sightings(var, held_state, readers[0], comm)
             _, _, _, evict_step = next(h[t] for h in everyone if h[t] is not None)
             scored = evict_step is not None and var.dynamic and var.storage.capped  # the state holds scores
-            if comm.rank in readers:  # the readers split the rows: reader j sends rows j, j + R, ...
+            scores: np.ndarray | None
+            if st is not None:  # a reader: the readers split the rows, reader j sends rows j, j + R, ...
                 share = slice(readers.index(comm.rank), None, len(readers))
-                keys, rows = mine[t][0][share], np.ascontiguousarray(mine[t][1][share])
-                scores = mine[t][2][share] if scored and mine[t][2] is not None else None
+                keys, rows = st[0][share], np.ascontiguousarray(st[1][share])
+                scores = st[2][share] if scored and st[2] is not None else None
             else:
                 keys, rows = np.empty(0, np.int64), np.empty((0, var.storage.unpacked_width), np.float32)
                 scores = np.empty((0, 2), np.int64)

@@ -18,16 +18,18 @@ rows are trained by a sokpy optimizer over :meth:`tables`, with gradients summed
 the lookup's own exchange (or averaged, ``grad_reduction="mean"``, as TorchRec does to match
 DDP's averaged dense gradients). :func:`sokpy.nn.clip_grad_norm_` clips both together.
 
-**Dtype and device.** The tables hold float32 rows on the device ``sokpy.init`` chose (the
-rank's GPU, or the host): ``.cuda()``, ``.to(device)``, ``.half()`` or ``.to(dtype)`` on a
-model pass over the module when they ask for exactly that, and raise otherwise, saying where
-those are set (nothing changes in silence).
+**Dtype and device.** The tables live on the device ``sokpy.init`` chose (the rank's GPU, or
+the host) and each holds rows of the type its config's ``data_type`` set (FP32, FP16, BF16;
+outputs are float32): ``.cuda()``, ``.to(device)``, ``.half()`` or ``.to(dtype)`` on a model
+pass over the module when they ask for exactly that, and raise otherwise, saying where those
+are set (nothing changes in silence).
 
 **state_dict.** ``state_dict()`` is collective, like FSDP's full state dict: every rank calls
 it, and rank 0's holds every table whole (keys, rows, the optimizer's slots and step: see
 :func:`sokpy.checkpoint.gather_state`), under ``<prefix><table name>``; the other ranks' hold
 the tables' descriptions only, and ``torch.save`` of one of those raises (it would lose every
-row). ``load_state_dict`` on every rank (all of them reading rank 0's file, or only some ranks
+row). A half table's values are ``torch.float16`` / ``torch.bfloat16`` tensors, as TorchRec's
+FP16 / BF16 tables' weights (older state dicts' float32 values of such tables load too). ``load_state_dict`` on every rank (all of them reading rank 0's file, or only some ranks
 holding it) puts the rows back at any world size, checked first, all or nothing. It also
 reads TorchRec's keys, ``embedding_bags.<table>.weight`` (EmbeddingBagCollection) or
 ``embeddings.<table>.weight`` (EmbeddingCollection), a whole ``[rows, dim]`` tensor of a
@@ -225,8 +227,9 @@ class EmbeddingCollectionBase(torch.nn.Module):
             ) from e
         if isinstance(out, torch.Tensor) and out.dtype != torch.float32:
             raise RuntimeError(
-                f"{type(self).__name__}: its tables hold float32 rows and cannot become {out.dtype} (half-precision "
-                "rows are not implemented yet; rows between ranks can travel as float16 or bfloat16: wire_dtype=...). "
+                f"{type(self).__name__}: its outputs are float32 and its tables cannot become {out.dtype} by a "
+                "move of the module (a table's row type is its config's data_type: FP32, FP16 or BF16; rows "
+                "between ranks can travel as float16 or bfloat16: wire_dtype=...). "
                 "Move the dense part of the model on its own, e.g. model.mlp.half()"
             )
         if isinstance(out, torch.Tensor) and out.device != device:
@@ -250,9 +253,11 @@ class EmbeddingCollectionBase(torch.nn.Module):
             )
             if entry is not None:
                 state.update(entry)
-                for k in ("keys", "values", "scores", "sightings"):  # a capped table's, one with admission's
+                for k in ("keys", "scores", "sightings"):  # a capped table's, one with admission's
                     if k in entry:
                         state[k] = torch.from_numpy(entry[k])
+                # In the table's type: torch.float16 / torch.bfloat16 for a half table, as TorchRec's.
+                state["values"] = checkpoint.values_tensor(entry["values"], entry.get("dtype"))
                 state["slots"] = {n: torch.from_numpy(a) for n, a in entry["slots"].items()}
             destination[prefix + var.name] = state
 
@@ -284,8 +289,8 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
 
 _WHERE = (
-    "sokpy.init() puts every table on the rank's GPU or on the host, and tables hold float32 rows; "
-    "both are set there, not by moving the module"
+    "sokpy.init() puts every table on the rank's GPU or on the host, and each table's config sets its row "
+    "type (data_type); neither changes by moving the module"
 )
 
 

@@ -153,7 +153,7 @@ def _of_collection(coll: EmbeddingCollectionBase, rank: int) -> InferenceCollect
     reads = [(f, index[id(var)], p) for f, var, p in coll._features]
     built = None
     if runtime.rank() == 0:
-        built = _built(reads, [(t.dynamic, e["keys"], e["values"]) for t, e in zip(tables, entries)])
+        built = _built(reads, [(t.dynamic, e["keys"], checkpoint.float32_values(e)) for t, e in zip(tables, entries)])
     if rank != 0:  # rank 0 holds the rows: it sends the module to ``rank``
         built = runtime.comm().bcast(built, root=0)
     return built if runtime.rank() == rank else None
