@@ -41,11 +41,13 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import handoff, runtime
+from .comm import Communicator
 from .sorting import distinct
 
 __all__ = ["AdmissionFilter", "Sightings", "sight", "without_refused", "resharded", "loaded", "shares"]
@@ -60,13 +62,13 @@ class AdmissionFilter:
     WIDTH = 1 << 20
     DEPTH = 4
 
-    def __init__(self, admit_after: int, width: int = WIDTH, depth: int = DEPTH):
+    def __init__(self, admit_after: int, width: int = WIDTH, depth: int = DEPTH) -> None:
         self.admit_after, self.width, self.depth = int(admit_after), int(width), int(depth)
         self.counters = runtime.xp().zeros((self.depth, self.width), np.uint32)
         self.refused = 0  # lookups of keys not yet admitted on this shard (per step and key)
 
     @staticmethod
-    def check(admit_after, width, depth) -> None:
+    def check(admit_after: Any, width: Any, depth: Any) -> None:
         """Raises ValueError for arguments no filter can take."""
         for name, value, top in (("admit_after", admit_after, None), ("admit_filter_width", width, 1 << 32)):
             if isinstance(value, bool) or int(value) != value or value < 1 or (top and value >= top):
@@ -83,7 +85,7 @@ class AdmissionFilter:
         """``(eps, delta)``: ``P(estimate > true count + eps * N) <= delta`` over N sightings."""
         return math.e / self.width, math.exp(-self.depth)
 
-    def estimate(self, keys):
+    def estimate(self, keys: Any) -> Any:
         """The estimated sightings of ``keys`` (int64, any): an int64 array of the backend."""
         xp = runtime.xp()
         keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))
@@ -98,7 +100,7 @@ class AdmissionFilter:
         """An empty filter of the same kind (a checkpoint load fills it)."""
         return AdmissionFilter(self.admit_after, self.width, self.depth)
 
-    def spec(self) -> dict:
+    def spec(self) -> dict[str, int]:
         return {"admit_after": self.admit_after, "admit_filter_width": self.width, "admit_filter_depth": self.depth}
 
 
@@ -110,10 +112,10 @@ class Sightings(NamedTuple):
     keys: Any
     tab: Any
     admitted: Any
-    counts: dict
+    counts: dict[int, tuple[int, int]]
 
 
-def _descriptors(filters: dict, ntables: int):
+def _descriptors(filters: dict[int, AdmissionFilter], ntables: int) -> tuple[Any, Any, Any]:
     """The kernels' view of ``filters`` (by table index): counter addresses (uint64 ``[T]``),
     shapes (int64 ``[T, 2]``: depth, width) and admit_after (int64 ``[T]``; 0 elsewhere)."""
     xp = runtime.xp()
@@ -125,7 +127,7 @@ def _descriptors(filters: dict, ntables: int):
     return xp.asarray(sketch), xp.asarray(shape), xp.asarray(after)
 
 
-def _count(filters: dict, keys, tab, ntables: int, delta: int) -> None:
+def _count(filters: dict[int, AdmissionFilter], keys: Any, tab: Any, ntables: int, delta: int) -> None:
     n = int(keys.shape[0])
     if n:
         sketch, shape, _ = _descriptors(filters, ntables)
@@ -133,7 +135,7 @@ def _count(filters: dict, keys, tab, ntables: int, delta: int) -> None:
         runtime.launch("count_sightings", n, depth, (keys, tab, n, sketch, shape, delta))
 
 
-def sight(filters: dict, keys, rows, tab, ntables: int) -> Sightings:
+def sight(filters: dict[int, AdmissionFilter], keys: Any, rows: Any, tab: Any, ntables: int) -> Sightings:
     """Counts one sighting of each distinct key of a call that a table with a filter
     (``filters[t]``, by table index t of a call of ``ntables``) does not hold (``rows`` < 0;
     ``tab``: each key's table index; a key that several peers sent counts once), and finds
@@ -157,18 +159,20 @@ def sight(filters: dict, keys, rows, tab, ntables: int) -> Sightings:
     return Sightings(k, t, admitted, {i: (int(counts[i, 1]), int(counts[i, 0])) for i in filters})
 
 
-def take_back(filters: dict, seen: Sightings, ntables: int) -> None:
+def take_back(filters: dict[int, AdmissionFilter], seen: Sightings, ntables: int) -> None:
     """Undoes :func:`sight`'s counts (the step was refused: nothing may change)."""
     _count(filters, seen.keys, seen.tab, ntables, -1)
 
 
-def commit(filters: dict, seen: Sightings) -> None:
+def commit(filters: dict[int, AdmissionFilter], seen: Sightings) -> None:
     """The step stands: each filter counts its refused lookups."""
     for i, f in filters.items():
         f.refused += seen.counts[i][1]
 
 
-def without_refused(seen: Sightings, keys, rows, tab, ntables: int, filters: dict):
+def without_refused(
+    seen: Sightings, keys: Any, rows: Any, tab: Any, ntables: int, filters: dict[int, AdmissionFilter]
+) -> tuple[Any, Any, Any]:
     """``(keys, rows, tab)`` of a call with its keys not admitted left out (the new keys of
     tables with a filter: each admitted one once, with row -1)."""
     xp = runtime.xp()
@@ -183,7 +187,7 @@ def without_refused(seen: Sightings, keys, rows, tab, ntables: int, filters: dic
     )
 
 
-def saturating_sum(parts, shape: tuple) -> np.ndarray:
+def saturating_sum(parts: Iterable[Any], shape: tuple[int, ...]) -> np.ndarray:
     """The element-wise sum of uint32 counter arrays, saturating (host uint32)."""
     total = np.zeros(shape, np.uint64)
     for p in parts:
@@ -191,7 +195,7 @@ def saturating_sum(parts, shape: tuple) -> np.ndarray:
     return np.minimum(total, _SATURATED).astype(np.uint32)
 
 
-def resharded(saved, world: int, rank: int, same_placement: bool) -> np.ndarray:
+def resharded(saved: Any, world: int, rank: int, same_placement: bool) -> np.ndarray:
     """This shard's counters from every saved shard's (uint32 ``[S, depth, width]``): its own
     where the saved world size and placement are this one's, else the saturating sum of all."""
     saved = np.asarray(saved)
@@ -200,7 +204,7 @@ def resharded(saved, world: int, rank: int, same_placement: bool) -> np.ndarray:
     return saturating_sum(saved, saved.shape[1:])
 
 
-def loaded(empty: AdmissionFilter, parts, same_placement: bool, comm) -> AdmissionFilter:
+def loaded(empty: AdmissionFilter, parts: Iterable[Any], same_placement: bool, comm: Communicator) -> AdmissionFilter:
     """A checkpoint load (collective): ``empty`` filled from the saved shards' counters this
     rank read (``parts``: uint32 ``[depth, width]`` each; the saved rank of its own number only
     where ``same_placement``), or from the sum over every rank's where not."""
@@ -211,7 +215,7 @@ def loaded(empty: AdmissionFilter, parts, same_placement: bool, comm) -> Admissi
     return empty
 
 
-def shares(saved, world: int, same_placement: bool):
+def shares(saved: Any, world: int, same_placement: bool) -> np.ndarray:
     """What the rank that holds a gathered state (uint32 ``[S, depth, width]``) sends each of
     ``world`` ranks: uint32 ``[world * depth * width]``, rank r's counters at block r."""
     return np.concatenate([resharded(saved, world, r, same_placement).reshape(-1) for r in range(world)])

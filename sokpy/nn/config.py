@@ -30,11 +30,14 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import collective, handoff, initializers
+
+if TYPE_CHECKING:
+    from ..variable import Variable
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "TableSpec", "table_spec", "apply_init_fn", "INIT_CHUNK_ROWS"]
 
@@ -105,10 +108,10 @@ class TableSpec:
     """What a module makes of one config: the table's arguments, its features and pooling
     (None for a sequence table), and the ``init_fn`` to apply after creating it (or None)."""
 
-    name: str
+    name: str | None  # None for a config without a name: the table names itself, as Variable(name=None)
     dim: int
     rows: int | None
-    features: list[str]
+    features: list[Any]  # the config's feature_names (strings), or [name] (None for a config without one)
     pooling: str | None
     target_gpu: int
     initializer: Any
@@ -142,7 +145,7 @@ _HONOURED = {
 }
 
 
-def _field_name(value) -> str:
+def _field_name(value: object) -> str:
     """An enum member's name (TorchRec's ``PoolingType.SUM``, ``DataType.FP32``) or the value."""
     return str(getattr(value, "name", value))
 
@@ -159,7 +162,7 @@ _DATA_TYPES = {
 }
 
 
-def _dtype(name: str, data_type) -> str:
+def _dtype(name: str | None, data_type: object) -> str:
     """The rows' storage dtype of a config's ``data_type`` (TorchRec's DataType, a torch dtype or a name)."""
     text = _field_name(data_type).lower().removeprefix("torch.")
     if text not in _DATA_TYPES:
@@ -170,9 +173,11 @@ def _dtype(name: str, data_type) -> str:
     return _DATA_TYPES[text]
 
 
-def _native(init_fn):
+def _native(init_fn: Callable[..., Any]) -> initializers.Initializer | None:
     """sokpy's own initializer for a ``torch.nn.init`` function (bare or a partial), or None."""
-    args, kwargs, fn = (), {}, init_fn
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    fn = init_fn
     if isinstance(init_fn, functools.partial):
         fn, args, kwargs = init_fn.func, init_fn.args, dict(init_fn.keywords)
     if "generator" in kwargs:
@@ -194,7 +199,7 @@ def _native(init_fn):
     return None
 
 
-def _torchrec_fields(c, pooled: bool) -> None:
+def _torchrec_fields(c: object, name: str | None, pooled: bool) -> None:
     """Refuses every field of a TorchRec config that sokpy would not honour."""
     if not dataclasses.is_dataclass(c):
         return
@@ -211,16 +216,16 @@ def _torchrec_fields(c, pooled: bool) -> None:
         if value != default:
             hint = _UNSUPPORTED.get(f.name, "sokpy does not implement it")
             raise ValueError(
-                f"table {c.name!r}: TorchRec's {f.name}={value!r} is not supported ({hint}); "
+                f"table {name!r}: TorchRec's {f.name}={value!r} is not supported ({hint}); "
                 f"leave it at its default ({default!r})"
             )
 
 
-def table_spec(c, pooled: bool) -> TableSpec:
+def table_spec(c: Any, pooled: bool) -> TableSpec:
     """The spec of config ``c`` (ours or TorchRec's) for a pooled (EmbeddingBagCollection) or a
     sequence (EmbeddingCollection) module; raises ValueError naming the table and the field
     for a config the module cannot honour."""
-    name = getattr(c, "name", None)
+    name: str | None = getattr(c, "name", None)
     has_pooling = hasattr(c, "pooling")
     pooling = _field_name(getattr(c, "pooling", "none")).lower()
     if pooled and (not has_pooling or pooling == "none"):
@@ -239,7 +244,7 @@ def table_spec(c, pooled: bool) -> TableSpec:
     dtype = _dtype(name, getattr(c, "data_type", "float32"))
     ours = isinstance(c, (EmbeddingConfig, EmbeddingBagConfig))
     if not ours:
-        _torchrec_fields(c, pooled)
+        _torchrec_fields(c, name, pooled)
     rows = c.num_embeddings
     initializer = c.initializer if ours else None
     init_fn = getattr(c, "init_fn", None)
@@ -293,7 +298,7 @@ def _chunk_seed(table_seed: int, chunk: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def apply_init_fn(var, init_fn: Callable) -> None:
+def apply_init_fn(var: Variable, init_fn: Callable[[torch.Tensor], Any]) -> None:
     """Sets the rows of the static table ``var`` by ``init_fn``; collective (a fault on any
     rank raises the same error on every rank). Chunk c (keys ``[c * INIT_CHUNK_ROWS, ...)``)
     is a float32 CPU tensor ``init_fn`` fills in place (or returns), made under torch's

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, SupportsIndex
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class TableState(collections.OrderedDict):
     ordered dict (``torch.load``'s ``weights_only`` mode reads it); an entry without rows
     refuses to be saved, since the file would lose them."""
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         if self.get("keys") is None:
             raise CheckpointError(
                 f"table {self.get('name')!r}: this state_dict (rank {runtime.rank()} of {runtime.world_size()}) "
@@ -89,11 +90,11 @@ class TableState(collections.OrderedDict):
             )
         return (collections.OrderedDict, (list(self.items()),))
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> TableState:
         return TableState((k, copy.deepcopy(v, memo)) for k, v in self.items())
 
 
-def concat(out) -> torch.Tensor:
+def concat(out: Any) -> torch.Tensor:
     """The ``[B, sum(dims)]`` tensor of an :class:`EmbeddingBagCollection`'s output, features
     side by side in the module's order (a dict's values, or a KeyedTensor's ``values()``)."""
     if isinstance(out, Mapping):
@@ -101,7 +102,7 @@ def concat(out) -> torch.Tensor:
     return out.values()
 
 
-def _torchrec_entry(value, var) -> dict:
+def _torchrec_entry(value: object, var: Table) -> dict[str, Any]:
     """A TorchRec ``<...>.<table>.weight`` tensor as a table state for ``checkpoint.load_state``."""
     if var.dynamic:
         raise CheckpointError(
@@ -133,14 +134,14 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
     def __init__(
         self,
-        tables,
+        tables: Iterable[Any],
         *,
         seed: int = 0,
         grad_reduction: str = "sum",
         insert: bool | None = None,
         wire_dtype: str = "float32",
         device: torch.device | str | None = None,
-    ):
+    ) -> None:
         super().__init__()
         if device is not None:  # TorchRec's argument: where the tables go (sokpy.init decides here)
             here, asked = runtime.current().torch_device(), torch.device(device)
@@ -182,7 +183,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(
-            f"{f}->{var.name}[{'dynamic' if var.dynamic else var.rows}x{var.dim}{', ' + p if p else ''}]"
+            f"{f}->{var.name}[{var.rows if isinstance(var, Variable) else 'dynamic'}x{var.dim}{', ' + p if p else ''}]"
             for f, var, p in self._features
         )
 
@@ -192,7 +193,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return self.training if self.insert is None else bool(self.insert)
 
     # ---- forward -----------------------------------------------------------------------------------
-    def _lookup(self, features, weights, **kwargs):
+    def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
         """One lookup call over every feature; a fault in this rank's input is raised by the
         lookup on every rank alike."""
         try:
@@ -214,7 +215,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         ), ids
 
     # ---- dtype and device --------------------------------------------------------------------------
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> EmbeddingCollectionBase:
         """``.to``/``.cuda``/``.half``/...: the tables stay float32 on sokpy's device, so a move
         that asks for anything else raises (before any submodule moves)."""
         device = runtime.current().torch_device() if runtime.is_initialized() else torch.device("cpu")
@@ -240,13 +241,13 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     # ---- state -------------------------------------------------------------------------------------
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for var, entry in zip(self.tables(), checkpoint.gather_state(self.tables())):
             state = TableState(
                 name=var.name,
                 kind="dynamic" if var.dynamic else "static",
-                rows=None if var.dynamic else var.rows,
+                rows=var.rows if isinstance(var, Variable) else None,
                 dim=var.dim,
                 target_gpu=var.target_gpu,
                 world_size=runtime.world_size(),
@@ -262,7 +263,14 @@ class EmbeddingCollectionBase(torch.nn.Module):
             destination[prefix + var.name] = state
 
     def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -317,7 +325,7 @@ class EmbeddingBagCollection(EmbeddingCollectionBase):
         assert out["a"].shape == (1, 4) and out["b"].shape == (1, 4)
     """
 
-    def forward(self, features, weights: Mapping | None = None):
+    def forward(self, features: Any, weights: Mapping[Any, Any] | None = None) -> Any:
         """Pools every feature: ``features`` is a KeyedJaggedTensor or a dict feature -> ids
         (any input ``lookup_sparse`` takes for one table, or a ``(values, offsets)`` pair),
         ``weights`` an optional dict feature -> per-key weights for a dict input. All features
@@ -354,7 +362,7 @@ class EmbeddingCollection(EmbeddingCollectionBase):
     _pooled = False
     _torchrec_key = "embeddings"
 
-    def forward(self, features) -> dict:
+    def forward(self, features: Any) -> dict[Any, Any]:
         """Rows of every id: ``features`` is a KeyedJaggedTensor (without weights) or a dict
         feature -> ids (any input ``lookup_sequence`` takes for one table, or a ``(values,
         offsets)`` pair). Returns a dict feature -> JaggedTensor."""
@@ -365,7 +373,7 @@ class EmbeddingCollection(EmbeddingCollectionBase):
         return {f: make(r, o) for f, r, o in zip(self.feature_names(), rows, offsets)}
 
 
-def _offsets_of(features, ids, names: list[str]) -> list[torch.Tensor]:
+def _offsets_of(features: Any, ids: Any, names: list[str]) -> list[torch.Tensor]:
     """Each feature's bag offsets (into its own rows), from the input the lookup took."""
     if not isinstance(ids, list):  # one KeyedJaggedTensor in the module's order
         off = features.offsets() if callable(getattr(features, "offsets", None)) else None
@@ -384,6 +392,6 @@ def _offsets_of(features, ids, names: list[str]) -> list[torch.Tensor]:
     return out
 
 
-def _bag_offsets(x) -> np.ndarray:
+def _bag_offsets(x: Any) -> np.ndarray:
     """The bag offsets of one table's input in any form the lookup takes."""
     return table_input(x, None)[1]

@@ -6,7 +6,7 @@ made, grown and set for new rows by HashStorage (``__init__``, ``_grow_rows``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,10 +33,29 @@ class CappedShard:
     tombstones: int
     evicted: int
 
+    if TYPE_CHECKING:  # the rest of the shard: Storage's and HashStorage's (this class is a base of HashStorage)
+        data: Any
+
+        @property
+        def width(self) -> int: ...
+
+        @property
+        def slots(self) -> int: ...
+
+        def reserve(self, incoming: int) -> None: ...
+
+        def _find(self, keys: Any, insert: int) -> Any: ...
+
+    @property
+    def _cap(self) -> int:
+        """``max_rows``: the methods of this class run on capped shards only."""
+        assert self.max_rows is not None, "a capped shard's method called on an uncapped shard"
+        return self.max_rows
+
     def room_error(self, seen: int, new: int) -> str | None:
         """Why a call that looks up ``seen`` distinct held rows and ``new`` distinct new keys
         cannot run on this capped shard (its rows cannot be evicted by itself), or None."""
-        if seen + new <= self.max_rows:
+        if seen + new <= self._cap:
             return None
         return (
             f"one call brings {seen + new} distinct keys to rank {runtime.rank()} ({seen} held, {new} new), "
@@ -46,9 +65,9 @@ class CappedShard:
 
     def to_evict(self, new: int) -> int:
         """Rows an insert of ``new`` keys must evict first."""
-        return max(0, self._size + int(new) - self.max_rows)
+        return max(0, self._size + int(new) - self._cap)
 
-    def make_room(self, seen, new: int) -> None:
+    def make_room(self, seen: Any, new: int) -> None:
         """A new step of a capped shard: marks the distinct held rows ``seen`` (an int64 array)
         as looked up in it, then, if ``new`` more keys would not fit (room_error said they can),
         evicts the rows of lowest score that make room for them and ``margin_rows`` more (but
@@ -61,7 +80,7 @@ class CappedShard:
             k = min(k + self.margin_rows, self._size - int(seen.shape[0]))
             self.evict_rows(self.lowest_rows(k))
 
-    def lowest_rows(self, k: int):
+    def lowest_rows(self, k: int) -> Any:
         """The ``k`` rows of lowest score not seen in the current step (in no particular order):
         by last_seen ("lru", "step") or (seen_count, last_seen) ("lfu"), the smaller key first
         on a tie. The scores pack into one int64 (while steps stay below 2^31), so one
@@ -80,7 +99,7 @@ class CappedShard:
         tied = tied[xp.argsort(keys[tied], kind="stable")][: k - int(below.shape[0])]
         return xp.concatenate([below, tied])
 
-    def _score_order(self, keys, last_seen, seen_count) -> list:
+    def _score_order(self, keys: Any, last_seen: Any, seen_count: Any) -> list[Any]:
         """The policy's eviction order as lexsort keys (the last is the primary): by last_seen,
         first by seen_count for "lfu", the smaller key first on a tie."""
         return [keys, last_seen] + ([seen_count] if self.policy == "lfu" else [])
@@ -94,7 +113,7 @@ class CappedShard:
             self.evict_rows(victims)
         return int(victims.shape[0])
 
-    def evict_rows(self, victims) -> None:
+    def evict_rows(self, victims: Any) -> None:
         """Removes stored rows ``victims`` (distinct, all in use; their optimizer slots go with
         them): their keys' slots become tombstones, and the last rows move into their places."""
         xp, c = runtime.xp(), kernels.constants()
@@ -124,7 +143,7 @@ class CappedShard:
         self.tombstones += k
         self.evicted += k
 
-    def insert_scored(self, keys, scores, step: int):
+    def insert_scored(self, keys: Any, scores: Any, step: int) -> tuple[Any, Any]:
         """Puts distinct ``keys`` with their scores (int64 ``[n, 2]``: last_seen, count) into
         this empty capped shard at step ``step`` (a checkpoint load). Where they pass the share,
         only the share of highest score stays: the others are evicted, lowest first by the
@@ -132,10 +151,10 @@ class CappedShard:
         xp = runtime.xp()
         n = int(keys.shape[0])
         kept = xp.arange(n, dtype=np.int64)
-        if n > self.max_rows:
+        if n > self._cap:
             order = self._score_order(keys, scores[:, 0], scores[:, 1])
-            kept = xp.sort(xp.lexsort(xp.stack(order))[n - self.max_rows :])
-            self.evicted += n - self.max_rows
+            kept = xp.sort(xp.lexsort(xp.stack(order))[n - self._cap :])
+            self.evicted += n - self._cap
         self.step = int(step)
         self.reserve(int(kept.shape[0]))
         rows = self._find(xp.ascontiguousarray(keys[kept]), 1)
@@ -144,6 +163,6 @@ class CappedShard:
         self.seen_count[rows] = scores[kept, 1]
         return rows, kept
 
-    def scores(self):
+    def scores(self) -> Any:
         """A capped shard's scores of the rows in use: int64 ``[size, 2]`` (last_seen, count)."""
         return runtime.xp().stack([self.last_seen[: self._size], self.seen_count[: self._size]], axis=1)

@@ -5,11 +5,14 @@ eviction are in :mod:`sokpy.storage.eviction` (:class:`HashStorage`'s base
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from .. import kernels, runtime
 from .eviction import CappedShard
-from .room import finish_inserts, plan_room
+from .room import Room, finish_inserts, plan_room
 from .rows import InitSpec, Storage, new_epoch
 
 
@@ -40,7 +43,7 @@ class HashStorage(CappedShard, Storage):
         dtype: str = "float32",
         rounding: str = "stochastic",
         margin_rows: int = 0,
-    ):
+    ) -> None:
         super().__init__(dim, init, dtype, rounding)
         xp = runtime.xp()
         c = kernels.constants()
@@ -83,10 +86,10 @@ class HashStorage(CappedShard, Storage):
         """Hash index slots (a power of two)."""
         return int(self.index_rows.shape[0])
 
-    def keys(self, start: int = 0, stop: int | None = None):
+    def keys(self, start: int = 0, stop: int | None = None) -> Any:
         return self.row_keys[start : self.size if stop is None else stop]
 
-    def descriptor(self, tab, ptr) -> None:
+    def descriptor(self, tab: np.ndarray, ptr: np.ndarray) -> None:
         super().descriptor(tab, ptr)
         c = kernels.constants()
         tab[c["SOKPY_TAB_INDEX_MASK"]] = self.slots - 1
@@ -138,7 +141,7 @@ class HashStorage(CappedShard, Storage):
             self.seen_count[first : self._size] = 1
         return first, self._size
 
-    def find(self, keys, insert: bool, verdict=None):
+    def find(self, keys: Any, insert: bool, verdict: Callable[[Room], None] | None = None) -> Any:
         """As :meth:`Storage.find`. A capped shard that inserts takes a step: it first finds
         what it holds, then ``verdict`` (a function of the :class:`Room`; default: raise
         ValueError on this rank for its error) judges whether the new keys fit, then it evicts
@@ -161,7 +164,7 @@ class HashStorage(CappedShard, Storage):
             finish_inserts([self])
         return rows
 
-    def _find(self, keys, insert: int):
+    def _find(self, keys: Any, insert: int) -> Any:
         xp = runtime.xp()
         n = int(keys.shape[0])
         tab, ptr = self._single_descriptor()

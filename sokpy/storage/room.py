@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -22,7 +23,14 @@ class Room(NamedTuple):
     error: str | None
 
 
-def plan_room(storages: dict, keys, rows, tab, ntables: int) -> dict:
+class _Capped(Protocol):
+    """What :func:`plan_room` asks of a capped shard (eviction.py's CappedShard, which builds on
+    this module)."""
+
+    def room_error(self, seen: int, new: int) -> str | None: ...
+
+
+def plan_room(storages: dict[int, _Capped], keys: Any, rows: Any, tab: Any, ntables: int) -> dict[int, Room]:
     """The :class:`Room` of each capped shard ``storages[t]`` (by table index t of a call of
     ``ntables`` tables), from the call's keys, their rows found without insert (-1: not held)
     and each key's table index ``tab``. Keys repeat (several peers send one key), so both
@@ -46,10 +54,11 @@ def plan_room(storages: dict, keys, rows, tab, ntables: int) -> dict:
     return out
 
 
-def finish_inserts(storages) -> None:
+def finish_inserts(storages: Sequence[Any]) -> None:
     """After a kernel that may have inserted keys into ``storages`` (HashStorage): reads their
     row counters (one read from the device for all of them, not one per table) and initialises
-    the new rows (values and optimizer slots), all in one launch."""
+    the new rows (values and optimizer slots), all in one launch. (HashStorage is not named in
+    the annotation: hashed.py builds on this module.)"""
     if not storages:
         return
     xp = runtime.xp()

@@ -25,6 +25,8 @@ layouts are the same and these cost nothing.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +69,7 @@ class InitSpec:
 
     __slots__ = ("kind", "a", "b", "seed")
 
-    def __init__(self, kind: int, a: float, b: float, seed: int):
+    def __init__(self, kind: int, a: float, b: float, seed: int) -> None:
         self.kind, self.a, self.b, self.seed = int(kind), float(a), float(b), int(seed)
 
 
@@ -77,12 +79,12 @@ class Storage:
 
     kind: int  # SOKPY_KIND_* of the kernels
     dim: int
-    data = None
-    slot_names: list
-    slot_init: list
-    slot_per_row: list  # per slot: True for one float per row, False for one per element
+    data: Any = None  # an array of the backend's module (numpy or cupy), set by the subclass's __init__
+    slot_names: list[str]
+    slot_init: list[float]
+    slot_per_row: list[bool]  # per slot: True for one float per row, False for one per element
 
-    def __init__(self, dim: int, init: InitSpec, dtype: str = "float32", rounding: str = "stochastic"):
+    def __init__(self, dim: int, init: InitSpec, dtype: str = "float32", rounding: str = "stochastic") -> None:
         self.dim = int(dim)
         self.init = init
         self.dtype, self.rounding = check_format(dtype, rounding)
@@ -139,14 +141,14 @@ class Storage:
     def capacity(self) -> int:
         return int(self.data.shape[0])
 
-    def values(self):
+    def values(self) -> Any:
         """The values of the rows in use ``[size, dim]`` float32: a view, or, for 16-bit values,
         a widened copy."""
         if not self.half:
             return self.data[: self.size, : self.dim]
         return self.widen(self.data[: self.size])[:, : self.dim]
 
-    def widen(self, stored):
+    def widen(self, stored: Any) -> Any:
         """Whole stored rows ``[n, width]`` (e.g. gathered ones) in the unpacked layout ``[n,
         unpacked_width]``: the values widened to float32 (exact). A float32 shard's rows are
         returned as they are."""
@@ -166,7 +168,7 @@ class Storage:
             )
         return out
 
-    def narrow(self, unpacked):
+    def narrow(self, unpacked: Any) -> Any:
         """Rows of the unpacked layout ``[n, unpacked_width]`` float32 as stored rows ``[n,
         width]``: the values rounded to the shard's type, to nearest even (exact for values
         that :meth:`widen` gave). A float32 shard's rows are returned as they are."""
@@ -180,7 +182,7 @@ class Storage:
         self._narrow_into(unpacked, self.unpacked_width, out, None)
         return out
 
-    def set_values(self, rows, values) -> None:
+    def set_values(self, rows: Any, values: Any) -> None:
         """Sets the values of stored rows ``rows`` (int64, distinct) to float32 ``values`` ``[n,
         dim]`` (contiguous), rounded to nearest even in a 16-bit shard; slots stay."""
         n = int(rows.shape[0])
@@ -189,13 +191,13 @@ class Storage:
         else:
             self._narrow_into(values, self.dim, self.data, rows)
 
-    def _narrow_into(self, src, src_stride: int, dst, dst_rows) -> None:
+    def _narrow_into(self, src: Any, src_stride: int, dst: Any, dst_rows: Any) -> None:
         n = int(src.shape[0])
         if n:
             args = (src, src_stride, n, self.dim, self.dtype_code, dst, self.width, dst_rows, 0, 0, 0, None)
             runtime.launch("narrow_values", n, self.dim, args)
 
-    def weight(self):
+    def weight(self) -> torch.Tensor:
         """The values of the rows in use as a live torch view ``[size, dim]``: float32, or
         torch.float16 / torch.bfloat16 for 16-bit values (the 16-bit words themselves)."""
         t = handoff.to_torch(self.data)[: self.size]
@@ -203,15 +205,15 @@ class Storage:
             t = t.view(torch.float16 if self.dtype == "float16" else torch.bfloat16)
         return t[:, : self.dim]
 
-    def slot(self, name: str):
+    def slot(self, name: str) -> Any:
         """Optimizer slot ``name`` of the rows in use, a view ``[size, slot_width(name)]``."""
         return self.data[: self.size, self.columns(name)]
 
-    def keys(self, start: int = 0, stop: int | None = None):
+    def keys(self, start: int = 0, stop: int | None = None) -> Any:
         """Global keys of stored rows ``[start, stop)`` (an int64 array)."""
         raise NotImplementedError
 
-    def add_slots(self, names, initial, per_row=None) -> None:
+    def add_slots(self, names: Iterable[str], initial: Iterable[float], per_row: Iterable[bool] | None = None) -> None:
         """Widens every row by one block per slot name (``dim`` columns, or one where
         ``per_row`` says so), filled with its initial value (rows created later start there
         too). One copy of the shard."""
@@ -220,7 +222,9 @@ class Storage:
         if not names:
             return
         old, layout = self.data, (self.slot_names, self.slot_init, self.slot_per_row)
-        self.slot_names, self.slot_init, self.slot_per_row = (a + b for a, b in zip(layout, (names, initial, per_row)))
+        self.slot_names = self.slot_names + names
+        self.slot_init = self.slot_init + initial
+        self.slot_per_row = self.slot_per_row + per_row
         try:
             data = runtime.empty_rows((old.shape[0], self.width), np.float32)
         except BaseException:
@@ -250,7 +254,7 @@ class Storage:
     def reserve(self, incoming: int) -> None:
         """Makes room for ``incoming`` new keys before a lookup that may insert them."""
 
-    def find(self, keys, insert: bool):
+    def find(self, keys: Any, insert: bool) -> Any:
         """The stored rows of ``keys`` (int64, all owned by this rank and valid for the table):
         -1 for a key a dynamic table does not hold, unless ``insert`` creates its row."""
         raise NotImplementedError
@@ -260,7 +264,7 @@ class Storage:
         rows, not initialised): built beside this one, e.g. by a checkpoint load."""
         raise NotImplementedError
 
-    def _single_descriptor(self):
+    def _single_descriptor(self) -> tuple[Any, Any]:
         """This shard's descriptor and addresses as a call of one table (device arrays)."""
         xp, c = runtime.xp(), kernels.constants()
         tab = np.zeros((1, c["SOKPY_TAB_FIELDS"]), np.int64)
@@ -269,7 +273,7 @@ class Storage:
         return xp.asarray(tab), xp.asarray(ptr)
 
 
-def init_rows(segments) -> None:
+def init_rows(segments: Sequence[tuple[Storage, int, int]]) -> None:
     """Initialises stored rows with their tables' initial values and slot constants:
     ``segments`` is a list of ``(storage, first_row, stop_row)``, all in one launch."""
     c = kernels.constants()

@@ -3,6 +3,8 @@ placement rule (``k // W`` or ``k``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .. import kernels, runtime
@@ -23,7 +25,7 @@ class StaticStorage(Storage):
         localized: bool,
         dtype: str = "float32",
         rounding: str = "stochastic",
-    ):
+    ) -> None:
         super().__init__(dim, init, dtype, rounding)
         c = kernels.constants()
         self.kind = c["SOKPY_KIND_STATIC_AT"] if localized else c["SOKPY_KIND_STATIC"]
@@ -35,12 +37,12 @@ class StaticStorage(Storage):
     def size(self) -> int:
         return int(self.data.shape[0])
 
-    def keys(self, start: int = 0, stop: int | None = None):
+    def keys(self, start: int = 0, stop: int | None = None) -> Any:
         xp = runtime.xp()
         stop = self.size if stop is None else stop
         return xp.arange(start, stop, dtype=np.int64) * self.key_stride + self.key_base
 
-    def find(self, keys, insert: bool):
+    def find(self, keys: Any, insert: bool) -> Any:
         return (keys - self.key_base) // self.key_stride
 
     def new_like(self) -> StaticStorage:
