@@ -34,7 +34,15 @@ import numpy as np
 
 __all__ = ["MpiBackedNccl"]
 
-_TYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16}
+_TYPES: dict[int, type[np.generic]] = {
+    0: np.int8,
+    1: np.uint8,
+    2: np.int32,
+    3: np.uint32,
+    4: np.int64,
+    5: np.uint64,
+    6: np.float16,
+}
 _TYPES.update({7: np.float32, 8: np.float64})
 _TAG = 7302
 
@@ -45,7 +53,7 @@ def _view(address: int, count: int, datatype: int) -> np.ndarray:
     if count == 0:
         return np.empty(0, dtype)
     buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
-    return np.frombuffer(buf, dtype=dtype, count=count)
+    return np.frombuffer(memoryview(buf), dtype=dtype, count=count)
 
 
 class _Communicator:
@@ -62,9 +70,8 @@ class _Communicator:
         self._ops = {0: MPI.SUM, 1: MPI.PROD, 2: MPI.MAX, 3: MPI.MIN}
 
     def destroy(self) -> None:
-        if self._comm is not None:
-            self._comm.Free()
-            self._comm = None
+        if self._comm != self._MPI.COMM_NULL:
+            self._comm.Free()  # leaves it MPI.COMM_NULL
 
     def _post(self, kind: str, address: int, count: int, datatype: int, peer: int, stream: int) -> None:
         view = _view(address, count, datatype)
