@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from . import hostpool, kernels, timing
+from .kernels.device import nvrtc_version
+from .kernels.sources import address_of
 
 __all__ = ["Backend", "HostBackend", "DeviceBackend", "device_requirements", "DeviceUnavailableError"]
 
@@ -77,7 +79,7 @@ class Backend:
     def address_of(self, x) -> int:
         """The data address of an array of this backend (for the tables of pointers that
         table-batched kernels read)."""
-        return kernels.address_of(x)
+        return address_of(x)
 
     def launch(self, name: str, n: int, dim: int, args) -> None:
         """Runs kernel ``name`` over ``n`` rows of ``dim`` columns with this backend's launch
@@ -187,7 +189,7 @@ def device_requirements(world_size: int = 1) -> list[str]:
         missing.append(f"CuPy with CUDA does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
         return missing
     try:
-        kernels.nvrtc_version()
+        nvrtc_version()
     except Exception as e:  # noqa: BLE001 - the NVRTC library is missing
         missing.append(f"NVRTC does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     if world_size > 1:

@@ -16,7 +16,8 @@ import torch
 from conftest import ROOT
 
 from sokpy import arrays, kernels
-from sokpy.kernels import KernelError
+from sokpy.kernels import KernelError, device
+from sokpy.kernels import cache as kernel_cache
 
 SOURCES = kernels.kernel_sources()
 SRC_DIR = kernels.source_dir()
@@ -290,7 +291,7 @@ def test_device_binary_is_cached_and_keyed_by_source_headers_and_options(kernel_
     header.write_text(header.read_text() + "\n// an edit of a header\n")
     after_header = kernels.device_binary(cu, "sm_90")
     assert after_header != first, "an edited header reused the old binary"
-    monkeypatch.setattr(kernels, "DEVICE_OPTIONS", (*kernels.DEVICE_OPTIONS, "-DSOKPY_SOMETHING=1"))
+    monkeypatch.setattr(device, "DEVICE_OPTIONS", (*device.DEVICE_OPTIONS, "-DSOKPY_SOMETHING=1"))
     assert kernels.device_binary(cu, "sm_90") not in (first, after_header), "other options reused the old binary"
     assert kernels.device_binary(cu, "sm_80") != kernels.device_binary(cu, "sm_90")
 
@@ -453,7 +454,7 @@ def test_unwritable_cache_folder_falls_back_to_temp(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("SOKPY_CACHE_DIR", str(blocker / "cache"))  # below a file: cannot be created
-    d = kernels._cache_dir()
+    d = kernel_cache._cache_dir()
     assert d.is_dir() and os.access(d, os.W_OK) and not str(d).startswith(str(blocker))
 
 

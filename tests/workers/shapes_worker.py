@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import handoff, kernels
+from sokpy import handoff
+from sokpy.kernels import host
 
 launched = set()
-_convert = kernels._HostKernel.convert  # every launch converts its arguments, queued or not
+_convert = host._HostKernel.convert  # every launch converts its arguments, queued or not
 
 
 def recording_convert(self, args):
@@ -21,7 +22,7 @@ def recording_convert(self, args):
     return _convert(self, args)
 
 
-kernels._HostKernel.convert = recording_convert
+host._HostKernel.convert = recording_convert
 
 sokpy.init()
 rank, world = sokpy.rank(), sokpy.world_size()
@@ -174,5 +175,5 @@ if rank == 0:
     merged = {f"r{r}_{k}": v for r, (res, _) in enumerate(everything) for k, v in res.items()}
     merged["launched"] = np.array(sorted({n for _, names in everything for n in names}))
     np.savez(sys.argv[1], **merged)
-kernels._HostKernel.convert = _convert
+host._HostKernel.convert = _convert
 print(f"rank {rank}: comm {type(sokpy.comm()).__name__} ok")
