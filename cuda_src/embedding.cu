@@ -17,7 +17,7 @@
 #define SOKPY_INIT_FIRST_ROW 3   // the stored row of the segment's first entry
 #define SOKPY_INIT_KEY_STRIDE 4  // without a row_keys array, row r holds key r * stride + base
 #define SOKPY_INIT_KEY_BASE 5
-#define SOKPY_INIT_SEED 6        // the table's seed, already mixed with its name (sokpy/variable.py)
+#define SOKPY_INIT_SEED 6        // the table's seed, already mixed with its name (sokpy/tables/table.py)
 #define SOKPY_INIT_SLOTS 7       // optimizer slots per row (each starts at a constant)
 #define SOKPY_INIT_ROW_SLOTS 8   // bit k set: slot k is row-wise (one float per row), else dim floats
 #define SOKPY_INIT_DTYPE 9       // SOKPY_DTYPE_* of the values (a half table's are rounded to nearest)

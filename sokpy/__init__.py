@@ -17,6 +17,7 @@ from . import comm as _comm_module  # noqa: F401  # isort: skip
 from . import checkpoint, initializers, kernels, nn, optim, timing
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
+from .gradients import SparseGrad
 from .kernels import KernelError, UnsafeCacheError
 from .lookup import lookup_sequence, lookup_sparse
 from .runtime import (
@@ -32,7 +33,9 @@ from .runtime import (
     world_size,
 )
 from .sparse import Ragged
-from .variable import DynamicVariable, SparseGrad, TableStatistics, Variable, assign, export
+from .tables.access import assign, export
+from .tables.dynamic import DynamicVariable, TableStatistics
+from .tables.static import Variable
 
 __version__ = "0.1.0"
 

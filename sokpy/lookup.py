@@ -33,7 +33,7 @@ import torch
 from . import runtime
 from .plan import COMBINERS, LookupPlan
 from .sparse import BatchError, one_bag_per_key, to_batch
-from .variable import Table
+from .tables.table import Table
 from .wire import check_wire_dtype
 
 __all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]

@@ -130,4 +130,4 @@ def test_bad_arguments_name_the_table_and_create_nothing(sokpy_host):
     for kwargs, word in [({"admit_after": 0}, "admit_after"), ({"admit_after": 2, "admit_filter_depth": 0}, "depth")]:
         with pytest.raises(sokpy.InputError, match=f"admit_bad_one.*{word}"):
             sokpy.DynamicVariable(2, name="admit_bad_one", **kwargs)
-    assert "admit_bad_one" not in sokpy.variable.live_table_names()
+    assert "admit_bad_one" not in sokpy.tables.table.live_table_names()

@@ -66,7 +66,7 @@ LAYERS = {
     "public API": [
         "sokpy.lookup",
         "sokpy.optim",
-        "sokpy.variable",
+        "sokpy.tables",
         "sokpy.checkpoint",
         "sokpy.initializers",
     ],

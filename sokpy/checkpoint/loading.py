@@ -34,7 +34,8 @@ from .format import agree, read_file, read_manifest, read_rank, remove_killed_st
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer
-    from ..variable import DynamicVariable, Table
+    from ..tables.dynamic import DynamicVariable
+    from ..tables.table import Table
 
 
 def dtype_error(var, saved: str | None, convert: bool) -> str | None:

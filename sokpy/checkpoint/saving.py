@@ -41,7 +41,7 @@ from .format import (
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer
-    from ..variable import Table
+    from ..tables.table import Table
 
 
 @runtime.entry

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .. import collective, runtime
-from ..variable import Table
+from ..tables.table import Table
 from .modules import EmbeddingCollectionBase
 
 __all__ = ["clip_grad_norm_"]

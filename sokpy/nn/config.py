@@ -37,7 +37,7 @@ import torch
 from .. import collective, handoff, initializers
 
 if TYPE_CHECKING:
-    from ..variable import Variable
+    from ..tables.static import Variable
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "TableSpec", "table_spec", "apply_init_fn", "INIT_CHUNK_ROWS"]
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..optim import SGD, Adagrad, RowWiseAdagrad, SparseOptimizer
-from ..variable import Table
+from ..tables.table import Table
 
 __all__ = ["fused_optimizer"]
 

@@ -65,7 +65,9 @@ from .. import checkpoint, collective, runtime
 from ..errors import CheckpointError
 from ..lookup import lookup
 from ..sparse import table_input
-from ..variable import DynamicVariable, Table, Variable
+from ..tables.dynamic import DynamicVariable
+from ..tables.static import Variable
+from ..tables.table import Table
 from ..wire import check_wire_dtype
 from .config import apply_init_fn, table_spec
 from .jagged import JaggedTensor, feature_inputs, torchrec_types

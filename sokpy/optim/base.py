@@ -15,7 +15,7 @@ from .. import collective, handoff, kernels, runtime
 from ..gradients import GradChunk, collect_entries, merge_entries
 from ..plan import rows_of, table_set
 from ..storage import HashStorage
-from ..variable import Table
+from ..tables.table import Table
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.

@@ -39,7 +39,7 @@ Example::
 from .hashed import HashStorage
 from .room import Room, finish_inserts, plan_room
 from .rows import DTYPES, ROUNDINGS, InitSpec, Storage, epoch, init_rows, new_epoch
-from .rows import check_format as check_format  # not in __all__, as before the split (variable.py's)
+from .rows import check_format as check_format  # not in __all__, as before the split (tables/'s)
 from .static import StaticStorage
 
 __all__ = [

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 
-from .. import collective, plan, timing, variable
+from .. import collective, plan, timing
+from ..tables.table import live_table_names
 
 __all__ = ["start_over"]
 
@@ -32,7 +33,7 @@ def start_over() -> None:
     """Table identities start from 1 again, with the table-set and fingerprint caches keyed
     by them dropped, and the timing totals and switch as ``SOKPY_TIMING`` sets them in a new
     process. Raises RuntimeError naming the tables still alive (nothing is reset then)."""
-    live = variable.live_table_names()
+    live = live_table_names()
     if live:
         raise RuntimeError(f"cannot start over: tables still alive in this process: {live[:10]}")
     collective.restart_table_uids()

@@ -283,7 +283,7 @@ def check_args():
     ]
     # Only rank 0 passes the bad argument: every rank must raise the same error.
     refused_on_every_rank(lambda name, **kw: sokpy.DynamicVariable(4, name=name, **kw), bad, "admit_bad")
-    assert "admit_bad0" not in sokpy.variable.live_table_names()
+    assert "admit_bad0" not in sokpy.tables.table.live_table_names()
 
 
 def check_stream(seed, path):
