@@ -141,9 +141,7 @@ def sight(filters: dict[int, AdmissionFilter], keys: Any, rows: Any, tab: Any, n
     ``tab``: each key's table index; a key that several peers sent counts once), and finds
     which are admitted. One sort, two launches and one read of the counts per table."""
     xp = runtime.xp()
-    on = np.zeros(ntables, bool)
-    on[list(filters)] = True
-    sel = xp.asarray(on)[tab] & (rows < 0)
+    sel = _new_to_filtered(filters, rows, tab, ntables)
     k, t = (xp.ascontiguousarray(c) for c in distinct([keys[sel], tab[sel]]))
     n = int(k.shape[0])
     _count(filters, k, t, ntables, 1)
@@ -157,6 +155,14 @@ def sight(filters: dict[int, AdmissionFilter], keys: Any, rows: Any, tab: Any, n
     counts = handoff.to_host(xp.bincount(t * 2 + admitted.astype(np.int64), minlength=2 * ntables))
     counts = counts.astype(np.int64).reshape(ntables, 2)
     return Sightings(k, t, admitted, {i: (int(counts[i, 1]), int(counts[i, 0])) for i in filters})
+
+
+def _new_to_filtered(filters: dict[int, AdmissionFilter], rows: Any, tab: Any, ntables: int) -> Any:
+    """Which keys of a call are new (``rows`` < 0) to a table with a filter (``tab``: each key's
+    table index of a call of ``ntables``): a mask of the backend."""
+    on = np.zeros(ntables, bool)
+    on[list(filters)] = True
+    return runtime.xp().asarray(on)[tab] & (rows < 0)
 
 
 def take_back(filters: dict[int, AdmissionFilter], seen: Sightings, ntables: int) -> None:
@@ -176,9 +182,7 @@ def without_refused(
     """``(keys, rows, tab)`` of a call with its keys not admitted left out (the new keys of
     tables with a filter: each admitted one once, with row -1)."""
     xp = runtime.xp()
-    on = np.zeros(ntables, bool)
-    on[list(filters)] = True
-    keep = ~(xp.asarray(on)[tab] & (rows < 0))
+    keep = ~_new_to_filtered(filters, rows, tab, ntables)
     k = seen.keys[seen.admitted]
     return (
         xp.concatenate([keys[keep], k]),
