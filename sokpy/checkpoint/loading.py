@@ -270,21 +270,19 @@ def new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm
     the rows' ``scores`` (int64 ``[n, 2]``; None: zeros) and its ``step``, and keeps the share
     of highest score where the rows pass it (``HashStorage.insert_scored``)."""
     xp = runtime.xp()
-    order = np.argsort(owner, kind="stable")
-    counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
-    # The shares are read on the host; they travel (and land) as arrays of the backend.
-    rk, _ = comm.alltoallv(xp.asarray(keys[order]), counts)
-    rr, _ = comm.alltoallv(xp.asarray(np.ascontiguousarray(rows[order])), counts)
+    capped = var.dynamic and var.storage.capped
+    if capped and scores is None:
+        scores, step = np.zeros((keys.shape[0], 2), np.int64), var.storage.step
+    # The shares are read on the host; they travel (and land) as arrays of the backend. Every
+    # array is sent before anything here can raise.
+    rk, rr, *rs = plan.send_to_owners(owner, [keys, rows] + ([scores] if capped else []), comm)
     if xp.unique(rk).shape[0] != rk.shape[0]:
         raise ValueError("the checkpoint holds a key twice")
     new = var.storage.new_like()
     if not var.dynamic and rk.shape[0] != new.size:
         raise ValueError(f"the checkpoint holds {rk.shape[0]} of the {new.size} rows this rank holds")
-    if var.dynamic and new.capped:
-        if scores is None:
-            scores, step = np.zeros((keys.shape[0], 2), np.int64), var.storage.step
-        rs, _ = comm.alltoallv(xp.asarray(np.ascontiguousarray(scores[order])), counts)
-        found, kept = new.insert_scored(rk, xp.asarray(rs).reshape(-1, 2), step)
+    if capped:
+        found, kept = new.insert_scored(rk, xp.asarray(rs[0]).reshape(-1, 2), step)
         rr = rr[kept]
     else:
         found = new.find(rk, insert=True)

@@ -70,12 +70,12 @@ def gather_state(variables) -> list[dict[str, Any] | None]:
         for var in variables:
             s = var.storage
             keys = handoff.to_host(runtime.xp().ascontiguousarray(s.keys()))
-            counts = np.zeros(comm.size, np.int64)
-            counts[0] = keys.size
-            rk, _ = comm.alltoallv(runtime.xp().asarray(keys), counts)
-            rr, _ = comm.alltoallv(runtime.xp().ascontiguousarray(s.data[: s.size]), counts)
             capped = var.dynamic and s.capped
-            rs = comm.alltoallv(runtime.xp().ascontiguousarray(s.scores()), counts)[0] if capped else None
+            to_rank0 = np.zeros(keys.size, np.int64)  # every row's owner here: rank 0
+            rk, rr, *scored = plan.send_to_owners(
+                to_rank0, [keys, s.data[: s.size]] + ([s.scores()] if capped else []), comm
+            )
+            rs = scored[0] if capped else None
             sightings = _gather_sightings(var, comm)
             if comm.rank != 0:
                 out.append(None)
@@ -108,9 +108,7 @@ def _gather_sightings(var, comm):
     f = var.admission if var.dynamic else None
     if f is None:
         return None
-    counts = np.zeros(comm.size, np.int64)
-    counts[0] = f.depth * f.width
-    got, _ = comm.alltoallv(f.counters.reshape(-1), counts)
+    (got,) = plan.send_to_owners(np.zeros(1, np.int64), [f.counters.reshape(1, -1)], comm)  # one row to rank 0
     return handoff.to_host(got).reshape(comm.size, f.depth, f.width) if comm.rank == 0 else None
 
 
@@ -120,16 +118,16 @@ def _scatter_sightings(var, entries: tuple[np.ndarray | None, dict] | None, send
     None: an empty filter), each rank's share as ``admission.shares`` says; collective."""
     f = var.admission.new_like()
     size = f.depth * f.width
-    send, counts = np.empty(0, np.uint32), np.zeros(comm.size, np.int64)
+    owner, send = np.empty(0, np.int64), np.empty((0, size), np.uint32)
     if comm.rank == sender:
         assert entries is not None  # the sender holds them
         state, saved = entries
-        counts[:] = size
+        owner = np.arange(comm.size, dtype=np.int64)  # row d (rank d's share) to rank d
         if state is None:
-            send = np.zeros(comm.size * size, np.uint32)
+            send = np.zeros((comm.size, size), np.uint32)
         else:
-            send = admission.shares(state, comm.size, same_placement(var, saved))
-    got, _ = comm.alltoallv(runtime.xp().asarray(send), counts)
+            send = admission.shares(state, comm.size, same_placement(var, saved)).reshape(comm.size, size)
+    (got,) = plan.send_to_owners(owner, [send], comm)
     f.counters[...] = got.reshape(f.depth, f.width)
     return f
 

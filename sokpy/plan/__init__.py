@@ -38,7 +38,9 @@ The package's parts, one concern each (a call's data flow through them is above)
   ``COMBINERS``;
 * :mod:`sokpy.plan.routing`: the routing of keys to owners (:func:`~sokpy.plan.routing.route`,
   ``route_keys``' packed sort values, :func:`~sokpy.plan.routing.sort_bits`), and the
-  single-table routing of ``assign`` and ``load`` (:func:`owners`, :func:`rows_of`);
+  single-table routing of ``assign`` and ``load`` (:func:`owners`, :func:`rows_of`), and the
+  one exchange of rows to their owners outside a lookup (:func:`send_to_owners`, used by
+  ``assign``, checkpoint loads, ``load_state`` and ``gather_state``);
 * :mod:`sokpy.plan.dedup`: :class:`~sokpy.plan.dedup.Dedup`, the call's keys grouped by
   (owner, table) and deduplicated;
 * :mod:`sokpy.plan.dynamic_rows`: the keys' stored rows on their owner (``find_rows``) and the
@@ -62,11 +64,11 @@ Example::
 from .dedup import Dedup as Dedup
 from .layout import row_header as row_header
 from .lookup_plan import COMBINERS, LookupPlan
-from .routing import owners, rows_of
+from .routing import owner_counts, owners, rows_of, send_to_owners
 from .table_sets import TableSet as TableSet
 from .table_sets import forget_table_sets as forget_table_sets
 from .table_sets import table_set
 
-__all__ = ["LookupPlan", "table_set", "owners", "rows_of", "COMBINERS"]
+__all__ = ["LookupPlan", "table_set", "owners", "rows_of", "owner_counts", "send_to_owners", "COMBINERS"]
 
 _Dedup = Dedup  # the name tests/test_lookup.py imports, as before the split

@@ -1,13 +1,20 @@
 """The routing of keys to their owners: ``route_keys``' packed sort values (:func:`route`,
-:func:`sort_bits`), and the single-table routing of ``assign`` and ``load`` (:func:`owners`,
-:func:`rows_of`)."""
+:func:`sort_bits`), the single-table routing of ``assign`` and ``load`` (:func:`owners`,
+:func:`rows_of`), and the exchange that sends rows to their owners outside a lookup
+(:func:`send_to_owners`: ``assign``, checkpoint loads and ``load_state``, ``gather_state``)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import handoff, kernels, runtime
 from .table_sets import bits, table_set
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
 
 
 def route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_bits: int):
@@ -68,3 +75,46 @@ def rows_of(var, keys, insert: bool, verdict=None):
     xp = runtime.xp()
     keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))
     return var.storage.find(keys, insert) if verdict is None else var.storage.find(keys, insert, verdict)
+
+
+# ---- rows to their owners: one exchange for assign, loads and states ---------------------------
+
+
+def owner_counts(owner: np.ndarray, world: int) -> np.ndarray:
+    """How many rows go to each rank: int64 ``[world]`` (host) of the host ``owner`` ranks.
+    What :func:`send_to_owners` sends each peer, for a caller that agrees on it first."""
+    return np.bincount(owner, minlength=world).astype(np.int64)
+
+
+def send_to_owners(
+    owner: np.ndarray,
+    arrays: Sequence[Any],
+    comm: Communicator,
+    recv_counts: np.ndarray | None = None,
+    large: bool | None = None,
+) -> list[Any]:
+    """Sends row i of every array of ``arrays`` to rank ``owner[i]`` and returns what this
+    rank receives: per array, the rows every rank sent it, as arrays of the backend
+    (``runtime.xp()``), by sending rank and, within a rank, in the sender's order (a stable
+    grouping by owner). Collective: every rank calls it with the same number of arrays, in
+    the same order, and nothing in it raises before its exchanges.
+
+    ``owner``: host int64 ``[n]``, the rank of each row (all zeros: everything to rank 0);
+    ``arrays``: the rows, each ``[n, ...]``, on the host or on the backend's device (host
+    arrays travel as the backend's arrays). The per-peer counts (:func:`owner_counts`) are
+    sent with the first array's all-to-all unless ``recv_counts`` (what each peer sends this
+    rank, e.g. an agreement's) is given, and are reused for the others; then each array is
+    one all-to-all. ``large``: whether the transfers are split below MPI's 32-bit counts (an
+    agreement's ``large``, the same on every rank); None: each all-to-all decides it with
+    an allreduce. Rows already grouped by owner are sent as they are, without a copy."""
+    xp = runtime.xp()
+    owner = np.asarray(owner, dtype=np.int64)
+    counts = owner_counts(owner, comm.size)
+    grouped = bool((owner[1:] >= owner[:-1]).all())
+    order = None if grouped else np.argsort(owner, kind="stable")
+    received = []
+    for a in arrays:
+        send = xp.ascontiguousarray(xp.asarray(a if order is None else a[order]))
+        got, recv_counts = comm.alltoallv(send, counts, recv_counts, large=large)
+        received.append(got)
+    return received

@@ -94,15 +94,14 @@ def assign(var: Table, keys: Any, values: Any) -> None:
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         error = f"table {var.name!r}: {e}" if isinstance(var, Table) else f"{type(e).__name__}: {e}"
     if error is None:
-        order = np.argsort(owner, kind="stable")
-        counts = np.bincount(owner, minlength=comm.size).astype(np.int64)
-        volume = keys.size * (1 + var.dim)
+        counts, volume = plan.owner_counts(owner, comm.size), keys.size * (1 + var.dim)
     else:
         counts, volume = np.zeros(comm.size, np.int64), 0
     with collective.Call("assign", [var]) as call:
-        agreement = call.agree(error, counts, volume)
-        recv_keys, _ = comm.alltoallv(keys[order], counts, agreement.recv_counts, large=agreement.large)
-        recv_values, _ = comm.alltoallv(values[order], counts, agreement.recv_counts, large=agreement.large)
+        agreement = call.agree(error, counts, volume)  # raises on every rank where any rank erred
+        recv_keys, recv_values = plan.send_to_owners(
+            owner, [keys, values], comm, agreement.recv_counts, large=agreement.large
+        )
     keep = _last_of_equal(recv_keys)
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
     rows = plan.rows_of(var, recv_keys, insert=True, verdict=_room_verdict(var))
