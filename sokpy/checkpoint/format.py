@@ -275,12 +275,12 @@ def _check_manifest(file: Path, m: dict) -> None:
     )
 
 
-def read_table(path, name: str):
+def read_table(path, name: str | None):
     """``(keys, values)`` of table ``name`` in the checkpoint at ``path``, from every saved rank,
     as numpy arrays (checked against the manifest), the values in float32 whatever the table's
     type (a half table's widened, exactly). Needs no sokpy runtime: serving code can
     use this, or numpy directly (``docs/checkpoints.md``). A missing, truncated or corrupt
-    manifest or file, or a table the checkpoint does not hold, raises
+    manifest or file, or a table the checkpoint does not hold (``name`` None: none), raises
     :class:`~sokpy.errors.CheckpointError` naming the file and the table.
 
     Example::

@@ -189,9 +189,7 @@ def inference_module(source, configs=None, *, rank: int = 0):
         reads: list[tuple[str, int, str | None]] = []
         states = []
         for i, s in enumerate(specs):
-            # A config without a name (s.name None) names no table: read_table says so (its annotation,
-            # checkpoint/'s, asks for a str).
-            keys, values = checkpoint.read_table(source, s.name)  # type: ignore[arg-type]
+            keys, values = checkpoint.read_table(source, s.name)  # a config without a name: no such table
             order = np.argsort(keys, kind="stable")
             states.append((s.rows is None, keys[order], values[order]))
             reads.extend((f, i, s.pooling) for f in s.features)
