@@ -31,24 +31,38 @@ of rows (forward and backward) the leading slots are padded to whole cache lines
 (``row_header``), so that rows of 16, 32, 64 ... floats start on a line when the buffer
 does: a row then costs one line, not two.
 
-The package's parts, one concern each (a call's data flow through them is above):
+The package's parts, one concern each (a call's data flow through them is above). Each stage
+is a function over frozen records (what it needs and what it gives); what differs between one
+rank and several is a strategy object, chosen once per call:
 
-* :mod:`sokpy.plan.lookup_plan`: :class:`LookupPlan` (its construction, the forward: checks,
-  routing and grouping before the header, the exchange of keys and rows, pooling) and
-  ``COMBINERS``;
+* :mod:`sokpy.plan.lookup_plan`: :class:`LookupPlan`, which runs the stages top to bottom in
+  its forward and backward, and ``COMBINERS``;
+* :mod:`sokpy.plan.call`: the call's records (``Call``, ``CallShape``: :func:`describe`'s
+  sizes and sort bits, ``DeviceBatch``, ``Header``);
+* :mod:`sokpy.plan.call_tables`: ``CallTables``, the call's table descriptor on the host and
+  the backend, the one part of a call that changes as it runs (a dynamic table grows, the
+  pooling's source is set);
 * :mod:`sokpy.plan.routing`: the routing of keys to owners (:func:`~sokpy.plan.routing.route`,
-  ``route_keys``' packed sort values, :func:`~sokpy.plan.routing.sort_bits`), and the
-  single-table routing of ``assign`` and ``load`` (:func:`owners`, :func:`rows_of`), and the
-  one exchange of rows to their owners outside a lookup (:func:`send_to_owners`, used by
-  ``assign``, checkpoint loads, ``load_state`` and ``gather_state``);
+  ``route_keys``' packed sort values, :func:`~sokpy.plan.routing.sort_bits`, the range
+  verdict), and the single-table routing of ``assign`` and ``load`` (:func:`owners`,
+  :func:`rows_of`), and the one exchange of rows to their owners outside a lookup
+  (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state`` and
+  ``gather_state``);
+* :mod:`sokpy.plan.one_rank`: ``OneRank``, the strategy of a call on one rank (no exchange;
+  the backward deduplicates);
+* :mod:`sokpy.plan.several_ranks`: ``SeveralRanks``, the requester's stages on several ranks
+  (``group_keys``, ``exchange_keys``, ``exchange_rows``, and the gradient rows sent back);
+* :mod:`sokpy.plan.owner`: the owner's stages (``gather_owned_rows`` in the forward,
+  ``owner_chunk`` in the backward);
 * :mod:`sokpy.plan.dedup`: :class:`~sokpy.plan.dedup.Dedup`, the call's keys grouped by
   (owner, table) and deduplicated;
 * :mod:`sokpy.plan.dynamic_rows`: the keys' stored rows on their owner (``find_rows``) and the
   dynamic tables' growth, eviction step (``max_rows``) and admission (``admit_after``) before
-  it (:class:`~sokpy.plan.dynamic_rows.DynamicRows`, a base class of LookupPlan);
-* :mod:`sokpy.plan.backward`: the backward (:class:`~sokpy.plan.backward.Backward`, a base class
-  of LookupPlan): gradient rows to their owners, the owners' ``GradChunk``, the weights'
-  gradients;
+  it;
+* :mod:`sokpy.plan.pooling`: ``pool`` (``combine_forward``), the outputs over one buffer and
+  the weights' gradients;
+* :mod:`sokpy.plan.backward`: the backward's shared stages (the outputs' gradients as the
+  kernels read them, ``sum_gradient_rows``);
 * :mod:`sokpy.plan.table_sets`: :class:`TableSet` (a list of tables' descriptor and addresses)
   and its cache (:func:`table_set`, :func:`forget_table_sets`);
 * :mod:`sokpy.plan.layout`: the buffers of rows between ranks (:func:`row_header`).

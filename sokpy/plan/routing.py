@@ -29,6 +29,20 @@ def route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_
     return packed, bad
 
 
+def check_range(batch, tables: list, bad: int) -> None:
+    """Raises for route_keys' first key out of range (at position ``bad`` of ``batch``'s keys;
+    their number: none), naming its table, key and position."""
+    if bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts
+        key_start = batch.host_key_start()
+        t = int(np.searchsorted(key_start, bad, side="right")) - 1
+        var = tables[t]
+        key = int(handoff.to_host(batch.keys[bad : bad + 1])[0])
+        raise ValueError(
+            f"table {var.name!r} (index {t}): key {key} at position "
+            f"{bad - int(key_start[t])} is out of range [0, {var.rows})"
+        )
+
+
 def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
     """``(pos_bits, value_bits)`` of a packed sort value ``(group, value, position)``
     (``route_keys``' layout, where ``value_bits`` is ``sv_bits``): the position of a key in
