@@ -123,3 +123,11 @@ def test_streaming_soak_script_runs(tmp_path):
         assert 0.0 <= w["hit_rate"] < last["uncapped"]["hit_rate"] <= 1.0
         assert {"step_time_ratio", "auc_diff", "memory_met"} <= set(report["summary"]["goals"][kind])
     assert last["lru+admit2"]["inserted"] < last["lru"]["inserted"]  # keys seen once get no row
+
+
+def test_python_call_count_script_runs(tmp_path):
+    """benchmarks/count_python_calls.py end to end on tiny tables: one count per phase."""
+    args = [str(ROOT / "benchmarks" / "count_python_calls.py"), "--tables", "3", "--rows", "100", "--batch", "16"]
+    out = run([*args, "--calls", "3"], tmp_path)
+    counts = {line.split(":")[0]: int(line.split()[1]) for line in out.splitlines() if "Python calls" in line}
+    assert set(counts) == {"forward", "step"} and 0 < counts["forward"] < counts["step"], out
