@@ -1,6 +1,6 @@
-"""DynamicVariable at 1-4 ranks against references written independently of sokpy: dict-of-rows
-tables trained with the numpy formulas, initial values from the documented counter-based
-formula in numpy (tests/workers/reference.py)."""
+"""DynamicVariable at 1-4 ranks against references written independently of sokpy: tables of
+rows found by a dict from key to row, trained with the numpy formulas, initial values from the
+documented counter-based formula in numpy (tests/workers/reference.py)."""
 
 import sys
 from pathlib import Path

@@ -223,12 +223,23 @@ print("built " + json.dumps({name: str(m.path) for name, m in mods.items()}))
 """
 
 
-def test_concurrent_builds_share_one_cache(tmp_path):
+# The sources the concurrent builders compile: real kernels (copy_rows among them, for the
+# run), not optimizers.cu, whose host build alone takes 11 of the 16 s all four take.
+CONCURRENT_SOURCES = ["embedding.cu", "hash_table.cu", "sort.cu"]
+
+
+def test_concurrent_builds_share_one_cache(kernel_dir, tmp_path):
+    """Two processes that build the same kernel modules at once, into one empty cache: the
+    cache ends with one library per source, both processes load those same libraries, one
+    of them runs right, and no temporary file is left behind."""
+    for name in CONCURRENT_SOURCES:
+        shutil.copy(SRC_DIR / name, kernel_dir)
     cache, sync = tmp_path / "cache", tmp_path / "sync"
     sync.mkdir()
     env = dict(
         os.environ,
         SOKPY_CACHE_DIR=str(cache),
+        SOKPY_CUDA_SRC=str(kernel_dir),
         OMP_NUM_THREADS="2",
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
@@ -250,7 +261,10 @@ def test_concurrent_builds_share_one_cache(tmp_path):
     assert built[0] == built[1], "the two processes loaded different libraries"
     entries = sorted((cache / "kernels").iterdir())
     libs = [p for p in entries if p.suffix == ".so"]
-    assert sorted(p.name.split("-")[0] for p in libs) == sorted(cu.stem for cu in SOURCES), entries
+    stems = sorted(cu.stem for cu in kernels.kernel_sources(kernel_dir))
+    assert sorted(p.name.split("-")[0] for p in libs) == stems == sorted(n.split(".")[0] for n in CONCURRENT_SOURCES), (
+        entries
+    )
     assert {str(p) for p in libs} == set(built[0].values())
     leftovers = [p for p in entries if p not in libs and not (p.is_file() and p.name.endswith(".so.lock"))]
     assert not leftovers, f"temporary files left in the cache: {leftovers}"

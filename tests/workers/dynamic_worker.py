@@ -4,8 +4,8 @@ Modes (argv[1]):
   train KIND SEED   a dynamic table (capacity 16), a dynamic table on the last rank and a static
                     table, in one lookup per step, trained with KIND for many steps; keys at the
                     int64 edges; in the middle of training one step brings 110k new keys over all ranks
-                    (the tables grow from 16 rows to 100k+). Compared with dict-of-rows tables
-                    trained by the numpy formulas, initial values from the numpy init formula.
+                    (the tables grow from 16 rows to 100k+). Compared with reference tables (rows
+                    by key) trained by the numpy formulas, initial values from the numpy init formula.
   init PATH         rank 0 writes the rows a fixed set of keys starts with (.npz)
   insert_false      lookups with insert=False read unseen keys as zero rows and create nothing;
                     their gradients are dropped; len() is the global row count
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import torch
-from reference import NumpyOptimizer, dynamic_owner, uniform_init
+from reference import ReferenceTable, dynamic_owner, uniform_init
 
 import sokpy
 
@@ -38,16 +38,23 @@ STEPS = 10
 GROW_STEP = 5
 
 
-def gather_table(var) -> dict:
-    """{key: row} of a table's rows on every rank (each key on exactly one rank)."""
+def gather_rows(var) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of a table's rows on every rank, sorted by key (each key on exactly one rank)."""
     keys, values = sokpy.export(var)
     parts = sokpy.comm().allgather_object((keys.numpy(), values.numpy()))
-    out = {}
-    for k, v in parts:
-        for key, row in zip(k.tolist(), v):
-            assert key not in out, f"key {key} exported by two ranks"
-            out[key] = row
-    return out
+    keys = np.concatenate([k for k, _ in parts])
+    rows = np.concatenate([v for _, v in parts]).reshape(len(keys), -1)
+    order = np.argsort(keys, kind="stable")
+    keys, rows = keys[order], rows[order]
+    twice = keys[1:][keys[1:] == keys[:-1]]
+    assert not twice.size, f"key {twice[:1]} exported by two ranks"
+    return keys, rows
+
+
+def gather_table(var) -> dict:
+    """{key: row} of a table's rows on every rank (each key on exactly one rank)."""
+    keys, rows = gather_rows(var)
+    return dict(zip(keys.tolist(), rows))
 
 
 def step_keys(seed, step, rank, table):
@@ -75,6 +82,25 @@ def upstream(seed, step, rank, table, nbags):
     return np.random.default_rng([seed, step, rank, table, 7]).normal(size=(nbags, DIM)).astype(np.float32)
 
 
+def bags_of(seed, step, rank, table):
+    """:func:`step_keys` of one table, the static table's keys folded into its 50 rows."""
+    v, o, w = step_keys(seed, step, rank, table)
+    return (np.abs(v) % 50, o, w) if table == 2 else (v, o, w)
+
+
+def key_gradients(offsets, weights, up, mean: bool) -> np.ndarray:
+    """The gradient (float32 [values, dim]) each value of the bags receives from the upstream
+    gradient ``up`` of its bag: ``up * weight`` under "sum", ``up / sum(weights of the bag) *
+    weight`` under "mean"."""
+    nbags = len(offsets) - 1
+    bag = np.repeat(np.arange(nbags), np.diff(offsets))
+    g = up[bag]
+    if mean:
+        den = np.array([weights[offsets[b] : offsets[b + 1]].sum(dtype=np.float32) for b in range(nbags)], np.float32)
+        g = g / den[bag][:, None]
+    return g * weights[:, None]
+
+
 def check_train(kind, seed):
     cls, hp = CONFIGS[kind]
     init = sokpy.initializers.uniform(LOW, HIGH)
@@ -83,19 +109,12 @@ def check_train(kind, seed):
     static = sokpy.Variable(50, DIM, initializer=init, seed=seed, name="static")
     tables = [dyn, dyn_at, static]
     opt = getattr(sokpy.optim, cls)(tables, **hp)
-    # The reference: dict-of-rows tables, one NumpyOptimizer row at a time (keys in a dict).
-    refs = [{}, {}, {}]
-    ref_opt = {}  # (table, key) -> NumpyOptimizer over a single row (its slots)
-    table_steps = [0, 0, 0]  # Adam's t counts the steps in which the table got a gradient
-    refs[2] = dict(zip(range(50), uniform_init(seed, "static", np.arange(50), DIM, LOW, HIGH)))  # all rows exist
+    # The reference: one ReferenceTable per table (rows by key, the numpy formulas on them).
     names = ["dyn", "dyn_at", "static"]
+    refs = [ReferenceTable(kind, hp) for _ in names]
+    refs[2].add(np.arange(50), uniform_init(seed, "static", np.arange(50), DIM, LOW, HIGH))  # all rows exist
     for step in range(STEPS):
-        mine = []
-        for t in range(3):
-            v, o, w = step_keys(seed, step, RANK, t)
-            if t == 2:
-                v = np.abs(v) % 50
-            mine.append((v, o, w))
+        mine = [bags_of(seed, step, RANK, t) for t in range(3)]
         ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w)) for v, o, w in mine]
         outs = sokpy.lookup_sparse(tables, ids, combiners=["sum", "mean", "sum"])
         ups = [upstream(seed, step, RANK, t, len(mine[t][1]) - 1) for t in range(3)]
@@ -103,47 +122,32 @@ def check_train(kind, seed):
         opt.step()
         opt.zero_grad()
         # Reference step (rank 0 computes it and checks the whole table: every rank's bags are
-        # known to every rank, and gather_table gives every rank the same rows).
+        # known to every rank, and gather_rows gives every rank the same rows).
         if RANK == 0:
-            for t in range(3):
-                grads = {}
-                for r in range(WORLD):
-                    v, o, w = step_keys(seed, step, r, t)
-                    if t == 2:
-                        v = np.abs(v) % 50
-                    u = upstream(seed, step, r, t, len(o) - 1)
-                    for b in range(len(o) - 1):
-                        ks, ws = v[o[b] : o[b + 1]], w[o[b] : o[b + 1]]
-                        den = 1.0 if t != 1 else float(ws.astype(np.float32).sum(dtype=np.float32))
-                        for key, wk in zip(ks.tolist(), ws):
-                            g = (u[b] / np.float32(den)) * wk if den != 1.0 else u[b] * wk
-                            grads[key] = grads.get(key, 0) + g.astype(np.float64)
-                    new = [k for k in dict.fromkeys(v.tolist()) if k not in refs[t]]
-                    if new:
-                        rows = uniform_init(seed, names[t], np.array(new, np.int64), DIM, LOW, HIGH)
-                        for k, row in zip(new, rows):
-                            refs[t][k] = row
-                table_steps[t] += 1  # every table's output is used in every step
-                for key, g in grads.items():
-                    o_ = ref_opt.get((t, key))
-                    if o_ is None:
-                        o_ = ref_opt[(t, key)] = NumpyOptimizer(kind, refs[t][key][None, :], **hp)
-                    else:
-                        o_.w = refs[t][key][None, :].copy()
-                    o_.t = table_steps[t] - 1  # step() counts it up to the table's count
-                    o_.step(g[None, :], np.array([True]))
-                    refs[t][key] = o_.w[0]
+            for t, ref in enumerate(refs):
+                bags = [bags_of(seed, step, r, t) for r in range(WORLD)]
+                keys = np.concatenate([v for v, _, _ in bags])
+                new = np.array([k for k in dict.fromkeys(keys.tolist()) if k not in ref.row], np.int64)
+                ref.add(new, uniform_init(seed, names[t], new, DIM, LOW, HIGH))
+                grads = [
+                    key_gradients(o, w, upstream(seed, step, r, t, len(o) - 1), t == 1)
+                    for r, (_, o, w) in enumerate(bags)
+                ]
+                ref.step(keys, np.concatenate(grads))  # every table's output is used in every step
     for t, var in enumerate(tables):
-        got = gather_table(var)
+        got_keys, got_rows = gather_rows(var)
         if RANK != 0:
             continue
-        assert set(got) == set(refs[t]), f"rank {RANK}: table {var.name}: keys differ ({len(got)} vs {len(refs[t])})"
-        keys = list(refs[t])
-        want, have = np.stack([refs[t][k] for k in keys]), np.stack([got[k] for k in keys])
-        close = np.isclose(have, want, rtol=2e-4, atol=2e-5).all(axis=1)
+        ref = refs[t]
+        order = np.argsort(ref.keys)
+        keys, want = ref.keys[order], ref.opt.w[order]
+        assert np.array_equal(got_keys, keys), (
+            f"rank {RANK}: table {var.name}: keys differ ({len(got_keys)} vs {len(keys)})"
+        )
+        close = np.isclose(got_rows, want, rtol=2e-4, atol=2e-5).all(axis=1)
         if not close.all():
             i = int(np.argmin(close))
-            raise AssertionError(f"rank {RANK}: {kind} table {var.name} key {keys[i]}: {have[i]} vs {want[i]}")
+            raise AssertionError(f"rank {RANK}: {kind} table {var.name} key {keys[i]}: {got_rows[i]} vs {want[i]}")
     assert len(dyn) > 100_000, len(dyn)
     assert dyn.storage.growths >= 2, f"rank {RANK}: the table grew {dyn.storage.growths} times from 16 rows"
     mine = sokpy.export(dyn)[0].numpy()

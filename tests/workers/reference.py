@@ -133,7 +133,7 @@ class NumpyOptimizer:
         self.w[rows] = w.astype(np.float32)
 
 
-# ---- dynamic tables: initial values and dict-of-rows training, from the documented formulas ----
+# ---- dynamic tables: initial values and keyed-row training, from the documented formulas ----
 
 _M64 = (1 << 64) - 1
 
@@ -174,6 +174,42 @@ def dynamic_owner(keys, world: int) -> np.ndarray:
     """The rank of a dynamic table's keys: mix64(k) % W."""
     with np.errstate(over="ignore"):
         return (_mix64(np.asarray(keys, np.int64).view(np.uint64)) % np.uint64(world)).astype(np.int64)
+
+
+class ReferenceTable:
+    """A dynamic table's reference: the rows of the keys seen so far (``keys``, in the order
+    they were added; ``row`` maps a key to its row) and one :class:`NumpyOptimizer` over them,
+    whose weights and slots grow with the rows (new rows' slots at their initial values)."""
+
+    def __init__(self, kind: str, hp: dict):
+        self.kind, self.hp = kind, hp
+        self.keys = np.zeros(0, np.int64)
+        self.row: dict[int, int] = {}
+        self.opt: NumpyOptimizer | None = None
+
+    def add(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """New rows: ``keys`` (none of them present yet) start at ``rows``."""
+        fresh = NumpyOptimizer(self.kind, rows, **self.hp)
+        if self.opt is None:
+            self.opt = fresh
+        else:
+            for name, value in vars(fresh).items():
+                if isinstance(value, np.ndarray):
+                    setattr(self.opt, name, np.concatenate([getattr(self.opt, name), value]))
+        self.row.update(zip(keys.tolist(), range(len(self.keys), len(self.keys) + len(keys))))
+        self.keys = np.concatenate([self.keys, keys.astype(np.int64)])
+
+    def step(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        """One optimizer step of the table: ``grads[i]`` (float32) is a gradient of key
+        ``keys[i]``; a key's gradients are summed in float64 in order, and the rows of the keys
+        that got one are updated (Adam's step count counts the table's steps)."""
+        assert self.opt is not None, "a step before any row"
+        rows = np.array([self.row[k] for k in keys.tolist()], np.int64)
+        total = np.zeros(self.opt.w.shape, np.float64)
+        np.add.at(total, rows, grads.astype(np.float64))
+        touched = np.zeros(len(self.keys), bool)
+        touched[rows] = True
+        self.opt.step(total, touched)
 
 
 def sum_pooled(values, offsets, value, dim: int) -> np.ndarray:
