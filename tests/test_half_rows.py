@@ -572,6 +572,62 @@ def test_convert_loads_across_dtypes_rounding_to_nearest_even(sokpy_host, tmp_pa
             del dst, load
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_load_in_the_saved_type_sends_stored_rows_and_keeps_every_bit(sokpy_host, tmp_path, monkeypatch, dtype):
+    """A half table loaded from values saved in its own type sends its rows to their owners as
+    the table stores them (the 16-bit words packed, then the float32 slots: ``width`` floats a
+    row, not ``dim`` + slots), and keeps every word, NaN payloads and signalling NaNs too (no
+    float operation touches them); loaded with convert from float32 values, the rows travel
+    unpacked and are rounded at their owner."""
+    sokpy = sokpy_host
+    from sokpy.checkpoint import loading
+
+    widths = []
+    send = loading.plan.send_to_owners
+
+    def recording(owner, arrays, comm, *args, **kwargs):
+        widths.append(int(arrays[1].shape[1]))
+        return send(owner, arrays, comm, *args, **kwargs)
+
+    monkeypatch.setattr(loading.plan, "send_to_owners", recording)
+    dim = 5  # odd: the last float32 column holds one word and a pad
+    v = sokpy.DynamicVariable(dim, name=f"packed_{dtype}", dtype=dtype)
+    opt = sokpy.optim.Adagrad([v], lr=0.1)
+    keys = torch.tensor([3, 11, 12345678901], dtype=torch.int64)
+    sokpy.lookup_sparse(v, [[3, 11], [12345678901]], combiners="sum")[0].sum().backward()
+    opt.step()
+    bits = words(v).copy()
+    nan = 0x7C01 if dtype == "float16" else 0x7F81  # a signalling NaN (quiet bit clear), payload 1
+    bits[0, 0], bits[1, 4] = nan, nan | 0x8000 | 0x0100
+    v.weight.view(torch.int16).copy_(torch.from_numpy(bits.view(np.int16)))
+    before = rows_bits_by_key(v)
+    sokpy.save(tmp_path / "ck", [v], optimizer=opt)
+    v.weight.view(torch.int16).zero_()
+    sokpy.load(tmp_path / "ck", [v], optimizer=opt)
+    assert widths == [v.storage.width] and v.storage.width < v.storage.unpacked_width
+    after = rows_bits_by_key(v)
+    assert set(before) == set(after) == set(keys.tolist())
+    for k in before:
+        assert np.array_equal(before[k], after[k]), (k, before[k], after[k])
+    widths.clear()
+    f32 = sokpy.DynamicVariable(dim, name="packed_src", initializer=0.5)
+    sokpy.lookup_sparse(f32, [[3]], combiners="sum")
+    sokpy.save(tmp_path / "ck32", [f32])
+    del f32  # its name goes with it
+    dst = sokpy.DynamicVariable(dim, name="packed_src", dtype=dtype)
+    sokpy.load(tmp_path / "ck32", [dst], convert=True)
+    assert widths == [dst.storage.unpacked_width]
+    assert (sokpy.export(dst)[1] == 0.5).all()
+
+
+def rows_bits_by_key(var) -> dict:
+    """Each stored key's row as the table stores it (its 16-bit words, then the slots' bits)."""
+    s = var.storage
+    words16 = s.data[: s.size].view(np.uint16)  # the pad of an odd dim's last column left out
+    rows = np.concatenate([words16[:, : s.dim], words16[:, 2 * s.value_cols :]], axis=1)
+    return {int(k): rows[i].copy() for i, k in enumerate(np.asarray(s.keys(0, s.size)).tolist())}
+
+
 def test_state_dict_holds_half_weights_in_their_type(sokpy_host):
     """EmbeddingBagCollection.state_dict(): a half table's values are torch.float16 /
     torch.bfloat16 tensors (slots float32), as TorchRec's FP16 tables; torch.save with

@@ -74,15 +74,6 @@ def values_dtype(spec: dict) -> str:
     return spec.get("values_dtype", "float32")
 
 
-def encode_values(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values ``[n, dim]`` of a ``dtype`` table (exactly representable in it, as
-    widening gave them) as a values file holds them (:data:`VALUE_DTYPES`), bit for bit."""
-    values = np.ascontiguousarray(values, np.float32)
-    if dtype == "bfloat16":  # the upper 16 bits; the lower ones are zero
-        return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-    return values.astype(VALUE_DTYPES[dtype])
-
-
 def decode_values(values: np.ndarray, dtype: str) -> np.ndarray:
     """Values as a values file of ``dtype`` holds them, widened to float32 (exact)."""
     if dtype == "bfloat16":
@@ -167,12 +158,14 @@ def read_file(data: Path, entry: dict, table: str, dtype, ncols: int | None) -> 
         raise CheckpointError(f"{path}: table {table!r}: {reason}") from None
 
 
-def read_rank(data: Path, spec: dict, group: dict) -> tuple[np.ndarray, np.ndarray]:
+def read_rank(data: Path, spec: dict, group: dict, widen: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The keys and values one saved rank (``group``) wrote of the table ``spec``, checked;
-    the values widened to float32 (exact) from the type the file holds (:func:`values_dtype`)."""
+    the values widened to float32 (exact) from the type the file holds (:func:`values_dtype`),
+    or, without ``widen``, as the file holds them (16-bit words: as uint16)."""
     keys = read_file(data, group["keys"], spec["name"], np.int64, None)
     stored = values_dtype(spec)
-    values = decode_values(read_file(data, group["values"], spec["name"], VALUE_DTYPES[stored], spec["dim"]), stored)
+    values = read_file(data, group["values"], spec["name"], VALUE_DTYPES[stored], spec["dim"])
+    values = decode_values(values, stored) if widen else values.view(np.uint16) if values.itemsize == 2 else values
     if keys.shape[0] != group["rows"] or values.shape[0] != group["rows"]:
         raise CheckpointError(
             f"{data / group['keys']['file']}: table {spec['name']!r}: {keys.shape[0]} keys and "

@@ -30,7 +30,7 @@ import numpy as np
 from .. import admission, collective, plan, runtime
 from ..errors import CheckpointError
 from ..storage import new_epoch
-from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging
+from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging, values_dtype
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer
@@ -187,7 +187,8 @@ def load(
             try:
                 keys, rows, scores = _read_share(data, saved[var.name], var, var.name in with_slots)
                 step = int(saved[var.name].get("evict_step", 0))
-                parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step)
+                stored = stored_rows(saved[var.name], var)
+                parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step, stored)
                 sightings[var.name] = _read_sightings(data, saved[var.name], var)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
@@ -227,16 +228,20 @@ def _reason(e: Exception) -> str:
 
 
 def _read_share(data: Path, spec: dict, var, with_slots: bool):
-    """Keys and rows (values, then the slots the table has now: the unpacked layout) of the saved ranks this rank
-    reads (saved rank s is read by rank s % W), each file checked; a fault is a CheckpointError
-    naming the file and the table."""
+    """Keys, rows and scores (None: not capped) of the saved ranks this rank reads (saved rank s
+    is read by rank s % W), each file checked; a fault is a CheckpointError naming the file and
+    the table. The rows hold the values, then the slots the table has now: as the table stores
+    them (:meth:`~sokpy.storage.rows.Storage.pack`) where a half table's values were saved in
+    its own type, so that they travel in half the bytes and are not rounded again, else in the
+    unpacked layout (float32 values). :func:`stored_rows` says which."""
     rank, world = runtime.rank(), runtime.world_size()
     s = var.storage
+    packed = stored_rows(spec, var)
     keys, rows, scores = [], [], []
     for group in spec["files"]:
         if group["rank"] % world != rank:
             continue
-        k, values = read_rank(data, spec, group)
+        k, values = read_rank(data, spec, group, widen=not packed)
         if var.dynamic and s.capped:  # rows saved without scores start lowest: (0, 0)
             entry = group.get("scores")
             scores.append(
@@ -257,18 +262,33 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
             else:
                 cols.append(np.full((values.shape[0], s.slot_width(name)), value, np.float32))
         keys.append(k)
-        rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
+        if packed:
+            rest = cols[1:] or [np.empty((values.shape[0], 0), np.float32)]
+            rows.append(s.pack(values, np.concatenate(rest, axis=1)))
+        else:
+            rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
-        return np.empty(0, np.int64), np.empty((0, s.unpacked_width), np.float32), np.empty((0, 2), np.int64)
+        width = s.width if packed else s.unpacked_width
+        return np.empty(0, np.int64), np.empty((0, width), np.float32), np.empty((0, 2), np.int64)
     return np.concatenate(keys), np.concatenate(rows), np.concatenate(scores) if scores else None
 
 
-def new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm, scores=None, step: int = 0):
+def stored_rows(spec: dict, var) -> bool:
+    """Whether a load reads ``var``'s saved rows as the table stores them (a half table whose
+    values files hold its own 16-bit type), not unpacked."""
+    return bool(var.storage.half) and values_dtype(spec) == var.storage.dtype
+
+
+def new_storage(
+    var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm, scores=None, step: int = 0, stored: bool = False
+):
     """This rank's new shard of ``var``, built beside the current one from the rows the
     readers send to their ``owner`` ranks (a collective exchange, made by every rank before
-    anything here can raise); raises ValueError when they do not fit it. A capped table takes
-    the rows' ``scores`` (int64 ``[n, 2]``; None: zeros) and its ``step``, and keeps the share
-    of highest score where the rows pass it (``HashStorage.insert_scored``)."""
+    anything here can raise); raises ValueError when they do not fit it. ``rows`` are in the
+    unpacked layout (float32 values, rounded to a half table's type here) or, with
+    ``stored``, as the table stores them. A capped table takes the rows' ``scores`` (int64
+    ``[n, 2]``; None: zeros) and its ``step``, and keeps the share of highest score where the
+    rows pass it (``HashStorage.insert_scored``)."""
     xp = runtime.xp()
     capped = var.dynamic and var.storage.capped
     if capped and scores is None:
@@ -286,5 +306,6 @@ def new_storage(var, keys: np.ndarray, rows: np.ndarray, owner: np.ndarray, comm
         rr = rr[kept]
     else:
         found = new.find(rk, insert=True)
-    new.data[xp.asarray(found)] = new.narrow(xp.asarray(rr))  # half values: rounded to the table's type
+    # unpacked half values: rounded to the table's type
+    new.data[xp.asarray(found)] = xp.asarray(rr) if stored else new.narrow(xp.asarray(rr))
     return new

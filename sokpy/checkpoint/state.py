@@ -23,7 +23,7 @@ import torch
 from .. import admission, collective, handoff, plan, runtime
 from ..errors import CheckpointError
 from ..storage import new_epoch
-from .format import agree, decode_values, encode_values, table_spec
+from .format import agree, decode_values, table_spec
 from .loading import check_filter, dtype_error, new_storage, same_placement
 
 STATE_FORMAT = "sokpy.table/1"
@@ -80,17 +80,16 @@ def gather_state(variables) -> list[dict[str, Any] | None]:
             if comm.rank != 0:
                 out.append(None)
                 continue
-            rk, rr = handoff.to_host(rk), handoff.to_host(s.widen(rr))
+            rk, rr = handoff.to_host(rk), handoff.to_host(rr)  # stored rows: a half table's words as they are
             order = np.argsort(rk, kind="stable")
             rk, rr = rk[order], rr[order]
-            values = rr[:, s.columns("values", unpacked=True)]
             entry = table_spec(var)
             entry.update(
                 format=STATE_FORMAT,
                 world_size=comm.size,
                 keys=rk,
-                values=encode_values(values, s.dtype) if s.half else np.ascontiguousarray(values),
-                slots={n: np.ascontiguousarray(rr[:, s.columns(n, unpacked=True)]) for n in s.slot_names},
+                values=s.value_words(rr),
+                slots={n: np.ascontiguousarray(rr[:, s.columns(n)]) for n in s.slot_names},
                 optimizer=None if var.optimizer is None else type(var.optimizer).__name__,
                 step=None if var.optimizer is None else var.optimizer.state[var.handle]["step"],
             )

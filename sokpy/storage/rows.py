@@ -182,6 +182,25 @@ class Storage:
         self._narrow_into(unpacked, self.unpacked_width, out, None)
         return out
 
+    def pack(self, bits: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Stored rows ``[n, width]`` (host) of a 16-bit shard from its values' 16-bit words
+        ``bits`` (uint16 ``[n, dim]``, as :meth:`data` holds them) and the slot columns
+        ``slots`` (float32 ``[n, width - value_cols]``): no rounding, the bits as they are."""
+        n = int(bits.shape[0])
+        out = np.zeros((n, self.width), np.float32)
+        out.view(np.uint16)[:, : self.dim] = bits
+        out[:, self.value_cols :] = slots
+        return out
+
+    def value_words(self, stored: np.ndarray) -> np.ndarray:
+        """The values of stored rows (host ``[n, width]``) as a values file holds them
+        (:meth:`pack`'s inverse): float32 ``[n, dim]``, float16, or bfloat16's bit patterns as
+        uint16; no conversion, the bits as they are."""
+        if not self.half:
+            return np.ascontiguousarray(stored[:, : self.dim])
+        words = np.ascontiguousarray(stored[:, : self.value_cols]).view(np.uint16)[:, : self.dim]
+        return np.ascontiguousarray(words.view(np.float16) if self.dtype == "float16" else words)
+
     def set_values(self, rows: Any, values: Any) -> None:
         """Sets the values of stored rows ``rows`` (int64, distinct) to float32 ``values`` ``[n,
         dim]`` (contiguous), rounded to nearest even in a 16-bit shard; slots stay."""
