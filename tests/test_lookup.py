@@ -95,6 +95,34 @@ def test_input_formats_agree(sokpy_host, combiner):
     torch.testing.assert_close(out, _reference(table, [[7], [7], [2]], [[2.0], [1.0], [0.5]], combiner))
 
 
+def test_dense_ids_of_different_hotness_pool_as_each_table_alone(sokpy_host):
+    """Dense ids ([B, H] and [B] tensors, a numpy array) of several tables, each its own batch
+    size and keys per bag, with and without weights: one call gives what each table's own call
+    gives, and so does the same call with one table's ids as an equivalent Ragged input (whose
+    offsets are joined and checked, where dense ids' are arithmetic)."""
+    sokpy = sokpy_host
+    rng = np.random.default_rng(4)
+    tables = [
+        sokpy.Variable(50, 3, initializer=sokpy.initializers.normal(0, 1), seed=t, name=f"hot{t}") for t in range(4)
+    ]
+    ids = [
+        torch.from_numpy(rng.integers(0, 50, (5, 2))),
+        torch.from_numpy(rng.integers(0, 50, 7)),
+        torch.from_numpy(rng.integers(0, 50, (3, 3))),
+        rng.integers(0, 50, (5, 1)),
+    ]
+    weights = [None, torch.rand(7), None, torch.rand(5, 1)]
+    alone = [sokpy.lookup_sparse(t, i, sp_weights=w, combiners="mean") for t, i, w in zip(tables, ids, weights)]
+    together = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=["mean"] * 4)
+    ragged = sokpy.Ragged(ids[2].reshape(-1), torch.arange(0, 10, 3))
+    mixed = sokpy.lookup_sparse(tables, [*ids[:2], ragged, ids[3]], sp_weights=weights, combiners=["mean"] * 4)
+    for a, b, c in zip(alone, together, mixed):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    with pytest.raises(sokpy.InputError, match=r"table 'hot1' \(index 1\): weights must have one entry per key \(7\)"):
+        sokpy.lookup_sparse(tables, ids, sp_weights=[None, [1.0] * 6, None, None], combiners=["mean"] * 4)
+
+
 def test_uncoalesced_coo_keeps_every_entry(sokpy_host):
     """Entries out of order and a repeated coordinate: each key counts once per entry (torch's
     coalesce() would add the two keys at (1, 0) into one key 12)."""

@@ -137,6 +137,57 @@ def check_table(values, offsets, weights) -> None:
             raise ValueError(f"weight at position {int(bad[0])} is not finite ({weights[bad[0]]})")
 
 
+def _hotness(ids) -> int:
+    """The keys per bag of dense ids (a strided ``[B]`` or ``[B, H]`` tensor or array), else 0."""
+    dense = isinstance(ids, np.ndarray) or (isinstance(ids, torch.Tensor) and ids.layout == torch.strided)
+    if not dense or ids.ndim not in (1, 2):
+        return 0
+    return int(ids.shape[1]) if ids.ndim == 2 else 1
+
+
+def _well_formed(parts, sizes, counts) -> bool:
+    """Whether every table's offsets start at 0, end at its key count and never decrease."""
+    if not bool((sizes > 0).all()):
+        return False
+    all_off = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    off_start = segment_starts(sizes)
+    inner = np.diff(all_off)
+    inner[off_start[1:-1] - 1] = 0  # table boundaries are not steps of one table
+    return (
+        bool((all_off[off_start[:-1]] == 0).all())
+        and bool((all_off[off_start[1:] - 1] == counts).all())
+        and bool((inner >= 0).all())
+    )
+
+
+def _fixed_offsets(key_start, bag_start, bags, hotness) -> np.ndarray:
+    """The call's offsets where table t has ``bags[t]`` bags of ``hotness[t]`` keys each: bag b
+    of table t starts at ``key_start[t] + (b - bag_start[t]) * hotness[t]``."""
+    nbags = int(bag_start[-1])
+    if (hotness == hotness[0]).all():  # then key_start[t] = bag_start[t] * hotness
+        return np.arange(nbags + 1, dtype=np.int64) * hotness[0]
+    offsets = np.empty(nbags + 1, np.int64)
+    offsets[:-1] = np.repeat(key_start[:-1] - bag_start[:-1] * hotness, bags)
+    offsets[:-1] += np.arange(nbags, dtype=np.int64) * np.repeat(hotness, bags)
+    offsets[-1] = key_start[-1]
+    return offsets
+
+
+def _joined_offsets(parts, sizes, key_start, bag_start, bags) -> np.ndarray:
+    """The call's offsets: every table's own, each table's last left out (the next one's first)
+    and moved by the keys of the tables before it."""
+    all_off = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    off_start = segment_starts(sizes)
+    offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
+    keep = np.ones(all_off.size, bool)
+    keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
+    offsets[:-1] = all_off[keep]
+    if len(parts) > 1:
+        offsets[:-1] += np.repeat(key_start[:-1], bags)
+    offsets[-1] = key_start[-1]
+    return offsets
+
+
 def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     """:func:`~sokpy.sparse.to_batch` for per-table ids on the host (``sp_weights``: a list with
     one entry per table): each table's input converted, then all checked at once."""
@@ -149,7 +200,6 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     counts = np.fromiter((p[0].size for p in parts), np.int64, ntables)
     sizes = np.fromiter((p[1].size for p in parts), np.int64, ntables)
     key_start = segment_starts(counts)
-    all_off = np.concatenate([p[1] for p in parts]) if ntables > 1 else parts[0][1]
     weighted = np.fromiter((p[2] is not None for p in parts), bool, ntables)
     weights = None
     if weighted.any():
@@ -157,17 +207,13 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
         for t in np.flatnonzero(weighted).tolist():
             if parts[t][2].size == counts[t]:
                 weights[key_start[t] : key_start[t + 1]] = parts[t][2]
+    bags = sizes - 1
+    bag_start = segment_starts(bags)
+    # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
+    hotness = np.fromiter((_hotness(ids) for ids in sp_ids), np.int64, ntables)
+    fixed = ntables > 0 and bool((hotness > 0).all())
     # Every table's structure at once; the exact message of the first faulty table only on failure.
-    off_start = segment_starts(sizes)
-    ok = bool((sizes > 0).all())
-    if ok:
-        inner = np.diff(all_off)
-        inner[off_start[1:-1] - 1] = 0  # table boundaries are not steps of one table
-        ok = (
-            bool((all_off[off_start[:-1]] == 0).all())
-            and bool((all_off[off_start[1:] - 1] == counts).all())
-            and bool((inner >= 0).all())
-        )
+    ok = fixed or _well_formed(parts, sizes, counts)
     if ok and weights is not None:
         ok = all(parts[t][2].size == counts[t] for t in np.flatnonzero(weighted)) and bool(np.isfinite(weights).all())
     if not ok:
@@ -176,14 +222,9 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
                 check_table(*part[:3])
             except ValueError as e:
                 raise BatchError(t, str(e)) from None
-    bags = sizes - 1
-    bag_start = segment_starts(bags)
-    offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
-    keep = np.ones(all_off.size, bool)
-    keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
-    offsets[:-1] = all_off[keep]
-    if ntables > 1:
-        offsets[:-1] += np.repeat(key_start[:-1], bags)
-    offsets[-1] = key_start[-1]
+    if fixed:
+        offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
+    else:
+        offsets = _joined_offsets(parts, sizes, key_start, bag_start, bags)
     keys = np.concatenate([p[0] for p in parts]) if ntables > 1 else parts[0][0]
     return Batch(keys, offsets, weights, key_start, bag_start, weighted, [p[3] for p in parts], [p[4] for p in parts])
