@@ -38,14 +38,14 @@ if TYPE_CHECKING:
     from ..tables.table import Table
 
 
-def dtype_error(var, saved: str | None, convert: bool) -> str | None:
-    """Why a table of another value type than the saved one (``saved``; None: float32) cannot
-    take its rows, or None (the same type, or ``convert``)."""
+def dtype_error(var, saved: str | None, convert: bool, where: str = "the checkpoint") -> str | None:
+    """Why a table of another value type than the one saved in ``where`` (``saved``; None:
+    float32) cannot take its rows, or None (the same type, or ``convert``)."""
     saved = saved or "float32"
     if saved == var.storage.dtype or convert:
         return None
     return (
-        f"its values are {var.storage.dtype} here but {saved} in the checkpoint; pass convert=True (to "
+        f"its values are {var.storage.dtype} here but {saved} in {where}; pass convert=True (to "
         f"sokpy.load or sokpy.checkpoint.load_state) to load them as {var.storage.dtype} (rounded to nearest even "
         "where they do not fit)"
     )

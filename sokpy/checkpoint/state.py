@@ -145,7 +145,7 @@ def _values_type(values, declared: str | None) -> str | None:
     return None
 
 
-def _float32_values(values, held: str | None) -> np.ndarray:
+def _widened(values, held: str | None) -> np.ndarray:
     """A state's values widened to a float32 host array (exact from a half type)."""
     if isinstance(values, torch.Tensor) and held is not None:
         values = values.float()  # exact, on the tensor's device
@@ -179,15 +179,15 @@ def _check_state(var, entry, convert: bool = False) -> Checked | None:
         declared = held if held == var.storage.dtype else None
     elif held is not None and held != declared:
         raise ValueError(f"the state's values are {held}, but its dtype is {declared}")
-    error = dtype_error(var, declared, convert)
+    error = dtype_error(var, declared, convert, where="the state")
     if error is not None:
-        raise ValueError(error.replace("in the checkpoint", "in the state"))
+        raise ValueError(error)
 
     def host(x, dtype):
         return handoff.to_host(handoff.from_torch(x, dtype))
 
     keys = host(entry["keys"], np.int64).reshape(-1)
-    cols = [_float32_values(entry["values"], held)]
+    cols = [_widened(entry["values"], held)]
     if cols[0].shape != (keys.size, var.dim):
         raise ValueError(f"values of shape {list(cols[0].shape)} for {keys.size} keys of dim {var.dim}")
     slots = entry.get("slots") or {}
