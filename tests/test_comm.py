@@ -1,6 +1,6 @@
 """The host communicator (MpiComm) in real mpirun jobs at 1 to 4 ranks.
 
-One job per world size runs every case of ``workers/comm_worker.py``: alltoallv with uneven,
+One job per world size (in that size's rank pool) runs every case of ``workers/comm_worker.py``: alltoallv with uneven,
 zero and one-sided counts (with and without ``recv_counts``), allreduce sum/max/min,
 allgather, allgather_object, bcast from every root and barrier, over float32, float64,
 int64 and int32 arrays of several shapes. Each rank checks its results against references
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpi_job
+from conftest import job_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from comm_worker import GROUPS  # noqa: E402
@@ -29,7 +29,7 @@ def comm_job(tmp_path_factory):
     def run(nranks):
         if nranks not in jobs:
             shared = tmp_path_factory.mktemp(f"comm{nranks}")
-            jobs[nranks] = mpi_job(nranks, "comm_worker.py", shared, timeout=120)
+            jobs[nranks] = job_result(nranks, "comm_worker.py", shared, timeout=120)
         return jobs[nranks]
 
     return run
@@ -58,8 +58,9 @@ def test_collectives(comm_job, nranks, group):
 def test_collectives_with_transfers_split_below_the_count_limit(tmp_path, nranks):
     """Every check again with MPI's per-message element limit lowered to 1000: the pattern with
     one message of 4099 rows (others small) exceeds it on one rank only, and every rank must
-    still take the split path together (the alltoallv decides it collectively)."""
-    job = mpi_job(nranks, "comm_worker.py", tmp_path, timeout=120, env={"SOKPY_MPI_MAX_COUNT": "1000"})
+    still take the split path together (the alltoallv decides it collectively). The limit is
+    lowered inside the job (with_max_count.py), which runs in the rank pool test_collectives used."""
+    job = job_result(nranks, "with_max_count.py", 1000, "comm_worker.py", tmp_path, timeout=120)
     assert job.returncode == 0, f"exit {job.returncode}\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}"
     done = re.findall(r"comm_worker rank=(\d+) size=\d+ group=(\w+) checks=(\d+) failures=(\d+)", job.stdout)
     assert {int(r) for r, *_ in done} == set(range(nranks))

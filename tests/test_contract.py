@@ -7,7 +7,7 @@ silent wrong result or an unrelated error) except assign_order, whose outcome th
 numpy's unspecified order of duplicate assignments and happened to match."""
 
 import pytest
-from conftest import run_mpi
+from conftest import run_mpi, run_python
 
 CASES = [
     "backward_mismatch",
@@ -56,14 +56,22 @@ def test_transfers_split_below_the_mpi_count_limit(nranks):
     """With the element limit of one MPI message lowered to 7, every exchange of a lookup, its
     backward, an assign and the optimizer steps goes through the split transfers (pieces of at
     most 7 elements, decided alike on every rank by the call's header), against the same
-    independent references as the ordinary runs."""
-    env = {"SOKPY_MPI_MAX_COUNT": "7"}
-    out = run_mpi(nranks, "lookup_worker.py", "values", 31, env=env)
+    independent references as the ordinary runs. The limit is lowered inside the jobs
+    (with_max_count.py), so they run in the ordinary rank pools at these world sizes."""
+    out = run_mpi(nranks, "with_max_count.py", 7, "lookup_worker.py", "values", 31)
     assert out.count("values ok") == nranks
-    out = run_mpi(nranks, "lookup_worker.py", "assign", env=env)
+    out = run_mpi(nranks, "with_max_count.py", 7, "lookup_worker.py", "assign")
     assert out.count("assign ok") == nranks
-    out = run_mpi(nranks, "optim_worker.py", "formula", "adagrad,adam", 3, env=env)
+    out = run_mpi(nranks, "with_max_count.py", 7, "optim_worker.py", "formula", "adagrad,adam", 3)
     assert out.count("adam ok") == nranks
+
+
+def test_mpi_count_limit_is_read_from_the_environment_at_import():
+    """``SOKPY_MPI_MAX_COUNT`` sets the limit every reader sees (the split-transfer tests lower
+    it inside their jobs instead, with_max_count.py)."""
+    code = "from sokpy import collective; from sokpy.comm import max_count; print(max_count(), collective.max_count())"
+    res = run_python(code, env={"SOKPY_MPI_MAX_COUNT": "7"})
+    assert res.returncode == 0 and res.stdout.split() == ["7", "7"], res.stdout + res.stderr
 
 
 def test_overflowing_gradient_sum_refused_at_one_rank():
