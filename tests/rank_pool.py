@@ -30,7 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).resolve().parent / "workers" / "pool_server.py"
 START_TIMEOUT = 300  # seconds for every rank of a new pool to import torch and sokpy
-MAX_POOLS = 6  # pools kept alive at once (least recently used ends first)
+# Pools kept alive at once (least recently used ends first). A full run uses 18 kinds (world
+# size x environment); at 6, 13 of its 31 starts came after an eviction (SOKPY_TEST_POOL_LOG).
+# An idle rank holds about 260 MB: 10 pools of at most 4 ranks stay under 11 GB.
+MAX_POOLS = 10
 
 
 @dataclass
