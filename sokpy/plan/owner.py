@@ -34,24 +34,23 @@ class ReceivedKeys:
 
 @dataclass(frozen=True)
 class OwnedRows:
-    """The received keys' stored rows on this rank (-1: not held) and the reply: ``buffer``
-    holds, from element ``sent_at`` on, per peer a header then the rows it asked for;
-    ``seg_elem`` is where each (peer, table) segment's rows start there and ``send_elems``
-    the elements sent to each peer."""
+    """The received keys' stored rows on this rank (-1: not held), and the reply's layout:
+    ``seg_elem`` is where each (peer, table) segment's rows start in it and ``send_elems`` the
+    elements sent to each peer (its header, then the rows it asked for). The backward reads
+    them again; the reply's buffer itself is not kept."""
 
     rows: Any
     seg_elem: Any
     send_elems: np.ndarray
-    buffer: Any
-    sent_at: int
 
 
-def gather_owned_rows(call: Call, received: ReceivedKeys, replies, sent_at: int) -> OwnedRows:
+def gather_owned_rows(call: Call, received: ReceivedKeys, replies, sent_at: int) -> tuple[OwnedRows, Any]:
     """Finds the received keys' rows (growing dynamic tables first) and gathers them, widened
-    to float32, into the reply: one ``gather_rows`` launch. ``replies``: the elements each
-    peer expects back (header included, from the collective header), so that the per-table
-    counts need not come to the host; ``sent_at``: the elements the buffer keeps in front of
-    the reply (the rows this rank receives, where they arrive in place)."""
+    to float32, into the reply: one ``gather_rows`` launch. Returns the rows' record and the
+    buffer that holds the reply from element ``sent_at`` on (the elements in front of it are
+    for the rows this rank receives, where they arrive in place). ``replies``: the elements
+    each peer expects back (header included, from the collective header), so that the
+    per-table counts need not come to the host."""
     xp, shape, tables = runtime.xp(), call.shape, call.tables
     world, ntab = shape.world, shape.ntables
 
@@ -70,7 +69,7 @@ def gather_owned_rows(call: Call, received: ReceivedKeys, replies, sent_at: int)
     nkeys = int(received.keys.shape[0])
     args = (rows, nkeys, received.seg_start, seg_elem, world * ntab, ntab, tables.device_tabs, tables.device_ptrs)
     runtime.launch("gather_rows", nkeys, int(shape.dims.max(initial=1)), (*args, reply))
-    return OwnedRows(rows, seg_elem, send_elems, buffer, sent_at)
+    return OwnedRows(rows, seg_elem, send_elems), buffer
 
 
 def owner_chunk(call: Call, received: ReceivedKeys, owned: OwnedRows, grecv, own: int) -> GradChunk:

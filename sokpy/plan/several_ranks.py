@@ -90,17 +90,16 @@ def exchange_keys(call: Call, groups: KeyGroups, agreement: Agreement) -> Receiv
     return ReceivedKeys(keys, recv_msg - ntab, counts, segment_starts(counts, xp), seg)
 
 
-def exchange_rows(call: Call, groups: KeyGroups, owned: OwnedRows, large: bool) -> Source:
-    """Rows back, then every key's row offset in what arrived (``expand_segments``). In
-    float32 the rows this rank asks itself for are not copied but read where gather_rows put
-    them: one buffer holds the received rows and then the sent ones, so that one address
-    reaches both (the own keys' offsets are moved)."""
+def exchange_rows(call: Call, groups: KeyGroups, owned: OwnedRows, both, sent_at: int, large: bool) -> Source:
+    """Rows back (the reply in ``both`` from element ``sent_at`` on), then every key's row
+    offset in what arrived (``expand_segments``). In float32 the rows this rank asks itself for
+    are not copied but read where gather_rows put them: one buffer holds the received rows and
+    then the sent ones, so that one address reaches both (the own keys' offsets are moved)."""
     comm, xp, d = runtime.comm(), runtime.xp(), groups.dedup
     recv_elems, unique_offsets = groups.recv_elems, groups.unique_offsets
-    reply = owned.buffer[owned.sent_at :]
+    reply = both[sent_at:]
     if call.wire_dtype == "float32":
-        recv_total = owned.sent_at
-        both = owned.buffer
+        recv_total = sent_at
         comm.alltoallv(reply, owned.send_elems, recv_elems, large=large, out=both[:recv_total], skip_self=True)
         rows_in = both
         me, rstart = comm.rank, segment_starts(recv_elems)[:-1]
@@ -141,8 +140,8 @@ class SeveralRanks:
         self.received = exchange_keys(call, groups, agreement)
         in_place = call.wire_dtype == "float32"
         sent_at = int(groups.recv_elems.sum()) if in_place else 0
-        self.owned = gather_owned_rows(call, self.received, agreement.replies, sent_at)
-        return exchange_rows(call, groups, self.owned, agreement.large)
+        self.owned, both = gather_owned_rows(call, self.received, agreement.replies, sent_at)
+        return exchange_rows(call, groups, self.owned, both, sent_at, agreement.large)
 
     def backward_volume(self) -> int:
         assert self.groups is not None
