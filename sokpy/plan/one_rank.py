@@ -11,13 +11,13 @@ import numpy as np
 from .. import handoff, runtime
 from ..collective import Agreement
 from ..gradients import GradChunk, nonfinite_message
-from ..sparse import raise_fault, segment_starts
+from ..sparse import segment_starts
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
 from .dedup import Dedup
 from .dynamic_rows import find_rows
 from .pooling import Pooled, Source
-from .routing import check_range
+from .routing import read_verdict
 
 
 class OneRank:
@@ -31,12 +31,7 @@ class OneRank:
     def group(self, packed, bad) -> Header:
         """The call's one read from the device before the header: its verdict on the ids (the
         range check and the faults the device found in ids that arrived there)."""
-        b, xp = self.call.batch, runtime.xp()
-        faults = [] if b.faults is None else [b.faults.vector]
-        head = handoff.to_host(xp.concatenate([bad, *faults]))
-        if faults:
-            raise_fault(b, head[1:])
-        check_range(b, self.call.tables.tables, int(head[0]))
+        read_verdict(self.call.batch, self.call.tables.tables, bad)
         self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
 

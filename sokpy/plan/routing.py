@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import handoff, kernels, runtime
+from ..sparse import N_FAULTS, Batch, raise_fault
 from .table_sets import bits, table_set
 
 if TYPE_CHECKING:
@@ -29,7 +30,21 @@ def route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_
     return packed, bad
 
 
-def check_range(batch, tables: list, bad: int) -> None:
+def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
+    """The call's one read from the device before its header: the verdict on its ids (``bad``,
+    route_keys' first position of a key out of range, and the faults the device found in ids
+    parsed there, ``batch.faults``), read together with the int64 device arrays ``more``,
+    whose host values it returns, concatenated. Raises the first fault's BatchError, or a
+    ValueError naming the table, key and position of a key out of range."""
+    faults = [] if batch.faults is None else [batch.faults.vector]
+    head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *more]))
+    if faults:
+        raise_fault(batch, head[1 : 1 + N_FAULTS])
+    _check_range(batch, tables, int(head[0]))
+    return head[1 + len(faults) * N_FAULTS :]
+
+
+def _check_range(batch: Batch, tables: list, bad: int) -> None:
     """Raises for route_keys' first key out of range (at position ``bad`` of ``batch``'s keys;
     their number: none), naming its table, key and position."""
     if bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts

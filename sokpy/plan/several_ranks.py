@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import handoff, runtime
+from .. import runtime
 from ..collective import Agreement
 from ..gradients import GradChunk
-from ..sparse import N_FAULTS, raise_fault, segment_starts
+from ..sparse import segment_starts
 from ..wire import from_wire, to_wire
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
@@ -22,7 +22,7 @@ from .dedup import Dedup
 from .layout import add_per_block, rows_after_headers
 from .owner import OwnedRows, ReceivedKeys, gather_owned_rows, owner_chunk
 from .pooling import Pooled, Source
-from .routing import check_range
+from .routing import read_verdict
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,9 @@ def group_keys(call: Call, packed, bad) -> tuple[KeyGroups, Header]:
     world, ntab = shape.world, shape.ntables
     tabs = call.tables.device_tabs
     d = Dedup(packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
-    faults = [] if b.faults is None else [b.faults.vector]
-    head = handoff.to_host(xp.concatenate([bad, d.collided_flag.astype(np.int64), *faults, d.counts(world * ntab)]))
-    if faults:
-        raise_fault(b, head[2 : 2 + N_FAULTS])
-    check_range(b, call.tables.tables, int(head[0]))
-    per = head[2 + len(faults) * N_FAULTS :].reshape(world, ntab)
-    d.finish(int(per.sum()), bool(head[1]))
+    rest = read_verdict(b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
+    per = rest[1:].reshape(world, ntab)
+    d.finish(int(per.sum()), bool(rest[0]))
     owner_bounds = segment_starts(per.sum(axis=1))
     header_slots = shape.header_slots
     recv_elems = header_slots + (per * shape.dims).sum(axis=1)
