@@ -185,9 +185,8 @@ def load(
         parts, sightings, error = {}, {}, None
         for var in variables:
             try:
-                keys, rows, scores = _read_share(data, saved[var.name], var, var.name in with_slots)
+                keys, rows, scores, stored = _read_share(data, saved[var.name], var, var.name in with_slots)
                 step = int(saved[var.name].get("evict_step", 0))
-                stored = stored_rows(saved[var.name], var)
                 parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step, stored)
                 sightings[var.name] = _read_sightings(data, saved[var.name], var)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
@@ -228,15 +227,16 @@ def _reason(e: Exception) -> str:
 
 
 def _read_share(data: Path, spec: dict, var, with_slots: bool):
-    """Keys, rows and scores (None: not capped) of the saved ranks this rank reads (saved rank s
-    is read by rank s % W), each file checked; a fault is a CheckpointError naming the file and
-    the table. The rows hold the values, then the slots the table has now: as the table stores
-    them (:meth:`~sokpy.storage.rows.Storage.pack`) where a half table's values were saved in
-    its own type, so that they travel in half the bytes and are not rounded again, else in the
-    unpacked layout (float32 values). :func:`stored_rows` says which."""
+    """Keys, rows, scores (None: not capped) and whether the rows are stored rows, of the saved
+    ranks this rank reads (saved rank s is read by rank s % W), each file checked; a fault is a
+    CheckpointError naming the file and the table. The rows hold the values, then the slots
+    the table has now: as the table stores them (:meth:`~sokpy.storage.rows.Storage.pack`)
+    where a half table's values were saved in its own type, so that they travel in half the
+    bytes and are not rounded again, else in the unpacked layout (float32 values)."""
     rank, world = runtime.rank(), runtime.world_size()
     s = var.storage
-    packed = stored_rows(spec, var)
+    # stored rows: a half table whose values files hold its own 16-bit type
+    packed = bool(s.half) and values_dtype(spec) == s.dtype
     keys, rows, scores = [], [], []
     for group in spec["files"]:
         if group["rank"] % world != rank:
@@ -269,14 +269,8 @@ def _read_share(data: Path, spec: dict, var, with_slots: bool):
             rows.append(np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
     if not keys:
         width = s.width if packed else s.unpacked_width
-        return np.empty(0, np.int64), np.empty((0, width), np.float32), np.empty((0, 2), np.int64)
-    return np.concatenate(keys), np.concatenate(rows), np.concatenate(scores) if scores else None
-
-
-def stored_rows(spec: dict, var) -> bool:
-    """Whether a load reads ``var``'s saved rows as the table stores them (a half table whose
-    values files hold its own 16-bit type), not unpacked."""
-    return bool(var.storage.half) and values_dtype(spec) == var.storage.dtype
+        return np.empty(0, np.int64), np.empty((0, width), np.float32), np.empty((0, 2), np.int64), packed
+    return np.concatenate(keys), np.concatenate(rows), np.concatenate(scores) if scores else None, packed
 
 
 def new_storage(

@@ -145,12 +145,11 @@ def _hotness(ids) -> int:
     return int(ids.shape[1]) if ids.ndim == 2 else 1
 
 
-def _well_formed(parts, sizes, counts) -> bool:
-    """Whether every table's offsets start at 0, end at its key count and never decrease."""
+def _well_formed(all_off, off_start, sizes, counts) -> bool:
+    """Whether every table's offsets (table t's: ``all_off[off_start[t]:off_start[t + 1]]``)
+    start at 0, end at its key count and never decrease."""
     if not bool((sizes > 0).all()):
         return False
-    all_off = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-    off_start = segment_starts(sizes)
     inner = np.diff(all_off)
     inner[off_start[1:-1] - 1] = 0  # table boundaries are not steps of one table
     return (
@@ -173,16 +172,14 @@ def _fixed_offsets(key_start, bag_start, bags, hotness) -> np.ndarray:
     return offsets
 
 
-def _joined_offsets(parts, sizes, key_start, bag_start, bags) -> np.ndarray:
-    """The call's offsets: every table's own, each table's last left out (the next one's first)
-    and moved by the keys of the tables before it."""
-    all_off = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-    off_start = segment_starts(sizes)
+def _joined_offsets(all_off, off_start, key_start, bag_start, bags) -> np.ndarray:
+    """The call's offsets: every table's own (as in :func:`_well_formed`), each table's last
+    left out (the next one's first) and moved by the keys of the tables before it."""
     offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
     keep = np.ones(all_off.size, bool)
     keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
     offsets[:-1] = all_off[keep]
-    if len(parts) > 1:
+    if len(bags) > 1:  # the tables after the first: moved by the keys before them
         offsets[:-1] += np.repeat(key_start[:-1], bags)
     offsets[-1] = key_start[-1]
     return offsets
@@ -212,8 +209,11 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
     hotness = np.fromiter((_hotness(ids) for ids in sp_ids), np.int64, ntables)
     fixed = ntables > 0 and bool((hotness > 0).all())
+    if not fixed:
+        all_off = np.concatenate([p[1] for p in parts]) if ntables > 1 else parts[0][1]
+        off_start = segment_starts(sizes)
     # Every table's structure at once; the exact message of the first faulty table only on failure.
-    ok = fixed or _well_formed(parts, sizes, counts)
+    ok = fixed or _well_formed(all_off, off_start, sizes, counts)
     if ok and weights is not None:
         ok = all(parts[t][2].size == counts[t] for t in np.flatnonzero(weighted)) and bool(np.isfinite(weights).all())
     if not ok:
@@ -225,6 +225,6 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     if fixed:
         offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
     else:
-        offsets = _joined_offsets(parts, sizes, key_start, bag_start, bags)
+        offsets = _joined_offsets(all_off, off_start, key_start, bag_start, bags)
     keys = np.concatenate([p[0] for p in parts]) if ntables > 1 else parts[0][0]
     return Batch(keys, offsets, weights, key_start, bag_start, weighted, [p[3] for p in parts], [p[4] for p in parts])

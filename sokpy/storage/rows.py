@@ -184,7 +184,7 @@ class Storage:
 
     def pack(self, bits: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Stored rows ``[n, width]`` (host) of a 16-bit shard from its values' 16-bit words
-        ``bits`` (uint16 ``[n, dim]``, as :meth:`data` holds them) and the slot columns
+        ``bits`` (uint16 ``[n, dim]``, as ``data`` holds them) and the slot columns
         ``slots`` (float32 ``[n, width - value_cols]``): no rounding, the bits as they are."""
         n = int(bits.shape[0])
         out = np.zeros((n, self.width), np.float32)
