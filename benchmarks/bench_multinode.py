@@ -3,7 +3,7 @@
 2 nodes x 1 rank over links of 1, 10 and 25 Gbit/s; a model of the exchange time checked
 against them, and W1 projected to 8, 64 and 512 GPUs.
 
-Root only (network namespaces; see ``sokpy.emulated_nodes``). Every configuration is a real
+Root only (network namespaces; see ``sokpy.launch.emulated_nodes``). Every configuration is a real
 job: ``bench_scaling.py`` for W1 (same global batch split over 2 ranks) and
 ``examples/train_dlrm.py`` for the main job. From each run it reads the step time, the time
 inside sokpy's exchanges and the bytes each rank sent to the other per step, counted by the
@@ -53,14 +53,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-from sokpy.emulated_nodes import rate_bits  # noqa: E402
+from sokpy.launch.emulated_nodes import rate_bits  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE_BYTES = 8 << 20
 
 
 def run_job(nodes: int, ranks_per_node: int, rate: str, program: list[str], timeout: float) -> str:
-    from sokpy.emulated_nodes import EmulatedNodes
+    from sokpy.launch.emulated_nodes import EmulatedNodes
 
     with EmulatedNodes(nodes, rate) as cluster:
         res = cluster.run(program, ranks_per_node, timeout=timeout, cwd=ROOT)

@@ -58,11 +58,11 @@ def exchange_volume(wl, world: int, wire_dtype: str = "float32") -> dict:
 
 
 def time_each_kernel(sokpy) -> dict:
-    """Wraps ``sokpy.kernels.get`` so that every kernel launch adds its seconds to the returned
+    """Wraps ``sokpy.backends.kernels.get`` so that every kernel launch adds its seconds to the returned
     dict, by kernel name (``copy_rows`` split into its forward use, which gathers table rows,
     and its backward use, which copies received gradient rows into a contiguous array)."""
     seconds: dict = {}
-    get = sokpy.kernels.get
+    get = sokpy.backends.kernels.get
 
     def timed_get(name, backend=None):
         fn = get(name, backend)
@@ -77,7 +77,7 @@ def time_each_kernel(sokpy) -> dict:
 
         return call
 
-    sokpy.kernels.get = timed_get
+    sokpy.backends.kernels.get = timed_get
     return seconds
 
 

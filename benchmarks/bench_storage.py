@@ -53,7 +53,7 @@ def storage_bytes(s: HashStorage) -> int:
 def growth(rows: int, dim: int) -> dict:
     """Fills a shard with ``rows`` keys from capacity 1024 (timing the inserts and counting the
     growths), then times one more growth of the index and of the row store alone."""
-    init = InitSpec(kind=sokpy.kernels.constants()["SOKPY_INIT_UNIFORM"], a=-0.05, b=0.05, seed=1)
+    init = InitSpec(kind=sokpy.backends.kernels.constants()["SOKPY_INIT_UNIFORM"], a=-0.05, b=0.05, seed=1)
     s = HashStorage(dim, init, capacity=1024)
     s.add_slots(["sum"], [0.0])
     keys = spread_keys(rows)

@@ -257,7 +257,7 @@ extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, cons
     }
 }
 
-// ---- rows on the wire in 16 bits (sokpy/wire.py) -----------------------------------------
+// ---- rows on the wire in 16 bits (sokpy/exchange/wire.py) -----------------------------------------
 // bfloat16 is the upper half of a float32's bits: round to nearest even on the 16 bits
 // dropped; any NaN becomes the quiet NaN 0x7FC0. One element per work item (launch dim 1).
 extern "C" __global__ void round_to_bfloat16(const float* src, i64 n, unsigned short* dst) {

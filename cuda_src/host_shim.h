@@ -50,7 +50,7 @@
 // The host backend launches one emulated thread per block (blockDim = 1): each thread walks
 // a whole row, and because blockDim.x and threadIdx.x are compile-time constants here, g++
 // turns `for (d = threadIdx.x; d < dim; d += blockDim.x)` into a unit-stride, vectorised loop.
-// With SOKPY_EMULATE_BLOCKS (sokpy/kernels/host.py, SOKPY_EMULATE_DEVICE_SHAPES=1) they are
+// With SOKPY_EMULATE_BLOCKS (sokpy/backends/kernels/host.py, SOKPY_EMULATE_DEVICE_SHAPES=1) they are
 // variables instead, and each block runs the device launch shape's threads one by one.
 struct dim3 {
     unsigned int x, y, z;

@@ -1,7 +1,7 @@
 // sokpy_tables.cuh -- how a table-batched kernel sees the tables of a call.
 //
 // One launch covers every table of a lookup call or optimizer step. The tables are described
-// by two small arrays the host builds once per call (sokpy/plan/table_sets.py):
+// by two small arrays the host builds once per call (sokpy/exchange/plan/table_sets.py):
 //   tabs  int64 [ntables, SOKPY_TAB_FIELDS]  sizes, placement rule, combiner, output layout
 //   ptrs  uint64 [ntables, SOKPY_PTR_FIELDS] addresses of the table's storage and hash index
 // and the keys, bags or rows of all tables lie in one array each, table after table, with a

@@ -1,5 +1,5 @@
 // sort.cu -- a least-significant-digit radix sort of int64 sort values by a range of their
-// bits (sokpy/sorting.py drives it). A pass sorts by one digit, stably, in two launches with
+// bits (sokpy/backends/sorting.py drives it). A pass sorts by one digit, stably, in two launches with
 // an exclusive scan between them: the input is cut into nchunks contiguous chunks (chunk c is
 // [bounds[c], bounds[c+1])), one thread walks one chunk in order (the chunks are the kernel's
 // rows), so no thread depends on another and the pass is stable without atomics. The count

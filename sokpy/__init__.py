@@ -11,16 +11,10 @@ Example (``sokrun -np 2 python this.py``)::
     opt.step()
 """
 
-# The submodule sokpy.comm is loaded first, so that the function sokpy.comm() bound below from
-# sokpy.runtime is not shadowed by it.
-from . import comm as _comm_module  # noqa: F401  # isort: skip
-from . import checkpoint, initializers, kernels, nn, optim, timing
-from .checkpoint import load, save
-from .errors import CheckpointError, CollectiveMismatchError, InputError
-from .gradients import SparseGrad
-from .kernels import KernelError, UnsafeCacheError
-from .lookup import lookup_sequence, lookup_sparse
-from .runtime import (
+from . import checkpoint, initializers, nn, optim, timing
+from .backends import hostpool, kernels  # public as sokpy.kernels and sokpy.hostpool (docs/README.md)
+from .backends.kernels import KernelError, UnsafeCacheError
+from .backends.runtime import (
     LaunchError,
     NotInitializedError,
     backend,
@@ -32,7 +26,11 @@ from .runtime import (
     shutdown,
     world_size,
 )
-from .sparse import Ragged
+from .checkpoint import load, save
+from .errors import CheckpointError, CollectiveMismatchError, InputError
+from .exchange.gradients import SparseGrad
+from .exchange.sparse import Ragged
+from .lookup import lookup_sequence, lookup_sparse
 from .tables.access import assign, export
 from .tables.dynamic import DynamicVariable, TableStatistics
 from .tables.static import Variable
@@ -64,6 +62,7 @@ __all__ = [
     "optim",
     "nn",
     "kernels",
+    "hostpool",
     "timing",
     "InputError",
     "CollectiveMismatchError",

@@ -2,7 +2,7 @@
 
 A collective call (table creation, ``lookup_sparse`` and its backward, an optimizer step,
 ``assign``, ``save``, ``load``) checks its input on every rank and agrees on the verdict
-before anything is exchanged or changed (``sokpy.collective``). When any rank finds a
+before anything is exchanged or changed (``sokpy.exchange.collective``). When any rank finds a
 problem, every rank raises the same error, naming the table, the key and the rank, and no
 table or optimizer state has changed; the job may go on with the next call.
 

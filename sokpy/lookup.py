@@ -1,7 +1,7 @@
 """``lookup_sparse``: pooled embedding lookups over sharded tables, with autograd.
 
 All tables of one call share one exchange, and every phase is one kernel launch for all of
-them (the package ``sokpy/plan/`` has the data flow). The call is collective: every rank makes the same
+them (the package ``sokpy/exchange/plan/`` has the data flow). The call is collective: every rank makes the same
 lookup calls with the same tables in the same order, and runs backward through the same
 calls; a rank with an empty batch passes empty bags.
 
@@ -30,11 +30,11 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from . import runtime
-from .plan import COMBINERS, LookupPlan
-from .sparse import BatchError, one_bag_per_key, to_batch
+from .backends import runtime
+from .exchange.plan import COMBINERS, LookupPlan
+from .exchange.sparse import BatchError, one_bag_per_key, to_batch
+from .exchange.wire import check_wire_dtype
 from .tables.table import Table
-from .wire import check_wire_dtype
 
 __all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
 
@@ -187,7 +187,7 @@ def lookup_sparse(
     ``wire_dtype`` is the format of the rows sent between ranks, forward and backward:
     "float32" (default, exact), "float16" or "bfloat16" (half the bytes of the rows on the
     wire; each row and each rank's gradient row is rounded once in flight, see
-    :mod:`sokpy.wire`; bfloat16 keeps float32's range). Tables and optimizers stay float32; at
+    :mod:`sokpy.exchange.wire`; bfloat16 keeps float32's range). Tables and optimizers stay float32; at
     one rank nothing travels and nothing is rounded.
 
     Example::

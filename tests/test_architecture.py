@@ -45,24 +45,16 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 # docs/architecture.md's layers, lowest first: a module (or every module of a package) may
-# import its own layer and those below it. Beside the layers: the job launchers (never
-# imported by a layer) and sokpy.testing (imported only when asked for, tested below).
+# import its own layer and those below it. Below the public API each layer is a folder
+# (a module inside it placed in a lower layer is named on its own: the longest match wins).
+# Beside the layers: the job launchers (never imported by a layer) and sokpy.testing
+# (imported only when asked for, tested below).
 LAYERS = {
-    "foundation": ["sokpy.errors", "sokpy.timing", "sokpy.arrays"],
-    "backend": [
-        "sokpy.runtime",
-        "sokpy.backends",
-        "sokpy.comm",
-        "sokpy.nccl_comm",
-        "sokpy.kernels",
-        "sokpy.handoff",
-        "sokpy.hostpool",
-        "sokpy.watchdog",
-        "sokpy.sorting",
-    ],
-    "tables": ["sokpy.storage", "sokpy.admission"],
-    "agreement": ["sokpy.collective"],
-    "exchange": ["sokpy.plan", "sokpy.gradients", "sokpy.wire", "sokpy.sparse"],
+    "foundation": ["sokpy.errors", "sokpy.timing", "sokpy.backends.arrays"],
+    "backend": ["sokpy.backends"],
+    "tables": ["sokpy.storage"],
+    "agreement": ["sokpy.exchange.collective"],
+    "exchange": ["sokpy.exchange"],
     "public API": [
         "sokpy.lookup",
         "sokpy.optim",
@@ -73,7 +65,7 @@ LAYERS = {
     "modules": ["sokpy.nn"],
     "the package": ["sokpy"],  # its __init__ gathers the public names of every layer
 }
-BESIDE = ["sokpy.launcher", "sokpy.emulated_nodes", "sokpy.testing"]
+BESIDE = ["sokpy.launch", "sokpy.testing"]
 
 
 def _placed(name: str, places: list[str]) -> str | None:
@@ -89,6 +81,22 @@ def _layer(name: str) -> int | None:
     if where in BESIDE:
         return None
     return next(i for i, mods in enumerate(LAYERS.values()) if where in mods)
+
+
+def test_the_layers_below_the_api_are_folders():
+    """The folders show the layers: at the top of the package only the public modules (the
+    API, its errors, its timing and initializers); the backend, the tables' storage, the
+    exchange, the launchers and the test doubles each in a folder of their own."""
+    top = {name for name, path in MODULES.items() if name.count(".") == 1 and path.name != "__init__.py"}
+    assert top == {"sokpy.lookup", "sokpy.errors", "sokpy.timing", "sokpy.initializers"}, sorted(top)
+    for folder in ("sokpy.backends", "sokpy.storage", "sokpy.exchange", "sokpy.launch", "sokpy.testing"):
+        assert MODULES[folder].name == "__init__.py", f"{folder} is not a folder"
+    below = {"sokpy.backends": "backend", "sokpy.storage": "tables", "sokpy.exchange": "exchange"}
+    names = list(LAYERS)
+    for name in MODULES:
+        folder = next((f for f in below if name.startswith(f + ".")), None)
+        if folder and name not in ("sokpy.backends.arrays", "sokpy.exchange.collective"):
+            assert names[_layer(name)] == below[folder], f"{name} is not in its folder's layer"
 
 
 def test_no_module_imports_a_higher_layer():
@@ -133,16 +141,16 @@ def test_mpi_only_in_comm_and_the_test_doubles():
         if isinstance(node, (ast.Import, ast.ImportFrom))
         and any("mpi4py" in (a.name if isinstance(node, ast.Import) else node.module or "") for a in node.names)
     }
-    allowed = {"sokpy.comm"} | {m for m in MODULES if m.startswith("sokpy.testing")}
+    allowed = {"sokpy.backends.comm"} | {m for m in MODULES if m.startswith("sokpy.testing")}
     assert users and users <= allowed, f"mpi4py imported outside comm: {sorted(users - allowed)}"
 
 
 def test_the_test_doubles_are_imported_only_when_asked_for():
     importers = {name for name, deps in GRAPH.items() if any(d.startswith("sokpy.testing") for d in deps)}
     importers = {m for m in importers if not m.startswith("sokpy.testing")}
-    assert importers <= {"sokpy.runtime", "sokpy.nccl_comm"}, sorted(importers)
+    assert importers <= {"sokpy.backends.runtime", "sokpy.backends.nccl_comm"}, sorted(importers)
     # runtime builds the emulated device only inside init, when SOKPY_EMULATE_DEVICE=1 asks
-    tree = ast.parse(MODULES["sokpy.runtime"].read_text())
+    tree = ast.parse(MODULES["sokpy.backends.runtime"].read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not any("testing" in (getattr(n, "module", "") or "") for n in top)
 

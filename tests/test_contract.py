@@ -69,7 +69,7 @@ def test_transfers_split_below_the_mpi_count_limit(nranks):
 def test_mpi_count_limit_is_read_from_the_environment_at_import():
     """``SOKPY_MPI_MAX_COUNT`` sets the limit every reader sees (the split-transfer tests lower
     it inside their jobs instead, with_max_count.py)."""
-    code = "from sokpy import collective; from sokpy.comm import max_count; print(max_count(), collective.max_count())"
+    code = "from sokpy.exchange import collective; from sokpy.backends.comm import max_count; print(max_count(), collective.max_count())"
     res = run_python(code, env={"SOKPY_MPI_MAX_COUNT": "7"})
     assert res.returncode == 0 and res.stdout.split() == ["7", "7"], res.stdout + res.stderr
 
@@ -87,8 +87,8 @@ def test_one_rank_agreement_returns_the_counts_and_raises_the_input_error(sokpy_
     the InputError every rank would raise, naming the rank."""
     import numpy as np
 
-    from sokpy import collective
     from sokpy.errors import InputError
+    from sokpy.exchange import collective
 
     counts, replies = np.array([5], np.int64), np.array([7], np.int64)
     with collective.Call("probe") as call:

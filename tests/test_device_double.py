@@ -63,7 +63,8 @@ def test_what_cupy_allows():
 def test_kernels_refuse_host_pointers_under_emulation():
     code = (
         "import numpy as np, sokpy\n"
-        "from sokpy import kernels, runtime\n"
+        "from sokpy import kernels\n"
+        "from sokpy.backends import runtime\n"
         "from sokpy.testing import device_double as xp\n"
         "sokpy.init()\n"
         "be = runtime.current()\n"

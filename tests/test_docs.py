@@ -139,7 +139,7 @@ def test_cuda_extras():
 
 @pytest.mark.parametrize("cuda", ["12.8", "13.0", None])
 def test_device_error_names_a_declared_extra(monkeypatch, cuda):
-    from sokpy import backends
+    from sokpy.backends import backend as backends
 
     monkeypatch.setattr(backends.torch.version, "cuda", cuda)
     req = REQUIREMENT.match(backends._pip_extra())

@@ -97,7 +97,7 @@ def test_row_wise_and_element_wise_slots_share_a_row(sokpy_host):
     """A slot is ``dim`` floats or (row-wise) one, in the order the slots were added; new rows
     (inserted, or in a grown row store, or in a shard built beside: ``new_like``) start every
     slot at its constant, and existing rows keep theirs through growth."""
-    from sokpy import plan
+    from sokpy.exchange import plan
 
     sokpy = sokpy_host
     for var in (

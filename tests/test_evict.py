@@ -55,7 +55,7 @@ def test_index_stays_consistent_through_many_evictions(sokpy_host):
     row holds it), no evicted key is found, tombstones are counted and rehashed away, and the
     row store never grows past the share."""
     sokpy = sokpy_host
-    from sokpy import plan
+    from sokpy.exchange import plan
 
     d = sokpy.DynamicVariable(4, name="evict_index", max_rows=50, capacity=8)
     s = d.storage

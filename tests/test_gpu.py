@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT, WORKERS, run_mpi
 
-from sokpy import runtime
+from sokpy.backends import runtime
 
 
 def _gpus() -> int:

@@ -27,7 +27,7 @@ M64 = (1 << 64) - 1
 
 def narrow(sokpy, x, dtype, stochastic=False, seed=0, step=0, keys=None):
     """float32 ``x`` [n, dim] -> its 16-bit words (uint16 [n, dim]) by the narrow_values kernel."""
-    from sokpy import runtime
+    from sokpy.backends import runtime
     from sokpy.storage import DTYPES
 
     x = np.ascontiguousarray(x, np.float32)
@@ -42,7 +42,7 @@ def narrow(sokpy, x, dtype, stochastic=False, seed=0, step=0, keys=None):
 
 def widen(sokpy, words, dtype):
     """uint16 words [n, dim] -> float32 by the widen_values kernel."""
-    from sokpy import runtime
+    from sokpy.backends import runtime
     from sokpy.storage import DTYPES
 
     n, dim = words.shape
@@ -114,7 +114,7 @@ def test_nearest_matches_numpy_float16_and_the_bfloat16_definition(sokpy_host):
     bad = np.flatnonzero(gotb != wantb)
     assert bad.size == 0, [(hex(x.view(np.uint32).flat[i]), hex(gotb.flat[i]), hex(wantb.flat[i])) for i in bad[:5]]
     # The wire's rounding is the same function.
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     wire = np.empty(x.size, np.uint16)
     runtime.launch("round_to_bfloat16", x.size, 1, (np.ascontiguousarray(x.ravel()), x.size, wire))

@@ -10,7 +10,7 @@ from conftest import ROOT
 
 SCRIPT = r"""
 import numpy as np, sokpy
-from sokpy import plan
+from sokpy.exchange import plan
 sokpy.init(backend="host")
 edges = np.array([-(2**63), 2**63 - 1, -1, 0, 1], np.int64)
 for round_ in range(12):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_mpi, run_python
 
-from sokpy import hostpool
+from sokpy.backends import hostpool
 
 
 @pytest.fixture(autouse=True)

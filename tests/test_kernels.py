@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from sokpy import arrays, kernels
-from sokpy.kernels import KernelError, device
-from sokpy.kernels import cache as kernel_cache
+from sokpy.backends import arrays, kernels
+from sokpy.backends.kernels import KernelError, device
+from sokpy.backends.kernels import cache as kernel_cache
 
 SOURCES = kernels.kernel_sources()
 SRC_DIR = kernels.source_dir()
@@ -204,7 +204,8 @@ BUILD_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 import numpy as np
-from sokpy import arrays, kernels
+from sokpy import kernels
+from sokpy.backends import arrays
 
 sync, me, nprocs = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 (sync / f"ready-{me}").touch()
@@ -479,7 +480,7 @@ def test_set_slot_states_tombstones_and_moves_keep_every_other_key_findable(sokp
     """A well-filled index (12 keys in 32 slots: probe chains): tombstoning every other key and
     re-pointing the rest to new rows leaves each kept key found at its new row past the
     tombstones, the dropped ones not found, and a new insert takes an empty slot."""
-    from sokpy import runtime
+    from sokpy.backends import runtime
     from sokpy.storage import HashStorage, InitSpec
 
     s = HashStorage(dim=2, init=InitSpec(0, 0.0, 0.0, 0), capacity=16)
@@ -510,8 +511,8 @@ def test_sightings_count_in_every_row_take_back_exactly_and_saturate(sokpy_host,
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
     from admit_worker import columns
 
-    from sokpy import runtime
-    from sokpy.admission import AdmissionFilter
+    from sokpy.backends import runtime
+    from sokpy.storage.admission import AdmissionFilter
 
     f = AdmissionFilter(2, width=64, depth=3)
     keys = np.array([5, -(2**63), 2**63 - 1, 77], np.int64)

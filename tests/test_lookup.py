@@ -375,8 +375,8 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     taken from the sort values, not read from the keys. Laid out with the count of unique keys
     read (several ranks), sized for every key with the count left on the device (one rank on
     a device) or from the compacted marks (one rank on the host)."""
-    from sokpy import kernels
-    from sokpy.plan import _Dedup
+    from sokpy.backends import kernels
+    from sokpy.exchange.plan import _Dedup
 
     c = kernels.constants()
     rng = np.random.default_rng(5)

@@ -22,7 +22,7 @@ import struct
 import numpy as np
 import pytest
 
-from sokpy import kernels
+from sokpy.backends import kernels
 
 SRC_DIR = kernels.source_dir()
 N = 1_000_000

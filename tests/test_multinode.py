@@ -1,4 +1,4 @@
-"""Jobs across emulated nodes (sokpy/emulated_nodes/: network namespaces joined by
+"""Jobs across emulated nodes (sokpy/launch/emulated_nodes/: network namespaces joined by
 rate-limited links, Open MPI over TCP between them): 2 nodes x 2 ranks give the results of
 the independent references and of a 1-rank run, node-local ranks follow the node, and a
 failure on one node ends the job on both, leaving no process on either node, as a timeout
@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import ROOT, WORKERS, run_mpi
 
-from sokpy import emulated_nodes
+from sokpy.launch import emulated_nodes
 
 OK, WHY = emulated_nodes.available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
@@ -142,7 +142,7 @@ def test_multinode_benchmark_counts_its_bytes(tmp_path):
 def test_command_line_tool_runs_and_cleans_up(tmp_path):
     before = set(emulated_nodes._namespaces())
     res = subprocess.run(
-        [sys.executable, "-m", "sokpy.emulated_nodes", "--nodes", "2", "--rate", "1gbit", "--timeout", "120", "--",
+        [sys.executable, "-m", "sokpy.launch.emulated_nodes", "--nodes", "2", "--rate", "1gbit", "--timeout", "120", "--",
          "python", str(WORKERS / "where_worker.py")],
         capture_output=True, text=True, timeout=200, cwd=ROOT,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""sokpy-nodes ends what it started (sokpy/emulated_nodes/): SIGINT or SIGTERM to it during a
+"""sokpy-nodes ends what it started (sokpy/launch/emulated_nodes/): SIGINT or SIGTERM to it during a
 2-node job leaves no process of the job on either node (mpirun, the other node's daemon,
 every rank) and none of its namespaces; ``--cleanup`` removes only the runs it is given, or
 with none given, the recorded runs whose sokpy-nodes is gone, never a live run it was not
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, WORKERS
 
-from sokpy import emulated_nodes
+from sokpy.launch import emulated_nodes
 
 OK, WHY = emulated_nodes.available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
@@ -82,7 +82,7 @@ def _remove(run: str, marker: str = "") -> None:
 def test_a_signal_ends_the_job_on_every_node(tmp_path, sig):
     marker = f"sokpy-test-{uuid.uuid4().hex}"
     log = open(tmp_path / "log", "w+")
-    cmd = [sys.executable, "-m", "sokpy.emulated_nodes", "--nodes", "2", "--timeout", "300", "--",
+    cmd = [sys.executable, "-m", "sokpy.launch.emulated_nodes", "--nodes", "2", "--timeout", "300", "--",
            "python", str(WORKERS / "loop_worker.py"), str(tmp_path), marker]  # fmt: skip
     # The marker in the environment marks the daemon on node1 too (it inherits mpirun's).
     env = {**os.environ, "SOKPY_TEST_MARKER": marker}
@@ -127,7 +127,7 @@ def _stale_run(runs: list[str]) -> tuple[str, int]:
     last resort) before it is made; returns it and the pid of that process."""
     code = (
         "import os, signal, subprocess\n"
-        "from sokpy.emulated_nodes import EmulatedNodes\n"
+        "from sokpy.launch.emulated_nodes import EmulatedNodes\n"
         "c = EmulatedNodes(nodes=2, rate='1gbit').__enter__()\n"
         "cmd = ['ip', 'netns', 'exec', c.namespaces[2], 'sleep', '300']\n"
         "p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"

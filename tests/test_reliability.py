@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_python
 
-from sokpy import launcher
+from sokpy.launch import sokrun as launcher
 
 BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 30, "early": 60, "stalls": 60, "clean": 60}
 # From a rank's sys.exit(0) to the end of the whole job (the bounds above count from the
@@ -115,7 +115,7 @@ def test_leave_notices_count_the_calls():
     """The watchdog's bookkeeping with a stand-in channel: calls counted from the outermost,
     a peer that completed the call this rank is in is not missed, leave() tells the count once."""
     code = """
-from sokpy import watchdog
+from sokpy.backends import watchdog
 
 class Channel:
     def __init__(self):
@@ -153,7 +153,8 @@ def test_what_the_watchdog_sees_of_a_call_keeps_no_table_alive():
     code = """
 import gc, weakref
 import sokpy
-from sokpy import collective, watchdog
+from sokpy.backends import watchdog
+from sokpy.exchange import collective
 sokpy.init(timeout=30)
 v = sokpy.Variable(4, 2, name="watched")
 with collective.Call("probe", [v]):

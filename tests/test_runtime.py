@@ -24,7 +24,7 @@ def test_single_rank_state(sokpy_host):
 
 
 def test_init_is_idempotent(sokpy_host):
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     c = runtime.comm()
     assert sokpy_host.init() == "host"
@@ -46,9 +46,9 @@ def test_init_rejects_unknown_backend(sokpy_host, bogus):
 
 
 def test_public_comm_after_init(sokpy_host):
-    """``sokpy.comm()`` is the communicator after init (not shadowed by the sokpy.comm module)."""
-    from sokpy import runtime
-    from sokpy.comm import MpiComm
+    """``sokpy.comm()`` is the communicator after init (a function, not the module sokpy.backends.comm)."""
+    from sokpy.backends import runtime
+    from sokpy.backends.comm import MpiComm
 
     assert callable(sokpy_host.comm), f"sokpy.comm is {sokpy_host.comm!r} after sokpy.init()"
     c = sokpy_host.comm()
@@ -64,11 +64,11 @@ UNINITIALISED_CALLS = {
     "local_rank": "sokpy.local_rank()",
     "backend": "sokpy.backend()",
     "comm": "sokpy.comm()",
-    "runtime.comm": "sokpy.runtime.comm()",
-    "xp": "sokpy.runtime.xp()",
+    "runtime.comm": "sokpy.backends.runtime.comm()",
+    "xp": "sokpy.backends.runtime.xp()",
     "Variable": "sokpy.Variable(10, 4)",
-    "launch": "sokpy.runtime.launch('copy_rows', 1, 1, ())",
-    "current": "sokpy.runtime.current()",
+    "launch": "sokpy.backends.runtime.launch('copy_rows', 1, 1, ())",
+    "current": "sokpy.backends.runtime.current()",
 }
 
 UNINITIALISED_SCRIPT = """
@@ -192,7 +192,7 @@ def test_sokpy_backend_variable(value, expected):
 
 
 def test_device_backend_without_gpu_is_refused_clearly():
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     if runtime._gpu_usable():
         pytest.skip("a GPU is visible: the device backend starts here (tests/test_gpu.py)")
@@ -208,13 +208,13 @@ def test_device_backend_without_gpu_is_refused_clearly():
     "local_rank, count, expected", [(0, 1, 0), (3, 1, 0), (1, 2, 1), (2, 2, 0), (5, 8, 5), (9, 8, 1)]
 )
 def test_device_index_follows_the_node_local_rank(local_rank, count, expected):
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     assert runtime.device_index(local_rank, count) == expected
 
 
 def test_device_index_without_visible_gpus():
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
         runtime.device_index(0, 0)
@@ -226,7 +226,7 @@ NO_MPI_SCRIPT = """
 import sys
 sys.modules["mpi4py"] = None  # as where no MPI library can be loaded
 import json, torch, sokpy
-from sokpy.comm import SoloComm
+from sokpy.backends.comm import SoloComm
 try:
     sokpy.init()
 except sokpy.LaunchError as e:

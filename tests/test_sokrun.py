@@ -1,4 +1,4 @@
-"""sokrun (launch/sokrun, sokpy/launcher.py): the mpirun command line and environment it
+"""sokrun (launch/sokrun, sokpy/launch/sokrun.py): the mpirun command line and environment it
 builds, and real jobs that fail or hang on one rank."""
 
 import os
@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import mpi_job
 
-from sokpy import launcher
+from sokpy.launch import sokrun as launcher
 
 PROGRAMS = (sys.executable, "hostname")  # the first word of every program the tests launch, once built
 

@@ -1,4 +1,4 @@
-"""sokpy.sorting.sort_by_bits (the radix sort of cuda_src/sort.cu) against numpy's sort, on the
+"""sokpy.backends.sorting.sort_by_bits (the radix sort of cuda_src/sort.cu) against numpy's sort, on the
 host's launch shape and on the device's (SOKPY_EMULATE_DEVICE_SHAPES=1: many chunks)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from conftest import run_python
 
 import sokpy
-from sokpy.sorting import sort_by_bits
+from sokpy.backends.sorting import sort_by_bits
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +73,7 @@ def runs_case(sizes, mid_width: int, seed: int):
     [([4096] * 500, 12), ([4096] * 26, 17), ([32768] * 4, 20), ([0, 5000, 1, 0, 7000, 3], 9), ([100_000], 1)],
 )
 def test_runs_are_sorted_in_place_as_a_whole_sort_would(sizes, mid_width, monkeypatch):
-    from sokpy import runtime
+    from sokpy.backends import runtime
 
     launched = []  # (chunks, bits, digit stride) of each counting pass
     real = runtime.launch
@@ -96,12 +96,12 @@ def test_runs_are_sorted_in_place_as_a_whole_sort_would(sizes, mid_width, monkey
 def test_device_launch_shapes_sort_alike():
     code = """
 import numpy as np, sokpy
-from sokpy.sorting import sort_by_bits
+from sokpy.backends.sorting import sort_by_bits
 sokpy.init(backend="host")
 for n, width in [(4096, 22), (100_000, 17), (300_000, 30)]:
     lo = (n - 1).bit_length()
     v = (np.random.default_rng(n).integers(0, 1 << width, n) << lo) | np.arange(n)
-    assert sokpy.runtime.current().chunk_count(n) > 1
+    assert sokpy.backends.runtime.current().chunk_count(n) > 1
     np.testing.assert_array_equal(sort_by_bits(v.copy(), lo, lo + width), np.sort(v))
 # Runs: 400 runs of 250 values are enough chunks for the device's shape (100,000 / 512 = 196).
 n, lo, mid = 100_000, 17, 17 + 12

@@ -1,4 +1,4 @@
-"""sokpy.wire: the 16-bit formats of rows between ranks, bit for bit against torch's own
+"""sokpy.exchange.wire: the 16-bit formats of rows between ranks, bit for bit against torch's own
 conversions (round to nearest even, NaN, infinities, subnormals, overflow)."""
 
 import doctest
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sokpy import wire
+from sokpy.exchange import wire
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -14,7 +14,7 @@ A checkpoint is a folder::
                                     a row-wise slot: RowWiseAdagrad's accumulator)
         t<i>.r<rank>.scores.npy     int64 [n, 2]: a capped table's last_seen and count per row
         t<i>.r<rank>.sightings.npy  uint32 [depth, width]: a table with admission: the shard's
-                                    sighting counters (sokpy.admission)
+                                    sighting counters (sokpy.storage.admission)
 
 Every data file is a plain ``.npy`` array that numpy alone reads (``numpy.load(f)``; no
 pickles): a serving system can read a table without sokpy (``docs/checkpoints.md``). A

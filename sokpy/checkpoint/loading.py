@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .. import admission, collective, plan, runtime
+from ..backends import runtime
 from ..errors import CheckpointError
-from ..storage import new_epoch
+from ..exchange import collective, plan
+from ..storage import admission, new_epoch
 from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging, values_dtype
 
 if TYPE_CHECKING:

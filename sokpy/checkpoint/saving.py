@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import collective, handoff, runtime
+from ..backends import handoff, runtime
+from ..exchange import collective
 from .format import (
     DATA_RE,
     FORMAT,

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import admission, collective, handoff, plan, runtime
+from ..backends import handoff, runtime
 from ..errors import CheckpointError
-from ..storage import new_epoch
+from ..exchange import collective, plan
+from ..storage import admission, new_epoch
 from .format import agree, decode_values, table_spec
 from .loading import check_filter, dtype_error, new_storage, same_placement
 

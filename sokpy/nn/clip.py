@@ -32,7 +32,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .. import collective, runtime
+from ..backends import runtime
+from ..exchange import collective
 from ..tables.table import Table
 from .modules import EmbeddingCollectionBase
 

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import collective, handoff, initializers
+from .. import initializers
+from ..backends import handoff
+from ..exchange import collective
 
 if TYPE_CHECKING:
     from ..tables.static import Variable

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.utils._pytree
 
-from ..sparse import Ragged, int_array, kjt_stride, segment_starts
+from ..exchange.sparse import Ragged, int_array, kjt_stride, segment_starts
 
 __all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "torchrec_types"]
 

@@ -8,9 +8,9 @@ features may read one table) and make one lookup call per forward (one exchange)
 is a KeyedJaggedTensor (TorchRec's own, or any object with its accessors) or a dict feature
 -> ids (:mod:`sokpy.nn.jagged`).
 
-**Training and evaluation.** In ``train()`` mode a dynamic table creates the rows of unseen
-keys; in ``eval()`` mode it reads them as zero rows and creates nothing, unless the module
-was built with ``insert=True`` (always insert) or ``insert=False`` (never).
+**Training and evaluation.** In ``train()`` mode a dynamic table creates the rows of unseen keys;
+in ``eval()`` mode it reads them as zero rows and creates nothing, unless the module was
+built with ``insert=True`` (always insert) or ``insert=False`` (never).
 
 **DDP.** The tables are neither parameters nor buffers of the module: ``parameters()`` does
 not list them, so ``DistributedDataParallel`` (and a dense optimizer) never sees them; their
@@ -18,11 +18,10 @@ rows are trained by a sokpy optimizer over :meth:`tables`, with gradients summed
 the lookup's own exchange (or averaged, ``grad_reduction="mean"``, as TorchRec does to match
 DDP's averaged dense gradients). :func:`sokpy.nn.clip_grad_norm_` clips both together.
 
-**Dtype and device.** The tables live on the device ``sokpy.init`` chose (the rank's GPU, or
-the host) and each holds rows of the type its config's ``data_type`` set (FP32, FP16, BF16;
-outputs are float32): ``.cuda()``, ``.to(device)``, ``.half()`` or ``.to(dtype)`` on a model
-pass over the module when they ask for exactly that, and raise otherwise, saying where those
-are set (nothing changes in silence).
+**Dtype and device.** The tables live on the device ``sokpy.init`` chose (the rank's GPU, or the host)
+and each holds rows of the type its config's ``data_type`` set (FP32, FP16, BF16; outputs are float32):
+``.cuda()``, ``.to(device)``, ``.half()`` or ``.to(dtype)`` on a model pass over the module when they
+ask for exactly that, and raise otherwise, saying where those are set (nothing changes in silence).
 
 **state_dict.** ``state_dict()`` is collective, like FSDP's full state dict: every rank calls
 it, and rank 0's holds every table whole (keys, rows, the optimizer's slots and step: see
@@ -61,14 +60,16 @@ from typing import Any, SupportsIndex
 import numpy as np
 import torch
 
-from .. import checkpoint, collective, runtime
+from .. import checkpoint
+from ..backends import runtime
 from ..errors import CheckpointError
+from ..exchange import collective
+from ..exchange.sparse import table_input
+from ..exchange.wire import check_wire_dtype
 from ..lookup import lookup
-from ..sparse import table_input
 from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
-from ..wire import check_wire_dtype
 from .config import apply_init_fn, table_spec
 from .jagged import JaggedTensor, feature_inputs, torchrec_types
 

@@ -16,7 +16,7 @@ import socket
 
 import torch.distributed as dist
 
-from .. import runtime
+from ..backends import runtime
 
 __all__ = ["init_process_group"]
 

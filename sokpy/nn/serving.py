@@ -37,7 +37,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import checkpoint, runtime
+from .. import checkpoint
+from ..backends import runtime
 from .config import table_spec
 from .jagged import JaggedTensor, torchrec_types
 from .modules import EmbeddingCollectionBase

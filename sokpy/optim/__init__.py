@@ -18,7 +18,7 @@ gradient are not touched. The numerics are in ``docs/numerics.md``.
 
 The package's parts: :mod:`sokpy.optim.base` (:class:`SparseOptimizer`: param groups, each
 table's state, the step and ``state_dict``) and :mod:`sokpy.optim.kinds` (the update rules,
-one class each). The gradient entries a step applies are assembled in :mod:`sokpy.gradients`
+one class each). The gradient entries a step applies are assembled in :mod:`sokpy.exchange.gradients`
 (``collect_entries``, ``merge_entries``).
 
 Dense parameters keep their own torch optimizer (two-optimizer pattern)::

@@ -1,6 +1,6 @@
 """The base of sokpy's optimizers, :class:`SparseOptimizer`: param groups of tables, each
 table's state (its step count and its slots, views of its storage), the collective
-:meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.gradients`, the agreed
+:meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.exchange.gradients`, the agreed
 finite verdict, one fused update kernel for all tables) and ``state_dict``."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-from .. import collective, handoff, kernels, runtime
-from ..gradients import GradChunk, collect_entries, merge_entries
-from ..plan import rows_of, table_set
+from ..backends import handoff, kernels, runtime
+from ..exchange import collective
+from ..exchange.gradients import GradChunk, collect_entries, merge_entries
+from ..exchange.plan import rows_of, table_set
 from ..storage import HashStorage
 from ..tables.table import Table
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import kernels, runtime
+from ..backends import kernels, runtime
 from .room import finish_inserts
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels, runtime
+from ..backends import kernels, runtime
 from .eviction import CappedShard
 from .room import Room, finish_inserts, plan_room
 from .rows import InitSpec, Storage, new_epoch

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .. import handoff, runtime
-from ..sorting import distinct
+from ..backends import handoff, runtime
+from ..backends.sorting import distinct
 from .rows import init_rows
 
 

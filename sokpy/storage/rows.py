@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import handoff, kernels, runtime
+from ..backends import handoff, kernels, runtime
 
 DTYPES = ("float32", "float16", "bfloat16")  # a shard's values: SOKPY_DTYPE_* in this order
 ROUNDINGS = ("nearest", "stochastic")  # how an update writes a half row: SOKPY_ROUND_* in this order

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels, runtime
+from ..backends import kernels, runtime
 from .rows import InitSpec, Storage, init_rows
 
 

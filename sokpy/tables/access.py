@@ -10,7 +10,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import collective, handoff, plan, runtime
+from ..backends import handoff, runtime
+from ..exchange import collective, plan
 from ..storage import HashStorage, Room
 from .table import Table
 

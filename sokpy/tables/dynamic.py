@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import collective, runtime
-from ..admission import AdmissionFilter
+from ..backends import runtime
+from ..exchange import collective
 from ..initializers import Initializer
 from ..storage import HashStorage, check_format
+from ..storage.admission import AdmissionFilter
 from .table import Table
 
 __all__ = ["DynamicVariable", "TableStatistics"]
@@ -87,7 +88,7 @@ class DynamicVariable(Table):
     ``admit_filter_width`` uint32 counters (``4 * depth * width`` bytes: 16 MiB per shard
     with the defaults 4 x 2**20): an estimate is never below the true count, and exceeds it by
     more than ``eps * N`` (N: the shard's sightings, ``eps = e / width``) with probability at
-    most ``delta = exp(-depth)``, which admits such a key early (``sokpy.admission``). With
+    most ``delta = exp(-depth)``, which admits such a key early (``sokpy.storage.admission``). With
     ``max_rows``, admission decides which new keys get a row, eviction which rows stay.
     ``sokpy.save`` / ``load`` and ``gather_state`` / ``load_state`` keep the counters (at
     another world size each shard takes the sum of all saved shards': still an upper bound).
@@ -184,7 +185,7 @@ class DynamicVariable(Table):
             margin_rows=margin_rows,
         )
         self.admit_after = None if admit_after is None else int(admit_after)
-        # The shard's sighting counters (sokpy.admission); admit_after=1 admits every key at once: none.
+        # The shard's sighting counters (sokpy.storage.admission); admit_after=1 admits every key at once: none.
         self.admission: AdmissionFilter | None = None
         if self.admit_after is not None and self.admit_after > 1:
             self.admission = AdmissionFilter(self.admit_after, admit_filter_width, admit_filter_depth)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import runtime
+from ..backends import runtime
 from ..initializers import Initializer
 from ..storage import StaticStorage, check_format
 from .table import Table

@@ -15,8 +15,9 @@ from typing import cast
 
 import torch
 
-from .. import collective, runtime
-from ..gradients import SparseGrad, table_grad
+from ..backends import runtime
+from ..exchange import collective
+from ..exchange.gradients import SparseGrad, table_grad
 from ..initializers import Initializer, resolve
 from ..storage import InitSpec, Storage
 

@@ -44,10 +44,10 @@ import os
 import numpy as np
 import torch
 
-from ..backends import Backend
-from ..comm import SoloComm
-from ..kernels import HostKernels, KernelError
-from ..nccl_comm import NcclComm
+from ..backends.backend import Backend
+from ..backends.comm import SoloComm
+from ..backends.kernels import HostKernels, KernelError
+from ..backends.nccl_comm import NcclComm
 from . import device_double
 from .nccl_double import MpiBackedNccl
 

@@ -1,4 +1,4 @@
-"""A test double of the NCCL calls :class:`sokpy.nccl_comm.NcclComm` makes, over MPI.
+"""A test double of the NCCL calls :class:`sokpy.backends.nccl_comm.NcclComm` makes, over MPI.
 
 ``MpiBackedNccl`` has the shape of ``cupy.cuda.nccl`` as far as ``NcclComm`` uses it
 (``get_unique_id``, ``groupStart``, ``groupEnd``, ``NcclCommunicator`` with ``send``,

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 
-from .. import collective, plan, timing
+from .. import timing
+from ..exchange import collective, plan
 from ..tables.table import live_table_names
 
 __all__ = ["start_over"]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import handoff
+from sokpy.backends import handoff
 
 sokpy.init()
 RANK, WORLD = sokpy.rank(), sokpy.world_size()

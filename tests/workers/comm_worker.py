@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import sokpy
-from sokpy.comm import Communicator, MpiComm
+from sokpy.backends.comm import Communicator, MpiComm
 
 DTYPES = [np.float32, np.float64, np.int64, np.int32]
 # Trailing shapes of the rows: () makes 1-D arrays, (3,) and (2, 5) make 2-D and 3-D ones.

@@ -17,7 +17,7 @@ import sys
 import time
 
 import sokpy
-from sokpy import collective
+from sokpy.exchange import collective
 
 sokpy.init()
 mode, rank = sys.argv[1], sokpy.rank()

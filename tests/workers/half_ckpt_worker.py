@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import handoff
+from sokpy.backends import handoff
 from sokpy.checkpoint import gather_state, load_state
 from sokpy.checkpoint.format import VALUE_DTYPES, decode_values
 

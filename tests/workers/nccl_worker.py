@@ -4,7 +4,7 @@ checks its own results; any mismatch raises and fails the job)."""
 import numpy as np
 
 import sokpy
-from sokpy.nccl_comm import NcclComm
+from sokpy.backends.nccl_comm import NcclComm
 from sokpy.testing.nccl_double import MpiBackedNccl
 
 sokpy.init()

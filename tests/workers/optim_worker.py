@@ -151,7 +151,7 @@ def check_merge():
     ascending run per rank, merged by a stable sort at two ranks and by the radix sort from
     three on. The optimizer's own order of the tables (the same, or reversed) does not change
     that, and both must train the tables as the reference does."""
-    from sokpy import gradients
+    from sokpy.exchange import gradients
 
     seen = []
     real_sort = gradients.sort_by_bits

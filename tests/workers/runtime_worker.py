@@ -15,7 +15,7 @@ import time
 import torch
 
 import sokpy
-from sokpy import runtime, watchdog
+from sokpy.backends import runtime, watchdog
 
 
 def outcome(fn):

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import handoff
-from sokpy.kernels import host
+from sokpy.backends import handoff
+from sokpy.backends.kernels import host
 
 launched = set()
 _convert = host._HostKernel.convert  # every launch converts its arguments, queued or not

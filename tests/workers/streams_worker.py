@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy import runtime
+from sokpy.backends import runtime
 
 mode, out_path = sys.argv[1], sys.argv[2]
 sokpy.init()

@@ -1,0 +1,374 @@
+"""Collectives between ranks: one ``Communicator`` interface, one implementation per backend.
+
+``MpiComm`` moves host (numpy) arrays over mpi4py's buffer interface. ``NcclComm``
+(``sokpy/backends/nccl_comm.py``) moves device arrays over NCCL, bootstrapped over MPI.
+
+Example (under ``sokrun -np 2``)::
+
+    import numpy as np, sokpy
+    sokpy.init()
+    c = sokpy.comm()
+    recv, counts = c.alltoallv(np.arange(4.0), send_counts=np.array([1, 3]))
+    total = c.allreduce(np.array([1]))          # == [world_size]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..timing import count_traffic, timed
+from . import hostpool
+
+__all__ = ["Communicator", "MpiComm", "SoloComm", "LeaveNotices", "MpiUnavailable", "mpi_world", "max_count"]
+
+_SPLIT_TAG = 7301
+_LEAVE_TAG = 7302
+
+
+_MAX_COUNT = int(os.environ.get("SOKPY_MPI_MAX_COUNT", 2**31 - 1))
+
+
+def max_count() -> int:
+    """The largest element count of one MPI message or displacement (MPI-3.1's ``int``
+    counts). ``SOKPY_MPI_MAX_COUNT`` (read at import) lowers it: tests use it to exercise
+    the split transfers with small data."""
+    return _MAX_COUNT
+
+
+def _contiguous(arr) -> np.ndarray:
+    """A C-contiguous array of ``arr``'s shape (np.ascontiguousarray would turn 0-d into 1-d)."""
+    a = np.asarray(arr)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def receive_buffer(out, shape: tuple, dtype, empty):
+    """``out`` checked to be a C-contiguous array of ``shape`` and ``dtype``, or a new one."""
+    if out is None:
+        return empty(shape, dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(
+            f"alltoallv: out must be C-contiguous {dtype} of shape {tuple(shape)}, got {out.dtype} {out.shape}"
+        )
+    return out
+
+
+class MpiUnavailable(RuntimeError):
+    """mpi4py, or the MPI library it loads, is not there."""
+
+
+def mpi_world():
+    """``(MpiComm over a duplicate of MPI's world, this process's rank on its node)``; raises
+    MpiUnavailable where MPI cannot be loaded."""
+    try:
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
+    except Exception as e:  # noqa: BLE001 - mpi4py missing, or no MPI library for it to load
+        raise MpiUnavailable(f"{type(e).__name__}: {e}") from e
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    local_rank = local.Get_rank()
+    local.Free()
+    return MpiComm(world.Dup()), local_rank
+
+
+class Communicator:
+    """What every backend's communicator provides. Counts are in rows (first axis)."""
+
+    rank: int
+    size: int
+
+    def alltoall_counts(self, counts):
+        """Exchanges one row of int64 counts per destination: ``counts[d]`` (any trailing
+        shape) goes to rank d; returns what every rank sent to this one, ``[size, ...]``.
+        Host values: the collective header and exchange sizes travel this way."""
+        raise NotImplementedError
+
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
+        """Sends rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` of ``send`` to rank d.
+        Returns ``(recv, recv_counts)``: the rows from every rank, in rank order. When the
+        caller already knows ``recv_counts`` it may pass them and save a count exchange.
+        ``large`` says whether the transfer must be split below MPI's 32-bit counts; every
+        rank must pass the same value (sokpy's collective layer agrees on it in its header).
+        None decides it with an extra small allreduce. ``out``: the array to receive into
+        (``recv`` is then ``out``). ``skip_self``: the block this rank sends itself is not
+        copied, and its place in ``recv`` keeps what it held; for a caller that reads its own
+        block where it wrote it in ``send``."""
+        raise NotImplementedError
+
+    def allreduce(self, arr, op: str = "sum"):
+        """Element-wise ``op`` ("sum", "max", "min") over ranks; returns a new array."""
+        raise NotImplementedError
+
+    def allgather(self, arr):
+        """Stacks every rank's array (all of one shape): result ``[size, *arr.shape]``."""
+        raise NotImplementedError
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable object, in rank order."""
+        raise NotImplementedError
+
+    def bcast(self, obj, root: int = 0):
+        """``root``'s object (array or picklable value) on every rank."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Releases the communicator (``sokpy.shutdown``)."""
+        raise NotImplementedError
+
+    def abort(self, code: int) -> None:
+        """Ends every process of the job with exit code ``code``."""
+        raise NotImplementedError
+
+
+class SoloComm(Communicator):
+    """The communicator of a job of one process where no MPI library is loaded (one GPU
+    checked where only torch and CuPy are installed): every collective is a local copy, of
+    host or device arrays alike (``xp`` is the backend's array module)."""
+
+    rank, size = 0, 1
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    def free(self) -> None:
+        pass
+
+    def abort(self, code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def alltoall_counts(self, counts):
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if counts.shape[0] != 1:
+            raise ValueError(f"alltoall_counts: need one row per rank (1), got {counts.shape[0]}")
+        return counts.copy()
+
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
+        send_counts = np.asarray(send_counts, dtype=np.int64)
+        if send_counts.shape != (1,) or int(send_counts[0]) != int(send.shape[0]):
+            raise ValueError(f"alltoallv: send_counts {send_counts.tolist()} do not fit {send.shape[0]} rows")
+        recv = receive_buffer(out, tuple(send.shape), send.dtype, self.xp.empty)
+        if not skip_self:
+            recv[...] = send
+        return recv, send_counts.copy()
+
+    def allreduce(self, arr, op: str = "sum"):
+        return arr.copy() if hasattr(arr, "copy") else np.array(arr)
+
+    def allgather(self, arr):
+        return arr[None].copy() if hasattr(arr, "copy") else np.array([arr])
+
+    def allgather_object(self, obj) -> list:
+        count_traffic("other", 0)
+        return [obj]
+
+    def bcast(self, obj, root: int = 0):
+        count_traffic("other", 0)
+        return obj
+
+    def barrier(self) -> None:
+        count_traffic("other", 0)
+
+
+class MpiComm(Communicator):
+    """Communicator over an mpi4py communicator, for host (numpy) arrays."""
+
+    def __init__(self, mpi_comm):
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
+
+        self._MPI = MPI
+        self._comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+    def free(self) -> None:
+        if self._comm is not None and self._comm != self._MPI.COMM_WORLD:
+            self._comm.Free()
+        self._comm = None
+
+    def abort(self, code: int) -> None:
+        self._MPI.COMM_WORLD.Abort(code)
+
+    def leave_notices(self) -> LeaveNotices | None:
+        """A :class:`LeaveNotices` channel over a duplicate of this communicator (collective:
+        every rank calls it at the same point), or None for one rank, or where MPI runs without
+        ``MPI_THREAD_MULTIPLE`` (the watchdog's thread polls the channel while the main
+        thread waits in a collective; mpi4py asks for that level by default)."""
+        if self.size <= 1 or self._MPI.Query_thread() < self._MPI.THREAD_MULTIPLE:
+            return None
+        return LeaveNotices(self._comm.Dup())
+
+    def alltoall_counts(self, counts):
+        """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)
+        goes to rank d; returns what every rank sent to this one, ``[size, ...]``."""
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if counts.shape[0] != self.size:
+            raise ValueError(f"alltoall_counts: need one row per rank ({self.size}), got {counts.shape[0]}")
+        recv = np.empty_like(counts)
+        if self.size == 1:
+            recv[...] = counts
+        else:
+            count_traffic("alltoall", counts.nbytes - counts[self.rank].nbytes)
+            with timed("exchange"):
+                self._comm.Alltoall(counts, recv)
+        return recv
+
+    def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
+        send = np.ascontiguousarray(send)
+        send_counts = np.asarray(send_counts, dtype=np.int64)
+        if send_counts.shape != (self.size,):
+            raise ValueError(f"alltoallv: send_counts must have one entry per rank ({self.size})")
+        if send_counts.sum() != send.shape[0]:
+            raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {send.shape[0]} rows")
+        if recv_counts is None:
+            recv_counts = self.alltoall_counts(send_counts)
+        recv_counts = np.asarray(recv_counts, dtype=np.int64)
+        row = int(np.prod(send.shape[1:], dtype=np.int64))
+        recv = receive_buffer(out, (int(recv_counts.sum()),) + send.shape[1:], send.dtype, hostpool.empty)
+        if self.size == 1:
+            if not skip_self:
+                recv[...] = send
+            return recv, recv_counts
+        sc, rc = send_counts * row, recv_counts * row
+        if large is None:  # decided together: every rank must take the same path
+            local = max(int(sc.sum()), int(rc.sum()))
+            large = int(self.allreduce(np.array([local], np.int64), op="max")[0]) >= max_count()
+        sbuf, rbuf = send.reshape(-1), recv.reshape(-1)
+        count_traffic("alltoall", (int(sc.sum()) - int(sc[self.rank])) * send.dtype.itemsize)
+        with timed("exchange"):
+            if large:
+                self._alltoallv_split(sbuf, sc, rbuf, rc, skip_self)
+            else:
+                sd = np.zeros(self.size, np.int64)
+                rd = np.zeros(self.size, np.int64)
+                np.cumsum(sc[:-1], out=sd[1:])
+                np.cumsum(rc[:-1], out=rd[1:])
+                if skip_self:  # the displacements keep the own block's place; nothing moves there
+                    sc, rc = sc.copy(), rc.copy()
+                    sc[self.rank] = rc[self.rank] = 0
+                # An empty buffer still needs a valid address and a datatype.
+                sb = sbuf if sbuf.size else np.empty(1, send.dtype)
+                rb = rbuf if rbuf.size else np.empty(1, send.dtype)
+                dtype = self._MPI._typedict[sb.dtype.char]
+                self._comm.Alltoallv([sb, (sc, sd), dtype], [rb, (rc, rd), dtype])
+        return recv, recv_counts
+
+    def _alltoallv_split(self, sbuf, sc, rbuf, rc, skip_self: bool) -> None:
+        """The all-to-all as point-to-point messages of at most ``max_count()`` elements each,
+        so that neither a count nor a displacement needs more than MPI-3.1's 32-bit ``int``.
+        Messages between one pair of ranks arrive in the order sent (same source and tag)."""
+        sd = np.concatenate([[0], np.cumsum(sc)])
+        rd = np.concatenate([[0], np.cumsum(rc)])
+        me = self.rank
+        if not skip_self:
+            rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
+        requests = [self._comm.Irecv(piece, source=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(rbuf, rd)]
+        requests += [self._comm.Isend(piece, dest=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(sbuf, sd)]
+        self._MPI.Request.Waitall(requests)
+
+    def _pieces(self, buf, displ):
+        """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]``, in pieces
+        of at most ``max_count()`` elements."""
+        limit = max_count()
+        for peer in range(self.size):
+            if peer != self.rank:
+                for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
+                    yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
+
+    def allreduce(self, arr, op: str = "sum"):
+        arr = _contiguous(arr)
+        out = np.empty_like(arr)
+        if self.size == 1:
+            out[...] = arr
+        else:
+            count_traffic("other", arr.nbytes)
+            with timed("exchange"):
+                self._comm.Allreduce(arr, out, op=self._ops[op])
+        return out
+
+    def allgather(self, arr):
+        arr = _contiguous(arr)
+        out = np.empty((self.size,) + arr.shape, dtype=arr.dtype)
+        if self.size == 1:
+            out[0] = arr
+        else:
+            count_traffic("other", arr.nbytes)
+            self._comm.Allgather(arr, out)
+        return out
+
+    def allgather_object(self, obj) -> list:
+        count_traffic("other", 0)
+        return self._comm.allgather(obj)
+
+    def bcast(self, obj, root: int = 0):
+        count_traffic("other", 0)
+        return self._comm.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        count_traffic("other", 0)
+        self._comm.Barrier()
+
+
+class LeaveNotices:
+    """A side channel on which a rank that leaves tells every other rank so: one small
+    point-to-point message per peer, on a private duplicate of the world, which needs no
+    matching collective call on the peers. The message carries how many collective calls the
+    leaving rank completed; a peer waiting in a later call knows it waits in vain
+    (``sokpy.backends.watchdog``). A peer reads the notices with :meth:`poll`, from the watchdog's
+    thread, while its main thread may be blocked in a collective on another communicator.
+
+    Unread notices (every rank sends them at the end of a normal run, when nobody polls any
+    more) stay in MPI's queue of unexpected messages. MPI may hand such a message to a later
+    communicator that reuses the freed one's context (``sokpy.shutdown()`` then ``init()``
+    in one process: the peers' notices of the first run arrive on the second run's channel),
+    so every channel has an identity that its ranks agree on when it is made, each notice
+    carries it, and :meth:`poll` drops notices of another channel."""
+
+    def __init__(self, mpi_comm):
+        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
+
+        self._MPI = MPI
+        self._comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self._sending = None  # the last notices' buffer and requests, kept until sent
+        # Rank 0 draws the channel's identity and every rank learns it (collective, like the Dup).
+        self.identity = int(mpi_comm.bcast(int.from_bytes(os.urandom(8), "little") >> 1, root=0))
+
+    def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
+        """Tells every other rank that this one leaves after ``completed_calls`` collective
+        calls; waits at most ``wait_s`` seconds for the messages to leave (they are tiny, so
+        MPI sends them eagerly without waiting for the peers)."""
+        if self._MPI.Is_finalized():
+            return
+        msg = np.array([self.identity, completed_calls], np.int64)
+        requests = [self._comm.Isend(msg, dest=p, tag=_LEAVE_TAG) for p in range(self.size) if p != self.rank]
+        self._sending = (msg, requests)
+        deadline = time.monotonic() + wait_s
+        while not self._MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def poll(self) -> dict[int, int]:
+        """The notices of this channel that arrived since the last poll: ``{rank: collective
+        calls it completed}`` (a stale notice of an earlier channel is read and dropped)."""
+        MPI = self._MPI
+        arrived, status, buf = {}, MPI.Status(), np.empty(2, np.int64)
+        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_LEAVE_TAG, status=status):
+            source = status.Get_source()
+            self._comm.Recv(buf, source=source, tag=_LEAVE_TAG)
+            if int(buf[0]) == self.identity:
+                arrived[source] = int(buf[1])
+        return arrived
+
+    def free(self) -> None:
+        if self._comm is not None and not self._MPI.Is_finalized():
+            self._comm.Free()
+        self._comm = None

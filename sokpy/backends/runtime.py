@@ -1,0 +1,303 @@
+"""Process-wide state: the MPI world, this rank's place in it, and the backend.
+
+Example::
+
+    import sokpy
+    sokpy.init()                      # backend="auto": the device only when a GPU is usable
+    print(sokpy.rank(), sokpy.world_size(), sokpy.local_rank(), sokpy.backend())
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from .. import timing
+from . import watchdog
+from .backend import DeviceBackend, HostBackend, check_device, device_shapes_requested
+from .comm import MpiUnavailable, SoloComm, mpi_world
+from .nccl_comm import NcclComm
+
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "local_rank",
+    "device_index",
+    "backend",
+    "comm",
+    "current",
+    "xp",
+    "scratch",
+    "empty_rows",
+    "launch",
+    "entry",
+    "abort",
+    "NotInitializedError",
+    "LaunchError",
+]
+
+
+class NotInitializedError(RuntimeError):
+    """An API that needs the runtime was called before ``sokpy.init()``."""
+
+
+class LaunchError(RuntimeError):
+    """The processes were started in a way sokpy cannot train under (e.g. one MPI world per process)."""
+
+
+class _State:
+    comm = None
+    backend = None  # the Backend object (sokpy/backends/backend.py)
+    local_rank = 0
+
+
+_state = _State()
+
+# Launchers that set a world size of their own. Under them, every process may see an MPI
+# world of 1 and would silently train its own model.
+_LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
+# Variables by which MPI launchers tell a process the size of its world; used only when no
+# MPI library can be loaded, to tell a one-process run from a broken multi-process launch.
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
+
+# Whether "auto" picks the device backend when a GPU is usable. The device path is proven
+# without a GPU (an asynchronous device double, NcclComm over a test double, NVRTC builds)
+# but has not yet run on one, so "auto" stays on the host until `make gpu-check` has passed
+# on a GPU; backend="device" (or SOKPY_BACKEND=device) asks for it explicitly.
+# SOKPY_BACKEND=host|device|auto in the environment sets what "auto" means, so a job moves
+# between backends without editing the script.
+AUTO_PICKS_DEVICE = False
+
+
+def _gpu_usable() -> bool:
+    try:
+        import cupy  # optional dependency, imported only on the device path
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _check_launch(mpi_size: int) -> None:
+    for var in _LAUNCHER_SIZE_VARS:
+        value = os.environ.get(var)
+        if value is None or not value.strip().isdigit():
+            continue
+        if int(value) != mpi_size:
+            raise LaunchError(
+                f"sokpy.init: the launcher says {var}={value} but MPI sees a world of {mpi_size} "
+                f"process(es), so the processes cannot exchange embeddings. Launch with MPI: "
+                f"`sokrun -np N python train.py`, `mpirun -np N python train.py`, or "
+                f"`horovodrun --mpi -np N python train.py` (not horovodrun's gloo mode or torchrun)."
+            )
+
+
+def _mpi_world():
+    """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
+    single process where no MPI library can be loaded (one GPU checked where only torch and
+    CuPy are installed); a launch that asked for several processes then fails clearly."""
+    try:
+        mpi, local_rank = mpi_world()
+    except MpiUnavailable as e:
+        sizes = {v: os.environ[v] for v in _MPI_SIZE_VARS if os.environ.get(v, "").strip() not in ("", "1")}
+        if sizes:
+            raise LaunchError(
+                f"sokpy.init: the launcher started several processes ({sizes}) but MPI cannot be loaded here "
+                f"({e}); install mpi4py with an MPI library (pip install "
+                f'"sokpy-embeddings[mpi]")'
+            ) from e
+        return None, 0
+    try:
+        _check_launch(mpi.size)
+    except LaunchError:
+        mpi.free()
+        raise
+    return mpi, local_rank
+
+
+def init(backend: str = "auto", timeout: float | None = None) -> str:
+    """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
+
+    ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
+    exchange) or ``"device"`` (CuPy arrays on this rank's GPU, kernels compiled by NVRTC,
+    NCCL exchange, all work on torch's current stream). ``"auto"`` reads ``SOKPY_BACKEND``
+    from the environment and otherwise picks the host (the device backend has not yet run
+    on a GPU: ask for it by name). On the device backend the rank binds GPU ``local_rank %
+    device_count`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible) for CuPy and torch
+    before anything is allocated; if torch's CUDA, CuPy, NVRTC or (on several ranks) NCCL is
+    missing, one error names them all and the pip line that installs them. A single process
+    runs without an MPI library. Idempotent: a second call with the same or ``"auto"``
+    backend returns the first one's choice.
+
+    A failed rank then ends the whole job (``sokpy.backends.watchdog``): an uncaught exception aborts
+    the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
+    a collective call that waits longer than ``timeout`` seconds (default
+    ``SOKPY_COLLECTIVE_TIMEOUT`` or 600; 0 for none) ends the job naming the call, and a
+    rank that ends (``sys.exit``, end of script) while others wait in a collective call it
+    never made ends the job within seconds, naming that rank and the call.
+
+    Example::
+
+        import sokpy
+        sokpy.init(backend="host")
+    """
+    if backend not in ("auto", "host", "device"):
+        raise ValueError(f"sokpy.init: backend must be 'auto', 'host' or 'device', not {backend!r}")
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"sokpy.init: timeout must be >= 0 seconds (0: none), not {timeout!r}")
+    if _state.comm is not None:
+        if backend not in ("auto", _state.backend.name):
+            raise RuntimeError(
+                f"sokpy.init: already initialised with backend {_state.backend.name!r}, cannot switch to {backend!r}"
+            )
+        return _state.backend.name
+    if backend == "auto":
+        backend = os.environ.get("SOKPY_BACKEND", "auto").strip().lower() or "auto"
+        if backend not in ("auto", "host", "device"):
+            raise ValueError(f"sokpy.init: SOKPY_BACKEND must be 'auto', 'host' or 'device', not {backend!r}")
+    if backend == "auto":
+        backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
+    if backend == "device" and not _gpu_usable():
+        check_device(1)  # names what is missing
+    mpi, local_rank = _mpi_world()
+    world = 1 if mpi is None else mpi.size
+    emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
+    try:
+        be, comm = _make_backend(backend, emulated, mpi, local_rank, world)
+    except BaseException:
+        if mpi is not None:
+            mpi.free()
+        raise
+    _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
+    watchdog.install(timeout, comm, notices=None if mpi is None else mpi.leave_notices())
+    return be.name
+
+
+def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int):
+    """The backend object and its communicator."""
+    if backend == "device":
+        check_device(world)
+        import cupy  # optional dependency, imported only on the device path
+
+        be = DeviceBackend(device_index(local_rank, cupy.cuda.runtime.getDeviceCount()))
+        if mpi is None:
+            return be, SoloComm(be.xp)
+        return be, NcclComm(mpi, stream=be.stream_handle)
+    if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
+        from ..testing.emulated import EmulatedDeviceBackend
+
+        emulated_be = EmulatedDeviceBackend()
+        return emulated_be, emulated_be.communicator(mpi)
+    host_be = HostBackend(device_shapes=device_shapes_requested())
+    return host_be, mpi if mpi is not None else SoloComm(np)
+
+
+def device_index(local_rank: int, device_count: int) -> int:
+    """The GPU (an index among the visible ones) that the rank with node-local rank
+    ``local_rank`` uses: ``local_rank % device_count``. With ``CUDA_VISIBLE_DEVICES=2,3``
+    local ranks 0 and 1 get indices 0 and 1, i.e. physical GPUs 2 and 3."""
+    if device_count <= 0:
+        raise RuntimeError("sokpy: no GPU is visible (CUDA_VISIBLE_DEVICES may hide them all)")
+    return int(local_rank) % int(device_count)
+
+
+def shutdown() -> None:
+    """Releases the communicator; ``init`` may be called again afterwards. The other ranks
+    learn that this one makes no more collective calls (``sokpy.backends.watchdog.leave``): one still
+    waiting in a call this rank did not make ends the job instead of waiting for the timeout."""
+    watchdog.leave()
+    if _state.comm is not None:
+        _state.comm.free()
+    _state.comm = None
+    _state.backend = None
+    _state.local_rank = 0
+    timing.set_clock(None)
+
+
+def is_initialized() -> bool:
+    return _state.comm is not None
+
+
+def comm():
+    """The communicator of the initialised runtime."""
+    if _state.comm is None:
+        raise NotInitializedError(
+            "sokpy is not initialised: call sokpy.init() first (once per process, after the launcher started the ranks)"
+        )
+    return _state.comm
+
+
+def rank() -> int:
+    """This process's rank in the world."""
+    return comm().rank
+
+
+def world_size() -> int:
+    """The number of ranks."""
+    return comm().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its node."""
+    comm()
+    return _state.local_rank
+
+
+def backend() -> str:
+    """``"host"`` or ``"device"``."""
+    return current().name
+
+
+def current():
+    """The backend object of the initialised runtime (``sokpy/backends/backend.py``)."""
+    comm()
+    return _state.backend
+
+
+def xp():
+    """The array module of the backend: numpy on the host, cupy on the device."""
+    return current().xp
+
+
+def empty_rows(shape, dtype):
+    """An uninitialised array for a table's rows and slots (``Backend.empty_rows``)."""
+    return current().empty_rows(shape, dtype)
+
+
+def scratch(shape, dtype):
+    """An uninitialised array for one call's work, from the backend's memory pool (not for
+    tables: their memory is sized exactly)."""
+    return _state.backend.scratch(shape, dtype)
+
+
+def launch(name: str, n: int, dim: int, args) -> None:
+    """Runs kernel ``name`` over ``n`` rows of ``dim`` columns on the backend
+    (``Backend.launch``)."""
+    current().launch(name, n, dim, args)
+
+
+def abort(code: int) -> None:
+    """Ends every process of the job with exit code ``code`` (after flushing this one's output)."""
+    if _state.comm is not None:
+        _state.comm.abort(code)
+    os._exit(code)
+
+
+def entry(fn):
+    """Decorates a public entry of sokpy: its work runs in the backend's stream scope (on a
+    GPU, queued on torch's current stream of the moment it is called, in the calling thread)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        be = _state.backend
+        if be is None:
+            return fn(*args, **kwargs)
+        with be.stream_scope():
+            return fn(*args, **kwargs)
+
+    return run

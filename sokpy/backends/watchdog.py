@@ -1,0 +1,235 @@
+"""A failed rank ends the job: uncaught exceptions, collective calls that wait too long, and
+ranks that leave while others wait for them.
+
+``sokpy.init()`` installs all three (``runtime.init`` calls :func:`install`):
+
+* **Uncaught exceptions.** A ``sys.excepthook`` prints the traceback under a line naming
+  the rank and host, then calls ``MPI_Abort`` on the world, so every launcher (plain
+  ``mpirun``, ``sokrun``, ``horovodrun --mpi``) ends the whole job at once with a non-zero
+  code, instead of leaving the other ranks waiting in a collective forever. The abort comes
+  ``ABORT_GRACE_S`` (1 s) after the report, so that the launcher forwards the report first. Set
+  ``SOKPY_ABORT_ON_ERROR=0`` to keep Python's own behaviour. One-rank jobs are not aborted
+  (Python's exit is enough there).
+* **Collective timeout.** Every collective call of sokpy (``sokpy.exchange.collective.Call``) is
+  timed by a daemon thread. A call that has waited longer than the timeout
+  (``SOKPY_COLLECTIVE_TIMEOUT`` seconds, default 600, or ``sokpy.init(timeout=...)``; 0
+  turns it off) prints which call this rank is in (``lookup_sparse tables=[...]``,
+  ``Adagrad.step``, ...) and for how long, then aborts the job with exit code 3. This is
+  what ends a job where one rank hangs, or stops making collective calls without ending.
+* **A rank that leaves.** A rank whose program ends while others still make collective
+  calls (``sys.exit`` in the training loop on uneven data, or its script simply ended)
+  would otherwise leave them waiting for the whole timeout: MPI's launchers only notice a
+  rank that ends once all have ended. So when a process ends (``atexit``, which covers
+  ``sys.exit`` and the normal end of the script) or calls ``sokpy.shutdown()``, it tells
+  every other rank, on a side channel (:class:`sokpy.backends.comm.LeaveNotices`), how many
+  collective calls it completed. A rank waiting in a later call, or entering one, prints
+  which rank left and which call it waits in, then aborts the job with exit code 4, within
+  about two seconds. A rank that is still in a call the leaving rank completed, or makes no
+  more calls, carries on: the normal end of a job, where ranks end at different moments,
+  stays quiet. The calls are counted from the outermost, alike on every rank since every
+  rank makes the same collective calls. This needs ``MPI_THREAD_MULTIPLE`` (mpi4py's
+  default) and works with the timeout off; ``os._exit`` skips it (the timeout remains).
+
+A rank that dies (killed, out of memory) is noticed by the MPI launcher itself, which ends
+the job.
+
+Example::
+
+    import sokpy
+    sokpy.init(timeout=120)   # a collective call waiting more than 2 minutes ends the job
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+__all__ = ["install", "leave", "call", "timeout", "DEFAULT_TIMEOUT_S", "TIMEOUT_EXIT_CODE", "PEER_LEFT_EXIT_CODE"]
+
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_EXIT_CODE = 3
+PEER_LEFT_EXIT_CODE = 4
+ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
+
+_lock = threading.Lock()
+# (call, start) of the calls this rank is in, outermost first; a call is its description or a
+# function that returns it (built only when a timeout is reported: names of hundreds of tables).
+_current: list[tuple] = []
+_timeout_s = 0.0
+_thread: threading.Thread | None = None
+_installed_hook = None
+_comm = None  # the job's communicator: who this rank is, and how to end the job
+# Outermost collective calls this rank entered since install (under _lock). Every rank makes the
+# same calls, so the n-th call is the same call on every rank.
+_calls = 0
+# The side channel on which ranks that leave say so (sokpy.backends.comm.LeaveNotices), while the
+# runtime is initialised; None for one rank or without MPI_THREAD_MULTIPLE. The watchdog's
+# thread polls it only under _notices_lock, and leave() takes it away under the same lock.
+_notices = None
+_notices_lock = threading.Lock()
+_left: dict[int, int] = {}  # rank -> collective calls it completed before it left
+_exit_hook_registered = False
+
+
+def _abort(code: int) -> None:
+    sys.stderr.flush()
+    sys.stdout.flush()
+    # MPI_Abort makes the launcher kill every rank at once, and MPICH's Hydra (under mpiexec
+    # and horovodrun) may act on it before it has forwarded what this rank just wrote, so the
+    # report and traceback are lost. A short pause lets the launcher's output forwarding run first.
+    time.sleep(ABORT_GRACE_S)
+    if _comm is not None:
+        _comm.abort(code)
+    os._exit(code)
+
+
+def _where() -> str:
+    rank, size = (0, 1) if _comm is None else (_comm.rank, _comm.size)
+    return f"rank {rank} of {size} (host {socket.gethostname()}, pid {os.getpid()})"
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if _comm is None or _comm.size <= 1 or issubclass(exc_type, SystemExit):
+            return previous(exc_type, exc, tb)
+        sys.stderr.write(f"sokpy: uncaught exception on {_where()}; ending the whole job:\n")
+        previous(exc_type, exc, tb)
+        _abort(1)
+
+    return hook
+
+
+def timeout() -> float:
+    """The collective timeout in seconds in force (0: none)."""
+    return _timeout_s
+
+
+def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
+    """Installs the exception hook and starts the watchdog's thread (idempotent);
+    ``timeout_s`` overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator
+    (its rank and size for reports, its ``abort`` to end the job); ``notices`` is the job's
+    :class:`sokpy.backends.comm.LeaveNotices` channel (None: no other rank to tell), on which this
+    rank says when it leaves and hears when others do."""
+    global _timeout_s, _thread, _installed_hook, _comm, _notices, _calls, _exit_hook_registered
+    if comm is not None:
+        _comm = comm
+    if timeout_s is None:
+        raw = os.environ.get("SOKPY_COLLECTIVE_TIMEOUT", "").strip()
+        try:
+            timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"SOKPY_COLLECTIVE_TIMEOUT must be a number of seconds, not {raw!r}") from None
+    if timeout_s < 0:
+        raise ValueError(f"the collective timeout must be >= 0 seconds (0: none), not {timeout_s}")
+    _timeout_s = float(timeout_s)
+    if os.environ.get("SOKPY_ABORT_ON_ERROR", "1") != "0" and sys.excepthook is not _installed_hook:
+        _installed_hook = _excepthook(sys.excepthook)
+        sys.excepthook = _installed_hook
+    if notices is not None:
+        with _notices_lock:
+            _notices = notices
+            _left.clear()
+        with _lock:
+            _calls = 0
+        if not _exit_hook_registered:
+            # Runs before mpi4py finalizes MPI (its hook was registered when MPI was loaded,
+            # before sokpy.init), and also after sys.exit; os._exit and a crash skip it.
+            atexit.register(_leave_at_exit, os.getpid())
+            _exit_hook_registered = True
+    if _thread is None and (_timeout_s > 0 or notices is not None):
+        _thread = threading.Thread(target=_watch, name="sokpy-watchdog", daemon=True)
+        _thread.start()
+
+
+def leave(free: bool = True) -> None:
+    """Tells the other ranks that this rank makes no more collective calls, and stops
+    listening for theirs. ``sokpy.shutdown()`` calls it, and so does the end of the process
+    (``atexit``, with ``free=False``: MPI's finalization frees the channel). Idempotent."""
+    global _notices
+    with _notices_lock:
+        notices, _notices = _notices, None
+    if notices is None:
+        return
+    with _lock:
+        completed = _calls - (1 if _current else 0)
+    notices.announce(completed)
+    if free:
+        notices.free()
+
+
+def _leave_at_exit(pid: int) -> None:
+    # A child forked from this rank that ends through Python's exit runs this hook too; it is not
+    # the rank, and must not tell the peers that the rank left.
+    if os.getpid() == pid:
+        leave(free=False)
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(min(1.0, max(_timeout_s / 10, 0.05)) if _timeout_s > 0 else 1.0)
+        _check()  # its own frame: nothing of the call it looked at stays referenced while the thread sleeps
+
+
+def _check() -> None:
+    """One look at the call this rank is in: ends the job when a rank that left will never
+    make it, or when it has waited past the timeout."""
+    with _lock:
+        first = _current[0] if _current else None
+        index = _calls
+    if first is None:
+        return
+    gone = _gone_before(index)
+    if gone:
+        what = first[0]() if callable(first[0]) else first[0]
+        r, completed = gone[0]
+        sys.stderr.write(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
+            f"which rank {r} will never make: rank {r} left (its program ended, e.g. sys.exit, or it "
+            f"called sokpy.shutdown) after completing {completed} collective calls. Every rank must make the "
+            f"same collective calls (on uneven data, stop every rank's loop at the same step). "
+            f"Ending the whole job.\n"
+        )
+        _abort(PEER_LEFT_EXIT_CODE)
+    if _timeout_s <= 0:
+        return
+    what, start = first
+    what = what() if callable(what) else what
+    waited = time.monotonic() - start
+    if waited > _timeout_s:
+        sys.stderr.write(
+            f"sokpy: {_where()} has waited {waited:.0f} s in the collective call {what} "
+            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the "
+            f"same call (it left the training loop early, hangs, or failed). Ending the whole job.\n"
+        )
+        _abort(TIMEOUT_EXIT_CODE)
+
+
+def _gone_before(index: int) -> list[tuple[int, int]]:
+    """``(rank, calls it completed)`` of the ranks that left before completing this rank's
+    collective call #``index``, lowest rank first: this rank waits for them in vain."""
+    with _notices_lock:
+        if _notices is not None:
+            _left.update(_notices.poll())
+        return sorted((r, completed) for r, completed in _left.items() if completed < index)
+
+
+@contextmanager
+def call(what):
+    """Marks this rank as inside the collective call ``what`` (its description, or a function
+    that returns it; nested calls count from the outermost)."""
+    global _calls
+    entry = (what, time.monotonic())
+    with _lock:
+        if not _current:
+            _calls += 1
+        _current.append(entry)
+    try:
+        yield
+    finally:
+        with _lock:
+            _current.remove(entry)

@@ -1,0 +1,14 @@
+"""The exchange layer: how one call's keys, rows and gradients travel between ranks.
+
+* :mod:`~sokpy.exchange.collective`: the agreement every collective call passes first (one
+  header: the same operation, tables and verdict on every rank, or the same error on all);
+* :mod:`~sokpy.exchange.sparse`: a call's inputs as one ``Batch`` for all its tables;
+* :mod:`~sokpy.exchange.plan`: one ``lookup_sparse`` call as named stages (route, dedup, key
+  exchange, owner fetch, row exchange, pool, and the backward), and the routing service
+  (``send_to_owners``) that assign, load and the checkpoints use;
+* :mod:`~sokpy.exchange.gradients`: sparse gradients, merged per owner;
+* :mod:`~sokpy.exchange.wire`: the 16-bit formats of rows between ranks.
+
+It uses the tables' storage (``sokpy.storage``) and the backend (``sokpy.backends``), never
+the public API above it.
+"""

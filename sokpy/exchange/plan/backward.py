@@ -1,0 +1,108 @@
+"""The backward's stages both strategies share: the outputs' gradients as the kernels read
+them (:func:`grad_pointers`), the check that no capped table evicted since the forward
+(:func:`evicted_since`), and each unique key's gradient row summed into a buffer of blocks
+of rows (:func:`sum_gradient_rows`), the buffer the strategy then sends to the owners or
+keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...backends import kernels, runtime
+from ..sparse import segment_starts
+from .call import Call
+from .dedup import Dedup
+from .pooling import Pooled
+
+
+@dataclass(frozen=True)
+class GradientRows:
+    """Where ``segment_sum`` writes each unique key's gradient row: the call's unique keys,
+    each one's element offset in the buffer, and the elements of each peer's block (its
+    header, then its rows)."""
+
+    dedup: Dedup
+    unique_offsets: Any
+    block_elems: np.ndarray
+
+
+def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
+    """``(tensor, row stride in elements)`` the gradient kernels can read for the output
+    gradient ``grad`` (2-D): itself where it is float32 with adjacent columns, else a
+    contiguous float32 copy (kept alive in ``keep`` until the kernels ran)."""
+    g = grad.detach()
+    if g.dtype != torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
+        g = g.to(torch.float32).contiguous()
+        keep.append(g)
+    return g, g.stride(0) if g.shape[0] > 1 else g.shape[1]
+
+
+def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
+    """(used flags [T], device array of the gradients' addresses [T] then their row strides
+    [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
+    it lies, at its own row stride (an output's slice of a concatenation's gradient, a
+    broadcast row); any other is copied into a contiguous one first."""
+    xp, c, backend = runtime.xp(), kernels.constants(), runtime.current()
+    ntab = call.shape.ntables
+    keep: list = []
+    words = np.zeros(2 * ntab, np.uint64)
+    if call.keyed:
+        used = np.full(ntab, grads[0] is not None)
+        if grads[0] is not None:
+            g, stride = _readable(grads[0], keep)
+            start = call.tables.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
+            words[:ntab] = backend.address_of(g) + 4 * start
+            words[ntab:] = stride
+    else:
+        used = np.fromiter((g is not None for g in grads), bool, ntab)
+        for t in np.flatnonzero(used):
+            g, stride = _readable(grads[t], keep)
+            words[t], words[ntab + t] = backend.address_of(g), stride
+    return used, xp.asarray(words), keep
+
+
+def evicted_since(call: Call) -> str | None:
+    """The backward's error where a capped table evicted rows (and so moved others) after
+    this call's forward found its rows, else None."""
+    t = call.tables
+    if t.ts.capped and [t.tables[i].storage.evicted for i in t.ts.capped] != t.evictions:
+        return (
+            "a table with max_rows evicted rows (and moved others) between this lookup and its backward: "
+            "run each lookup's backward before the next lookup that inserts into its capped tables"
+        )
+    return None
+
+
+def sum_gradient_rows(
+    call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None, count=None
+) -> None:
+    """Writes each block's header (the used flags of the outputs, then zeros) and each unique
+    key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
+    no float atomics. A hot key's positions are summed in pieces (cuda_src/embedding.cu): a
+    slot for each piece the call's positions could make (the hot keys are not known here);
+    those segment_sum's thread does not sum itself (``own_pieces``) are summed in parallel
+    first, where the call has positions enough for one. Where the deduplication ran after the
+    forward (one rank), segment_sum reads the bags in sorted order (``dedup.kbag``), else
+    ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite and ``count`` is
+    the number of unique keys on the device, where the strategy asks for them."""
+    xp, shape, dev = runtime.xp(), call.shape, call.device
+    d = rows.dedup
+    world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
+    starts = segment_starts(rows.block_elems)[:-1]
+    flags = np.zeros((world, header_slots), np.float32)
+    flags[:, :ntab] = used
+    buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+    scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
+    dim = int(shape.dims.max(initial=1))
+    npieces = max(d.n - 1, 0) // kernels.constants()["SOKPY_SEGMENT_PIECE"]
+    pieces = runtime.scratch(npieces * dim, np.float32) if npieces else None
+    own = runtime.current().own_pieces()
+    args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
+    args += (ntab, call.tables.device_tabs, d.nuniq, count, pieces, dim, own)
+    if npieces >= own:
+        runtime.launch("segment_piece_sums", npieces, dim, (*args, npieces))
+    runtime.launch("segment_sum", d.nuniq, dim, (*args, buf, rows.unique_offsets, scale, bad))

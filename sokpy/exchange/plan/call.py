@@ -1,0 +1,137 @@
+"""What a lookup call fixes before any key is read, as frozen records: its shape
+(:class:`CallShape`, from :func:`describe`), its batch on the backend (:class:`DeviceBatch`)
+and the whole call (:class:`Call`) that every stage reads; and :class:`Header`, what a
+strategy's grouping stage brings to the collective header."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...backends import kernels, runtime
+from ..sparse import Batch, segment_starts
+from .call_tables import CallTables
+from .layout import row_header
+from .routing import sort_bits
+from .table_sets import TableSet, bits
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """The sizes a call's tables and batch fix: each table's dimension (``dims``; ``one_dim``:
+    their common dimension, 0 where they differ), the output's size in elements, the packed
+    sort value's bit fields (``pos_bits`` for the position, ``value_bits`` above them for the
+    row or hash, ``sort_hi``: the bits up to and with the (owner, table) group; ``exact``:
+    every table's sort value is its stored row) and the leading slots of a buffer of rows
+    (``header_slots``, :func:`~sokpy.exchange.plan.layout.row_header`)."""
+
+    ntables: int
+    world: int
+    dims: np.ndarray
+    one_dim: int
+    out_size: int
+    pos_bits: int
+    value_bits: int
+    exact: bool
+    sort_hi: int
+    header_slots: int
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    """The batch's arrays as the kernels take them (on a GPU, device arrays): every table's
+    keys in one array, where each table's keys and bags start, the bags' offsets and the
+    per-key weights (None: unweighted)."""
+
+    keys: Any
+    key_start: Any
+    bag_start: Any
+    offsets: Any
+    weights: Any
+
+
+@dataclass(frozen=True)
+class Call:
+    """One lookup call as its stages read it. ``tables`` is the one part that changes during
+    the call: a growing dynamic table moves, and the pooling reads rows from a new source."""
+
+    tables: CallTables
+    shape: CallShape
+    batch: Batch
+    device: DeviceBatch
+    insert: bool
+    keyed: bool
+    grad_mode: bool
+    grad_reduction: str
+    wire_dtype: str
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a call brings to its collective header: the key counts it sends each peer, the
+    volume of its largest exchange, and the row elements it expects back from each peer
+    (None on one rank)."""
+
+    counts: np.ndarray
+    volume: int
+    replies: np.ndarray | None
+
+
+def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
+    """The call's shape and its host table descriptor (the table set's, with this call's
+    combiners, weighting, output layout and exact sort values). Raises ValueError for a keyed
+    output over tables of different batch sizes."""
+    c = kernels.constants()
+    ntab = len(ts.dims)
+    n = int(batch.keys.shape[0])
+    bags = np.diff(batch.bag_start)
+    tabs = ts.tabs.copy()
+    tabs[:, c["SOKPY_TAB_COMBINER"]] = combiners
+    tabs[:, c["SOKPY_TAB_WEIGHTED"]] = batch.weighted
+    if keyed:
+        if ntab and (bags != bags[0]).any():
+            raise ValueError("a keyed output needs the same batch size in every table")
+        tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(ts.dims)[:-1]
+        tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = int(ts.dims.sum())
+        out_size = int(bags[0] * ts.dims.sum()) if ntab else 0
+    else:
+        sizes = bags * ts.dims
+        tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(sizes)[:-1]
+        tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = ts.dims
+        out_size = int(sizes.sum())
+    # Every table of the call has this dimension (0: they differ): rows of consecutive keys
+    # then lie one dimension apart, whatever their tables.
+    one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
+    pos_bits, value_bits = sort_bits(n, world * ntab)
+    exact = ts.row_bits <= value_bits
+    if exact.all() and ntab:  # rows alone: their bits are all the sort needs above the position
+        value_bits = int(ts.row_bits.max())
+    tabs[:, c["SOKPY_TAB_EXACT"]] = exact
+    shape = CallShape(
+        ntables=ntab,
+        world=world,
+        dims=ts.dims,
+        one_dim=one_dim,
+        out_size=out_size,
+        pos_bits=pos_bits,
+        value_bits=value_bits,
+        exact=bool(exact.all()),
+        sort_hi=pos_bits + value_bits + bits(world * ntab),
+        header_slots=row_header(ntab),
+    )
+    return shape, tabs
+
+
+def to_device(batch: Batch) -> DeviceBatch:
+    """The batch's arrays on the backend."""
+    xp = runtime.xp()
+    weights = None if batch.weights is None else xp.asarray(batch.weights)
+    return DeviceBatch(
+        xp.asarray(batch.keys),
+        xp.asarray(batch.key_start),
+        xp.asarray(batch.bag_start),
+        xp.asarray(batch.offsets),
+        weights,
+    )

@@ -1,0 +1,115 @@
+"""The unique keys of a call: :class:`Dedup`, one sort of the routed keys' packed values and
+two kernel passes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...backends import runtime
+from ...backends.sorting import sort_by_bits
+
+
+class Dedup:
+    """The call's keys grouped by (owner, table) and deduplicated, from the sorted packed
+    values: unique key u has positions ``pos[seg[u]:seg[u+1]]`` (increasing), key ``ukeys[u]``
+    and group ``group[u] = owner * T + table``. Keys whose packed values are equal are compared
+    too, so a shared hash value never merges two keys (at worst a key appears twice, and then
+    ``collided`` is true). Besides the sort (a radix sort over the bits above the position,
+    below ``hi``; ``runs`` as ``sorting.sort_by_bits`` takes them), two kernel passes
+    (``mark_unique_keys``, ``unique_key_heads``) and a count of the unique keys (below).
+    ``packed`` is the sort's second buffer (it is not needed after this). ``tabs`` is the
+    call's table descriptor: the unique keys of a static table with exact sort values come from
+    those values, not from ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag
+    of each sorted position (``bag_of[pos]``), else None.
+
+    Built in two steps: the constructor sorts and marks where unique keys start, then
+    :meth:`finish` lays them out. Several ranks first need the unique keys per (owner, table)
+    (:meth:`counts`, from a running count, on the device), and read them with the rest of the
+    call's header; ``finish`` then takes their total. One rank reads nothing here: its
+    layout is sized by the key count and the unique keys' number stays on the device."""
+
+    def __init__(
+        self, packed, keys, tabs, pos_bits: int, value_bits: int, hi: int, exact: bool, runs=None, bag_of=None
+    ):
+        xp = runtime.xp()
+        s = sort_by_bits(packed, pos_bits, hi, runs)
+        n = int(s.shape[0])
+        self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
+        self.pos_bits, self.value_bits = pos_bits, value_bits
+        self.pos = runtime.scratch(n, np.int64)
+        # 1 where a sorted position starts a unique key, else 0 (uint8 read as bool, which
+        # numpy compacts faster than ints)
+        self.starts_unique = runtime.scratch(n, np.uint8)
+        self.collided_flag = xp.zeros(1, np.int32)
+        self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
+        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
+        runtime.launch("mark_unique_keys", n, 1, args)
+        self.before: Any = None  # a device array once counted
+
+    def counts(self, ngroups: int):
+        """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
+        Groups are contiguous in sorted order (a binary search finds where each starts), and
+        ``before[k]``, the unique keys at sorted positions below k, is also the number of the
+        unique key that starts at k."""
+        xp = runtime.xp()
+        self.before = runtime.scratch(self.n + 1, np.int64)
+        self.before[:1] = 0
+        xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+        edges = runtime.scratch(ngroups + 1, np.int64)
+        edges[:1], edges[ngroups:] = 0, self.n
+        shift = self.pos_bits + self.value_bits
+        edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
+        return xp.diff(self.before[edges])
+
+    def finish(self, nuniq: int | None, collided: bool = False, starts=None) -> None:
+        """Lays out the unique keys, numbering each from the running count (the layout kernel
+        walks all sorted positions) or, given ``starts`` (their sorted positions), one thread
+        per unique key. Several ranks pass ``nuniq`` (read with the call's header, after
+        :meth:`counts`) and ``collided`` (the read of the flag ``mark_unique_keys`` set). One
+        rank on a device passes None: nothing is read, the layout is sized for every key (an
+        upper bound; the entries past the unique keys are table 0) and ``count`` (int64
+        ``[1]``) holds the number of unique keys on the device, for the backward's one read
+        together with its verdict."""
+        xp = runtime.xp()
+        n = self.n
+        if starts is None and self.before is None:  # the running count (several ranks made it in counts())
+            self.before = runtime.scratch(n + 1, np.int64)
+            self.before[:1] = 0
+            xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+        self.count = self.before[n:] if nuniq is None else None
+        self.collided = bool(collided)
+        size = n if nuniq is None else nuniq
+        self.nuniq = size
+        self.seg = runtime.scratch(size + 1, np.int64)
+        if nuniq is None:
+            self.seg[self.count] = n
+        else:
+            self.seg[size:] = n
+        self.first = runtime.scratch(size, np.int64)  # position of each unique key's first use
+        self.ukeys = runtime.scratch(size, np.int64)
+        self.group = runtime.scratch(size, np.int64) if nuniq is not None else xp.zeros(size, np.int64)
+        ntab, world = int(self.tabs.shape[0]), runtime.world_size()
+        count = n if starts is None else size
+        args = (
+            self.s,
+            starts,
+            self.starts_unique,
+            self.before,
+            count,
+            self.keys,
+            self.pos_bits,
+            self.value_bits,
+            ntab,
+            self.tabs,
+        )
+        runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        self.s = self.starts_unique = self.before = None  # sort buffers: back to the pool
+
+    def finish_compacted(self) -> None:
+        """:meth:`finish` with the unique keys' starts compacted from the marks, for a backend
+        whose reads cost no wait (the host), where that costs less than the running count."""
+        xp = runtime.xp()
+        starts = xp.flatnonzero(self.starts_unique.view(bool))
+        self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)

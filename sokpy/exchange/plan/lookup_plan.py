@@ -1,0 +1,134 @@
+"""The plan of one ``lookup_sparse`` call: :class:`LookupPlan`, whose forward and backward run
+the call's named stages top to bottom (:mod:`sokpy.exchange.plan` has the data flow). What differs
+between one rank and several is a strategy (:class:`~sokpy.exchange.plan.one_rank.OneRank`,
+:class:`~sokpy.exchange.plan.several_ranks.SeveralRanks`), chosen once per call."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...backends import runtime
+from .. import collective
+from ..sparse import Batch, BatchError
+from .backward import evicted_since, grad_pointers
+from .call import Call, Header, describe, to_device
+from .call_tables import CallTables
+from .one_rank import OneRank
+from .pooling import Pooled, Source, outputs, pool, weight_grads
+from .routing import route
+from .several_ranks import SeveralRanks
+from .table_sets import table_set
+
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+
+
+class LookupPlan:
+    """One lookup call: built and run in forward, reversed in backward.
+
+    Forward: :func:`~sokpy.exchange.plan.call.describe` (the call's shape and table descriptor) ->
+    :func:`~sokpy.exchange.plan.routing.route` (owner, table and sort value of every key) -> the
+    strategy's ``group`` (the verdict and, on several ranks, the deduplication and the key
+    counts) -> the collective header -> the strategy's ``fetch`` (on several ranks: key
+    exchange, owner fetch, row exchange) -> :func:`~sokpy.exchange.plan.pooling.pool`. Backward: the
+    outputs' gradients (:func:`~sokpy.exchange.plan.backward.grad_pointers`) -> the collective header ->
+    the strategy's ``backward`` (gradient rows summed, sent to their owners and merged there)
+    -> the weights' gradients (:func:`~sokpy.exchange.plan.pooling.weight_grads`)."""
+
+    def __init__(
+        self,
+        tables,
+        batch: Batch,
+        combiners,
+        insert: bool,
+        grad_reduction: str,
+        keyed: bool,
+        error: str | None,
+        grad_mode: bool,
+        wire_dtype: str = "float32",
+    ):
+        self.tables, self.batch = tables, batch
+        self.combiners = combiners
+        self.insert, self.keyed = bool(insert), bool(keyed)
+        self.grad_reduction, self.grad_mode = grad_reduction, bool(grad_mode)
+        self.error, self.wire_dtype = error, wire_dtype
+        self.call: Call | None = None
+        self.strategy: OneRank | SeveralRanks | None = None
+        self.source: Source | None = None  # kept only for the weights' gradients
+        self.pooled: Pooled | None = None
+        self.seq = 0
+
+    def call_text(self) -> str:
+        """The call in messages, e.g. ``lookup_sparse tables=[user, item]`` (built only for one)."""
+        return "lookup_sparse tables=[" + ", ".join(t.name for t in self.tables) + "]"
+
+    def _detail(self) -> str:
+        return f"insert={self.insert} grad_reduction={self.grad_reduction} wire_dtype={self.wire_dtype}"
+
+    def forward(self) -> list[torch.Tensor]:
+        """Runs the call (collective); returns the outputs: one tensor per table, or one
+        ``[B, sum(dims)]`` tensor when ``keyed``."""
+        world = runtime.comm().size
+        error, header, ts = self.error, None, None
+        if error is None:
+            try:
+                ts = table_set(self.tables)
+                shape, tabs = describe(ts, self.batch, self.combiners, self.keyed, world)
+                tables = CallTables(self.tables, ts, tabs, self.insert, world)
+                device = to_device(self.batch)
+                self.call = call = Call(
+                    tables,
+                    shape,
+                    self.batch,
+                    device,
+                    self.insert,
+                    self.keyed,
+                    self.grad_mode,
+                    self.grad_reduction,
+                    self.wire_dtype,
+                )
+                args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
+                packed, bad = route(tables.device_tabs, *args)
+                self.strategy = OneRank(call) if world == 1 else SeveralRanks(call)
+                header = self.strategy.group(packed, bad)
+            except BatchError as e:  # a fault the device found in ids that arrived there
+                error = f"table {self.tables[e.table].name!r} (index {e.table}): {e}"
+            except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+                error = f"{type(e).__name__}: {e}"
+        uids = ts.key if error is None and ts is not None else None
+        with collective.Call(
+            "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
+        ) as agreeing:
+            if header is None:  # this rank's error: the header raises it on every rank
+                header = Header(np.zeros(world, np.int64), 0, None)
+            agreement = agreeing.agree(error, header.counts, header.volume, replies=header.replies)
+            assert self.strategy is not None and self.call is not None  # no rank had an error
+            self.seq = agreement.seq
+            source = self.strategy.fetch(agreement)
+        self.pooled = pool(self.call, source)
+        if self.grad_mode and self.batch.any_weight_grad():
+            self.source = source  # the weights' gradient reads the pooled rows again
+        return outputs(self.call, self.pooled)
+
+    def backward(self, grads):
+        """Sends each unique key's gradient row to its owner (collective). ``grads``: the
+        outputs' gradients (None for an output that got none). Returns the gradients of the
+        weights that require one (None for the others)."""
+        call, strategy, pooled = self.call, self.strategy, self.pooled
+        assert call is not None and strategy is not None and pooled is not None
+        used, gptr, keep = grad_pointers(call, grads)
+        with collective.Call(
+            "lookup_sparse.backward",
+            self.tables,
+            detail=self._detail(),
+            label=self.seq,
+            label_text=lambda: f"{self.call_text()} (call #{self.seq})",
+            uids=call.tables.ts.key,
+        ) as agreeing:
+            agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
+            chunk = strategy.backward(gptr, used, pooled, agreement)
+        for t in self.tables:
+            t._grad_refs += (chunk,)
+        grads_of_weights = weight_grads(call, self.source, pooled, gptr)
+        del keep  # the gradient copies gptr points to: only now may they go
+        return grads_of_weights

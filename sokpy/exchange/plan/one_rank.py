@@ -1,0 +1,120 @@
+"""A lookup call on one rank (:class:`OneRank`): nothing to exchange. The forward reads its
+verdict, finds the rows of dynamic tables and pools straight from the tables; the backward
+deduplicates (the forward did not need to) and keeps the gradient rows it summed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...backends import handoff, runtime
+from ..collective import Agreement
+from ..gradients import GradChunk, nonfinite_message
+from ..sparse import segment_starts
+from .backward import GradientRows, sum_gradient_rows
+from .call import Call, Header
+from .dedup import Dedup
+from .dynamic_rows import find_rows
+from .pooling import Pooled, Source
+from .routing import read_verdict
+
+
+class OneRank:
+    """The stages of a call on one rank, over its :class:`~sokpy.exchange.plan.call.Call`."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.packed: Any = None  # route_keys' sort values, kept for the backward's deduplication
+        self.rows: Any = None  # each key's stored row (a static table's key is its row)
+
+    def group(self, packed, bad) -> Header:
+        """The call's one read from the device before the header: its verdict on the ids (the
+        range check and the faults the device found in ids that arrived there)."""
+        read_verdict(self.call.batch, self.call.tables.tables, bad)
+        self.packed = packed
+        return Header(np.zeros(1, np.int64), 0, None)
+
+    def fetch(self, agreement: Agreement) -> Source:
+        """Rows by key, no exchange: a dynamic table's found (and grown), a static table's key
+        is its stored row (route_keys checked the range)."""
+        call, tables = self.call, self.call.tables
+        dev = call.device
+        if tables.ts.dynamic:
+            starts = call.batch.host_key_start
+            self.rows = find_rows(tables, dev.keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
+        else:
+            tables.sync()
+            self.rows = dev.keys
+        tables.read_rows_from(tables=True)
+        return Source(tables.table_rows(), self.rows)
+
+    def backward_volume(self) -> int:
+        return 0
+
+    def backward(self, gptr, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
+        """Deduplicates (a key's group is its table, so tables are runs of groups), sums each
+        unique key's gradient row and keeps them: no other rank adds to them, so the kernel
+        checks them as it writes them and the optimizer step needs no merge pass."""
+        call, xp = self.call, runtime.xp()
+        shape = call.shape
+        runs = (call.device.key_start, shape.pos_bits + shape.value_bits)
+        args = (self.packed, call.device.keys, call.tables.device_tabs, shape.pos_bits, shape.value_bits)
+        d = Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=pooled.bag_of)
+        self.packed = None
+        if runtime.current().free_reads:  # the host: the count is known at no cost
+            d.finish_compacted()
+        else:  # a device: sized for every key, nothing is read before the verdict below
+            d.finish(None)
+        header_slots = shape.header_slots
+        if shape.one_dim:  # row u at header_slots + u * dim
+            dim = shape.one_dim
+            offsets = xp.arange(header_slots, header_slots + d.nuniq * dim, dim, dtype=np.int64)
+        else:  # the entries past the unique keys are table 0: their rows lie past the rest
+            offsets = segment_starts(xp.asarray(shape.dims)[d.group], xp)[:-1] + header_slots
+        elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
+        rows = GradientRows(d, offsets, elems)
+        buf = runtime.scratch(int(elems.sum()), np.float32)
+        bad = xp.zeros(max(d.nuniq, 1), np.int32)
+        sum_gradient_rows(call, rows, gptr, pooled, buf, used, bad, d.count)
+        return self._chunk(rows, buf, bad, used)
+
+    def _chunk(self, rows: GradientRows, buf, bad, used: np.ndarray) -> GradChunk:
+        """The rows segment_sum wrote are the whole gradients. The backward's one read: the
+        number of unique keys, whether any row is not finite, and whether hashed keys shared a
+        sort value."""
+        xp, call, d = runtime.xp(), self.call, rows.dedup
+        if d.count is None:  # the count is known already (finish_compacted, on the host)
+            any_bad = bool(bad[: d.nuniq].any())
+        else:
+            head = xp.concatenate([d.count, bad.any().astype(np.int64).reshape(1), d.collided_flag.astype(np.int64)])
+            count, any_bad, collided = handoff.to_host(head).tolist()
+            d.nuniq, d.collided = count, not call.shape.exact and bool(collided)
+        nuniq = d.nuniq
+        ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
+        rows_are_keys = self.rows is call.device.keys  # static tables: row k is key k
+        stored = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
+        ts = call.tables.ts
+        # No row is -1 where every key has or got one (admission leaves some without).
+        found = rows_are_keys or (call.insert and not ts.admitting)
+        error = None
+        if any_bad:  # the error path: the first row that is not finite names its table and key
+            u = int(xp.flatnonzero(bad[:nuniq])[0])
+            error = nonfinite_message(call.tables.tables[int(group[u])], int(ukeys[u]))
+        # A table passed twice (two features sharing it) has rows under both of its table
+        # slots, and keys sharing a hashed sort value may have several rows each: both are
+        # summed at the step, like gradients of several backward passes.
+        return GradChunk(
+            call.tables.tables,
+            buf,
+            ukeys,
+            stored,
+            group,
+            rows.unique_offsets[:nuniq],
+            None if used.all() else used[None, :],
+            merged=ts.distinct and not d.collided,
+            by_table=True,  # one rank: a key's group is its table
+            error=error,
+            uids=ts.uids,
+            rows_found=found,
+        )

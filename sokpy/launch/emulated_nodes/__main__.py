@@ -1,0 +1,5 @@
+"""``python -m sokpy.launch.emulated_nodes``: the ``sokpy-nodes`` command."""
+
+from .cli import main
+
+main()

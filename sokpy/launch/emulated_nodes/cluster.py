@@ -1,0 +1,218 @@
+"""The emulated nodes of one run (see :mod:`sokpy.launch.emulated_nodes`): :class:`EmulatedNodes`
+builds the nodes (namespaces, links shaped with ``tc ... tbf``, the launch agent that Open MPI
+calls instead of ssh), runs a job across them through sokrun's defaults, and on exit or on
+SIGINT, SIGTERM or SIGHUP (:class:`Interrupted`) ends every process inside them and removes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from .. import sokrun as launcher
+from .resources import _free_subnet, _node_cpus, default_burst
+from .runs import PREFIX, RECORDS, _ip, _namespaces, _remove_run, _run_of, _start_time, available, end_processes
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the run and everything it started
+_runs_made = itertools.count()  # k in the run names sokpyn<pid>-<k> of this process
+
+
+_AGENT = """#!/bin/sh
+# Launch agent for Open MPI (called as ssh would be: AGENT [options] HOST COMMAND...):
+# runs COMMAND on the emulated node HOST, inside its namespace, under its hostname.
+while [ $# -gt 0 ]; do
+  case "$1" in -*) shift ;; *) break ;; esac
+done
+host="$1"; shift
+case "$host" in
+{cpu_cases}
+esac
+exec taskset -c "$cpus" ip netns exec "{tag}-$host" unshare -u sh -c "hostname $host; $*"
+"""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread when SIGINT, SIGTERM or SIGHUP arrives during a run, after
+    which the run ends every process it started and removes its namespaces."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"emulated nodes: {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class EmulatedNodes:
+    """``nodes`` emulated nodes named node0, node1, ..., each linked to a switch at ``rate``
+    (a tc rate such as "1gbit", "10gbit", "25gbit"); a context manager that, on exit, ends
+    every process inside the nodes and removes them. ``burst`` (bytes, or a tc size such as
+    "1mb") is the token bucket of each link direction; by default a quarter millisecond of
+    ``rate`` (``default_burst``). Entered in the main thread, it turns SIGINT, SIGTERM and
+    SIGHUP into ``Interrupted`` (a KeyboardInterrupt) until it exits."""
+
+    def __init__(self, nodes: int = 2, rate: str = "10gbit", burst: str | None = None, latency: str = "50ms"):
+        if nodes < 1:
+            raise ValueError("emulated nodes: at least one node")
+        burst = default_burst(rate) if burst is None else burst
+        self.nodes, self.rate, self.burst, self.latency = int(nodes), rate, burst, latency
+        self.names = [f"node{i}" for i in range(self.nodes)]
+        self.tag = ""  # the run's name, sokpyn<pid>-<k>, once entered
+        self.namespaces: list[str] = []  # <tag>-switch, <tag>-node0, ...
+        self.cpus = _node_cpus(self.nodes)
+        self.subnet = ""
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._old_handlers: dict = {}
+        self._ending = False  # ending processes or closing: further signals wait for that
+
+    # ---- set-up and tear-down --------------------------------------------------------------
+    def __enter__(self) -> EmulatedNodes:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(why)
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _on_signal(self, signum, frame):
+        if not self._ending:  # else the run is already ending everything: let it finish
+            raise Interrupted(signum)
+
+    def _build(self) -> None:
+        self._claim_name()
+        self.subnet = _free_subnet()
+        sw = f"{self.tag}-switch"
+        _ip("ip", "netns", "add", sw)
+        _ip("ip", "link", "add", "br0", "type", "bridge", ns=sw)
+        _ip("ip", "link", "set", "br0", "up", ns=sw)
+        for i, name in enumerate(self.names):
+            ns = f"{self.tag}-{name}"
+            _ip("ip", "netns", "add", ns)
+            _ip("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
+            _ip("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=ns)
+            for dev_ns, dev in ((ns, "lo"), (ns, "eth0"), (sw, f"p{i}")):
+                _ip("ip", "link", "set", dev, "up", ns=dev_ns)
+            _ip("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
+            for dev_ns, dev in ((ns, "eth0"), (sw, f"p{i}")):  # both directions of the link
+                _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
+                    "latency", self.latency, ns=dev_ns)  # fmt: skip
+        self._dir = tempfile.TemporaryDirectory(prefix="sokpy-nodes-")
+        agent = Path(self._dir.name) / "agent"
+        cases = "\n".join(f"  {n}) cpus={','.join(map(str, c))} ;;" for n, c in zip(self.names, self.cpus))
+        agent.write_text(_AGENT.format(tag=self.tag, cpu_cases=cases))
+        agent.chmod(0o700)
+        self.agent = str(agent)
+
+    def _claim_name(self) -> None:
+        """Names the run and records it before any namespace exists (so that a run killed
+        while it is built is found by --cleanup): the first sokpyn<pid>-<k> that has neither
+        a record nor a namespace (an earlier process with this pid may have left some)."""
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        existing = {_run_of(ns) for ns in _namespaces()}
+        while True:
+            tag = f"{PREFIX}{os.getpid()}-{next(_runs_made)}"
+            if tag in existing:
+                continue
+            try:
+                with open(RECORDS / f"{tag}.json", "x") as f:  # "x": no other process has it
+                    self.tag = tag
+                    self.namespaces = [f"{tag}-switch", *(f"{tag}-{n}" for n in self.names)]
+                    record = {"run": tag, "pid": os.getpid(), "started": _start_time(os.getpid())}
+                    f.write(json.dumps({**record, "namespaces": self.namespaces}) + "\n")
+                return
+            except FileExistsError:
+                continue
+
+    def end_processes(self, grace: float = 3.0) -> set[int]:
+        """Ends every process inside the nodes (see ``end_processes``); returns those left.
+        SIGINT, SIGTERM and SIGHUP that arrive meanwhile are ignored (as in ``close``)."""
+        ending, self._ending = self._ending, True
+        try:
+            return end_processes(self.namespaces, grace)
+        finally:
+            self._ending = ending
+
+    def close(self) -> None:
+        """Ends every process inside the nodes, then removes the namespaces (and with them the
+        links), the run's record and the agent; idempotent. Signals that arrive meanwhile
+        are ignored, so that a second Ctrl-C cannot cut it short."""
+        self._ending = True
+        try:
+            if self.tag:
+                _remove_run(self.tag, self.namespaces)
+            if self._dir is not None:
+                self._dir.cleanup()
+                self._dir = None
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+            self._old_handlers = {}
+            self._ending = False
+
+    # ---- running jobs -------------------------------------------------------------------------
+    def command(self, program: list[str], ranks_per_node: int = 1, mpirun_args=()) -> tuple[list[str], dict]:
+        """The command line (run from the machine's own namespace) and environment that run
+        ``program`` with ``ranks_per_node`` ranks on every node, through sokrun's defaults."""
+        hosts = ",".join(f"{n}:{ranks_per_node}" for n in self.names)
+        cidr = f"{self.subnet}.0/24"
+        # ranks_per_node on every node, even where that is more than the node's cores.
+        mapping = f"ppr:{ranks_per_node}:node:oversubscribe"
+        args = ["-np", str(self.nodes * ranks_per_node), "--host", hosts, "--map-by", mapping, *mpirun_args]
+        args += ["--prtemca", "plm_ssh_agent", self.agent, "--prtemca", "prte_if_include", cidr]
+        env = dict(os.environ)
+        # Threads per rank from the node's own cores (sokrun would count the whole machine's).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(self.cpus[0]) // max(1, ranks_per_node))))
+        env.update(
+            OMPI_MCA_btl="self,sm,tcp",
+            OMPI_MCA_btl_tcp_if_include=cidr,
+            OMPI_MCA_oob_tcp_if_include=cidr,
+            PRTE_MCA_prte_if_include=cidr,
+            # torch.distributed (gloo) in the job: rank 0 is on node0, every node's link is eth0.
+            MASTER_ADDR=f"{self.subnet}.1",
+            GLOO_SOCKET_IFNAME="eth0",
+        )
+        args += ["-x", "MASTER_ADDR", "-x", "GLOO_SOCKET_IFNAME"]
+        cmd, env = launcher.build_command([*args, *program], env)
+        inner = " ".join(shlex.quote(c) for c in cmd)
+        head = f"{self.tag}-{self.names[0]}"
+        return [
+            "taskset",
+            "-c",
+            ",".join(map(str, self.cpus[0])),
+            "ip",
+            "netns",
+            "exec",
+            head,
+            "unshare",
+            "-u",
+            "sh",
+            "-c",
+            f"hostname {self.names[0]}; exec {inner}",
+        ], env
+
+    def run(self, program: list[str], ranks_per_node: int = 1, timeout: float = 600, mpirun_args=(), **kwargs):
+        """Runs ``program`` across the nodes; returns the CompletedProcess (output captured
+        unless ``capture_output=False`` is passed). However the job ends (done, failed, past
+        ``timeout``: subprocess.TimeoutExpired, interrupted), no process is left on the
+        nodes when this returns or raises: mpirun alone would leave the other nodes' daemons
+        and ranks running when it is killed."""
+        cmd, env = self.command(program, ranks_per_node, mpirun_args)
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        try:
+            return subprocess.run(cmd, env=env, timeout=timeout, **kwargs)
+        finally:
+            self.end_processes()
