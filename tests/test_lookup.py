@@ -123,6 +123,28 @@ def test_dense_ids_of_different_hotness_pool_as_each_table_alone(sokpy_host):
         sokpy.lookup_sparse(tables, ids, sp_weights=[None, [1.0] * 6, None, None], combiners=["mean"] * 4)
 
 
+@pytest.mark.parametrize(
+    "offsets,message",
+    [
+        ([1, 1, 3], "offsets must start at 0, got 1"),
+        ([0, 1, 2], r"offsets must end at len\(values\) = 3, got 2"),
+        ([0, 2, 1, 3], r"offsets must not decrease: offsets\[2\] = 1 < offsets\[1\] = 2"),
+        ([], r"offsets must have length batch_size \+ 1"),
+    ],
+)
+def test_faulty_offsets_of_a_middle_table_are_named(sokpy_host, offsets, message):
+    """Per-table offsets are joined and checked for all tables at once: a fault in the second of
+    three tables (between two good ones) gets that table's own message, and nothing changes."""
+    sokpy = sokpy_host
+    tables = [sokpy.Variable(10, 2, name=f"offs{t}") for t in range(3)]
+    good = sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))
+    bad = sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor(offsets, dtype=torch.int64))
+    with pytest.raises(sokpy.InputError, match=r"table 'offs1' \(index 1\): " + message):
+        sokpy.lookup_sparse(tables, [good, bad, good], combiners=["sum"] * 3)
+    out = sokpy.lookup_sparse(tables, [good, good, good], combiners=["sum"] * 3)
+    assert [tuple(o.shape) for o in out] == [(2, 2)] * 3
+
+
 def test_uncoalesced_coo_keeps_every_entry(sokpy_host):
     """Entries out of order and a repeated coordinate: each key counts once per entry (torch's
     coalesce() would add the two keys at (1, 0) into one key 12)."""

@@ -145,20 +145,6 @@ def _hotness(ids) -> int:
     return int(ids.shape[1]) if ids.ndim == 2 else 1
 
 
-def _well_formed(all_off, off_start, sizes, counts) -> bool:
-    """Whether every table's offsets (table t's: ``all_off[off_start[t]:off_start[t + 1]]``)
-    start at 0, end at its key count and never decrease."""
-    if not bool((sizes > 0).all()):
-        return False
-    inner = np.diff(all_off)
-    inner[off_start[1:-1] - 1] = 0  # table boundaries are not steps of one table
-    return (
-        bool((all_off[off_start[:-1]] == 0).all())
-        and bool((all_off[off_start[1:] - 1] == counts).all())
-        and bool((inner >= 0).all())
-    )
-
-
 def _fixed_offsets(key_start, bag_start, bags, hotness) -> np.ndarray:
     """The call's offsets where table t has ``bags[t]`` bags of ``hotness[t]`` keys each: bag b
     of table t starts at ``key_start[t] + (b - bag_start[t]) * hotness[t]``."""
@@ -172,16 +158,21 @@ def _fixed_offsets(key_start, bag_start, bags, hotness) -> np.ndarray:
     return offsets
 
 
-def _joined_offsets(all_off, off_start, key_start, bag_start, bags) -> np.ndarray:
-    """The call's offsets: every table's own (as in :func:`_well_formed`), each table's last
-    left out (the next one's first) and moved by the keys of the tables before it."""
+def _joined_offsets(parts, counts, key_start, bag_start) -> np.ndarray | None:
+    """The call's offsets: every table's own, each table's last left out (the next one's
+    first) and moved by the keys of the tables before it; None when a table's offsets do not
+    start at 0, end at its key count and never decrease. One add per table into the joined
+    array, and one pass over it for the order: the tables' offsets never decrease if the
+    joined ones never do, when each ends where the next one starts."""
     offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
-    keep = np.ones(all_off.size, bool)
-    keep[off_start[1:] - 1] = False  # each table's last offset: the next table's first
-    offsets[:-1] = all_off[keep]
-    if len(bags) > 1:  # the tables after the first: moved by the keys before them
-        offsets[:-1] += np.repeat(key_start[:-1], bags)
+    for t, part in enumerate(parts):
+        off = part[1]
+        if off.size == 0 or off[0] != 0 or off[-1] != counts[t]:
+            return None
+        np.add(off[:-1], key_start[t], out=offsets[bag_start[t] : bag_start[t + 1]])
     offsets[-1] = key_start[-1]
+    if offsets.size > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        return None
     return offsets
 
 
@@ -208,12 +199,13 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     bag_start = segment_starts(bags)
     # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
     hotness = np.fromiter((_hotness(ids) for ids in sp_ids), np.int64, ntables)
-    fixed = ntables > 0 and bool((hotness > 0).all())
-    if not fixed:
-        all_off = np.concatenate([p[1] for p in parts]) if ntables > 1 else parts[0][1]
-        off_start = segment_starts(sizes)
+    offsets: np.ndarray | None
+    if ntables > 0 and bool((hotness > 0).all()):
+        offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
+    else:
+        offsets = _joined_offsets(parts, counts, key_start, bag_start) if bool((sizes > 0).all()) else None
     # Every table's structure at once; the exact message of the first faulty table only on failure.
-    ok = fixed or _well_formed(all_off, off_start, sizes, counts)
+    ok = offsets is not None
     if ok and weights is not None:
         ok = all(parts[t][2].size == counts[t] for t in np.flatnonzero(weighted)) and bool(np.isfinite(weights).all())
     if not ok:
@@ -222,9 +214,6 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
                 check_table(*part[:3])
             except ValueError as e:
                 raise BatchError(t, str(e)) from None
-    if fixed:
-        offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
-    else:
-        offsets = _joined_offsets(all_off, off_start, key_start, bag_start, bags)
+    assert offsets is not None  # a table whose offsets were refused fails check_table
     keys = np.concatenate([p[0] for p in parts]) if ntables > 1 else parts[0][0]
     return Batch(keys, offsets, weights, key_start, bag_start, weighted, [p[3] for p in parts], [p[4] for p in parts])
