@@ -28,11 +28,25 @@ def run_python(code, env=None, timeout=120):
     from this checkout and ``env`` added; returns the CompletedProcess. Launcher variables of
     the surrounding shell are dropped. The process is forked from a server that has
     imported torch already (``forks.py``); sokpy it imports itself."""
+    full_env, base = _python_envs(env)
+    return forks.run(code, full_env, ROOT, timeout, server_env=base)
+
+
+def start_python(code, env=None, cwd=None) -> forks.Child:
+    """:func:`run_python`'s process, left running for the test to signal (``.pid``), read
+    (``.stdout_so_far()``) and wait for (``.wait(timeout)``, before the next run_python)."""
+    full_env, base = _python_envs(env)
+    return forks.start(code, full_env, cwd or ROOT, server_env=base)
+
+
+def _python_envs(env):
+    """(the process's environment, the fork server's): this one's without launcher variables,
+    sokpy from this checkout first on the path, ``env`` added to the process's."""
     base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "HOROVOD_SIZE")}
     full_env = {**base, **(env or {})}
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     base["PYTHONPATH"] = str(ROOT) + os.pathsep + base.get("PYTHONPATH", "")
-    return forks.run(code, full_env, ROOT, timeout, server_env=base)
+    return full_env, base
 
 
 def horovod_env():

@@ -39,6 +39,10 @@ class ForkServer:
         return self.proc.poll() is None
 
     def run(self, code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        return self.start(code, env, cwd).wait(timeout)
+
+    def start(self, code: str, env: dict[str, str], cwd: Path) -> Child:
+        """Forks a child running ``code``; the server serves nothing else until it is waited for."""
         self.calls += 1
         out, err = self.dir / f"{self.calls}.out", self.dir / f"{self.calls}.err"
         request = {"code": code, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
@@ -46,24 +50,42 @@ class ForkServer:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = json.loads(self.proc.stdout.readline())["pid"]
-        deadline = time.monotonic() + timeout
-        timer = _Timer(pid, deadline)
-        try:
-            status = json.loads(self.proc.stdout.readline())["status"]
-        finally:
-            timer.cancel()
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-        out.unlink()
-        err.unlink()
-        if timer.fired:
-            raise subprocess.TimeoutExpired(["python", "-c", code], timeout, stdout, stderr)
-        return subprocess.CompletedProcess(["python", "-c", code], status, stdout, stderr)
+        return Child(code, pid, out, err, lambda: json.loads(self.proc.stdout.readline())["status"])
 
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(timeout=30)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Child:
+    """A running ``python -c code`` whose output goes to two files: its ``pid`` (to signal it),
+    what it has written so far (:meth:`stdout_so_far`), and :meth:`wait` for its end."""
+
+    def __init__(self, code: str, pid: int, out: Path, err: Path, status, on_end=None):
+        self.code, self.pid, self.out, self.err = code, pid, out, err
+        self._status, self._on_end = status, on_end
+
+    def stdout_so_far(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """The child's CompletedProcess, once it ended; killed at ``timeout`` seconds from now
+        (then TimeoutExpired, as subprocess.run raises)."""
+        timer = _Timer(self.pid, time.monotonic() + timeout)
+        try:
+            status = self._status()
+        finally:
+            timer.cancel()
+        stdout, stderr = self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+        self.out.unlink()
+        self.err.unlink()
+        if self._on_end is not None:
+            self._on_end()
+        if timer.fired:
+            raise subprocess.TimeoutExpired(["python", "-c", self.code], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["python", "-c", self.code], status, stdout, stderr)
 
 
 class _Timer:
@@ -106,6 +128,22 @@ def run(
     if _server is None or not _server.alive():
         _server = ForkServer(server_env, cwd)
     return _server.run(code, env, cwd, timeout)
+
+
+def start(code: str, env: dict[str, str], cwd: Path, server_env: dict[str, str]) -> Child:
+    """A ``python -c code`` started and left running (as ``subprocess.Popen`` with its output
+    in files), for a test that signals it while it runs; :meth:`Child.wait` before the next
+    call of this module."""
+    global _server
+    if not ENABLED:
+        where = Path(tempfile.mkdtemp(prefix="sokpy-forks-"))
+        out, err = where / "out", where / "err"
+        with open(out, "w") as fo, open(err, "w") as fe:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=fo, stderr=fe, env=env, cwd=cwd)
+        return Child(code, proc.pid, out, err, proc.wait, lambda: shutil.rmtree(where, ignore_errors=True))
+    if _server is None or not _server.alive():
+        _server = ForkServer(server_env, cwd)
+    return _server.start(code, env, cwd)
 
 
 @atexit.register

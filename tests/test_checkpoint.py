@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi, run_python
+from conftest import ROOT, run_mpi, run_python, start_python
 
 
 def npz(path):
@@ -134,7 +134,7 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
         [sys.executable, "-c", CHECKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
     )
     try:
-        _kill_saves_and_check(path, env, tmp_path, checker, loaded_versions)
+        _kill_saves_and_check(path, tmp_path, checker, loaded_versions)
     finally:
         checker.kill()
         checker.wait(timeout=60)
@@ -142,19 +142,23 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
     assert len(set(loaded_versions)) > 1
 
 
-def _kill_saves_and_check(path, env, tmp_path, checker, loaded_versions):
+def _kill_saves_and_check(path, tmp_path, checker, loaded_versions):
     """Twelve trials of test_save_killed_at_random_moments_leaves_a_whole_checkpoint."""
     rng = np.random.default_rng(0)
+    code = f"import sys; sys.argv.append({str(path)!r})\n{SAVER}"
     for trial in range(12):
-        saver = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
-        )
-        first = saver.stdout.readline()  # one complete save before the kill
-        assert first.startswith("saved"), first
+        saver = start_python(code, {"OMP_NUM_THREADS": "1"}, cwd=tmp_path)  # forked: no torch import
+        deadline = time.monotonic() + 60
+        while "saved" not in saver.stdout_so_far():  # one complete save before the kill
+            if time.monotonic() > deadline:
+                os.kill(saver.pid, signal.SIGKILL)
+                pytest.fail(f"trial {trial}: no save within 60 s\n{saver.wait(30).stderr[-3000:]}")
+            time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 1.5))
-        saver.send_signal(signal.SIGKILL)
-        out, _ = saver.communicate(timeout=60)
-        reported = [int(line.split()[1]) for line in (first + out).splitlines() if line.startswith("saved")]
+        os.kill(saver.pid, signal.SIGKILL)
+        done = saver.wait(timeout=60)
+        assert done.returncode == -signal.SIGKILL, f"trial {trial}: the saver ended before the kill\n{done.stderr}"
+        reported = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("saved")]
         checker.stdin.write(f"{path}\n")
         checker.stdin.flush()
         answer = json.loads(checker.stdout.readline() or '{"error": "the checker ended"}')
