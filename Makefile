@@ -8,6 +8,9 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
+# pytest-xdist workers: one worker's jobs leave a core idle much of the time (waiting on
+# process start-up and timeouts), which a second worker fills (0: one process, no workers).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint horovod-env gpu-check clean
 
@@ -29,7 +32,7 @@ horovod-env:
 	PYTHON=$(PYTHON) launch/install-horovod >/dev/null
 
 test: lint horovod-env
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadgroup
 
 gpu-check:
 	$(PYTHON) launch/gpu-check

@@ -18,7 +18,9 @@ from conftest import ROOT, WORKERS
 from sokpy.launch import emulated_nodes
 
 OK, WHY = emulated_nodes.available()
-pytestmark = pytest.mark.skipif(not OK, reason=WHY)
+# xdist_group: under pytest -n, every test of emulated nodes runs on one worker, one at a time
+# (they pick free subnets and namespaces of the machine).
+pytestmark = [pytest.mark.skipif(not OK, reason=WHY), pytest.mark.xdist_group("emulated_nodes")]
 
 
 def _marked(marker: str) -> dict[int, str]:
