@@ -131,3 +131,13 @@ def test_python_call_count_script_runs(tmp_path):
     out = run([*args, "--calls", "3"], tmp_path)
     counts = {line.split(":")[0]: int(line.split()[1]) for line in out.splitlines() if "Python calls" in line}
     assert set(counts) == {"forward", "step"} and 0 < counts["forward"] < counts["step"], out
+
+
+def test_per_table_against_keyed_script_runs(tmp_path):
+    """benchmarks/per_table_vs_keyed.py end to end on tiny tables: a line per variant, the
+    keyed one at 1.000x itself."""
+    script = str(ROOT / "benchmarks" / "per_table_vs_keyed.py")
+    out = run([script, "--tables", "3", "--rows", "200", "--batch", "32", "--steps", "2", "--rounds", "2"], tmp_path)
+    lines = {line.split(":")[0]: line for line in out.splitlines() if "x keyed" in line}
+    assert set(lines) == {"keyed", "per-table", "per-table, no cat"}, out
+    assert lines["keyed"].endswith("1.000x keyed"), out

@@ -1,0 +1,79 @@
+"""The per-table call against the keyed one, alternated in one process: sokpy's two ways of
+calling the same tables (bench_w1.py's keyed and ``--per-table`` contestants), and the
+per-table call whose model sums the loss over its outputs instead of concatenating them, in
+turns of ``--steps`` steps, ``--rounds`` times (the first round is a warm-up). Prints each
+variant's median phases (ms) and the ratios to the keyed step. Nothing else runs between the
+variants, unlike bench_w1.py, where torch and FBGEMM do.
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824 \\
+        python benchmarks/per_table_vs_keyed.py --tables 26 --rows 100000 --dim 16 --hotness 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common
+import bench_w1
+import numpy as np
+import torch
+
+
+class SummedPerTable:
+    """The per-table contestant's call, its model's loss summed over the outputs (no cat)."""
+
+    def __init__(self, per: bench_w1.PerTableSokpyContestant, dim: int):
+        self.per = per
+        self.upstream = [u.contiguous() for u in per.upstream.split(dim, 1)]
+
+    def step(self, i: int):
+        per = self.per
+        t0 = time.perf_counter()
+        outs = per.sokpy.lookup_sparse(per.vars, per.inputs[i % len(per.inputs)], combiners=["sum"] * len(per.vars))
+        t1 = time.perf_counter()
+        loss = sum((o * u).sum() for o, u in zip(outs, self.upstream))
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        per.opt.step()
+        per.opt.zero_grad()
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", type=int, default=26)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--hotness", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10, help="steps of one variant per turn")
+    ap.add_argument("--rounds", type=int, default=8, help="turns of every variant (the first is a warm-up)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    wl = _common.Workload(args.tables, args.rows, args.dim, args.batch, args.hotness, 1.05, 8, 1234)
+    keyed = bench_w1.SokpyContestant(wl)
+    per = bench_w1.PerTableSokpyContestant(wl, keyed.initial_tables())
+    variants = {"keyed": keyed, "per-table": per, "per-table, no cat": SummedPerTable(per, args.dim)}
+    times: dict[str, list] = {name: [] for name in variants}
+    for r in range(max(args.rounds, 2)):
+        for name, v in variants.items():
+            for i in range(args.steps):
+                phases = v.step(i)
+                if r:
+                    times[name].append(phases)
+    base = float(np.median(np.sum(times["keyed"], axis=1)))
+    for name, rows in times.items():
+        a = np.array(rows) * 1e3
+        fwd, loss, bwd, opt = np.median(a, axis=0)
+        total = float(np.median(a.sum(axis=1)))
+        print(
+            f"{name}: step {total:.2f} ms (fwd {fwd:.2f}, loss {loss:.2f}, bwd {bwd:.2f}, opt {opt:.2f}); "
+            f"{total / (base * 1e3):.3f}x keyed"
+        )
+
+
+if __name__ == "__main__":
+    main()
