@@ -158,13 +158,17 @@ class SokpyContestant:
         (out,) = lookup(self.vars, self.inputs[i % len(self.inputs)], combiners="sum", keyed=True)
         return out
 
+    def loss(self, out):
+        """The model's loss on the step's output: the same for every contestant."""
+        return (out * self.upstream).sum()
+
     def step(self, i, marks=None):
         """One step; returns the seconds of its four phases. ``marks``, when given (a list),
         gets the clock at the start of the backward and when the output's gradient is ready."""
         t0 = time.perf_counter()
         out = self.output(i)
         t1 = time.perf_counter()
-        loss = (out * self.upstream).sum()
+        loss = self.loss(out)
         t2 = time.perf_counter()
         if marks is not None:
             out.register_hook(lambda g: marks.append(time.perf_counter()))
@@ -189,7 +193,7 @@ class PerTableSokpyContestant(SokpyContestant):
 
         self.sokpy = sokpy
         self.wl = wl
-        self.vars = [sokpy.Variable(wl.rows, wl.dim, name=f"per_table_t{t}") for t in range(wl.tables)]
+        self.vars = [sokpy.Variable(wl.rows, wl.dim, name=f"{self.name}_t{t}") for t in range(wl.tables)]
         for v, w in zip(self.vars, init_tables):
             sokpy.assign(v, torch.arange(wl.rows), w)
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)

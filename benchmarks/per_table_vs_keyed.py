@@ -12,7 +12,6 @@ variants, unlike bench_w1.py, where torch and FBGEMM do.
 from __future__ import annotations
 
 import argparse
-import time
 
 import _common
 import bench_w1
@@ -20,26 +19,21 @@ import numpy as np
 import torch
 
 
-class SummedPerTable:
-    """The per-table contestant's call, its model's loss summed over the outputs (no cat)."""
+class SummedPerTable(bench_w1.PerTableSokpyContestant):
+    """The per-table call, its model's loss summed over the outputs instead of their cat."""
 
-    def __init__(self, per: bench_w1.PerTableSokpyContestant, dim: int):
-        self.per = per
-        self.upstream = [u.contiguous() for u in per.upstream.split(dim, 1)]
+    name = "sokpy_per_table_summed"
 
-    def step(self, i: int):
-        per = self.per
-        t0 = time.perf_counter()
-        outs = per.sokpy.lookup_sparse(per.vars, per.inputs[i % len(per.inputs)], combiners=["sum"] * len(per.vars))
-        t1 = time.perf_counter()
-        loss = sum((o * u).sum() for o, u in zip(outs, self.upstream))
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        per.opt.step()
-        per.opt.zero_grad()
-        t4 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+    def __init__(self, wl, init_tables):
+        super().__init__(wl, init_tables)
+        self.parts = [u.contiguous() for u in self.upstream.split(wl.dim, 1)]
+
+    def output(self, i):
+        batch = self.inputs[i % len(self.inputs)]
+        return self.sokpy.lookup_sparse(self.vars, batch, combiners=["sum"] * self.wl.tables)
+
+    def loss(self, out):
+        return sum((o * u).sum() for o, u in zip(out, self.parts))
 
 
 def main() -> None:
@@ -55,8 +49,9 @@ def main() -> None:
     torch.set_num_threads(1)
     wl = _common.Workload(args.tables, args.rows, args.dim, args.batch, args.hotness, 1.05, 8, 1234)
     keyed = bench_w1.SokpyContestant(wl)
-    per = bench_w1.PerTableSokpyContestant(wl, keyed.initial_tables())
-    variants = {"keyed": keyed, "per-table": per, "per-table, no cat": SummedPerTable(per, args.dim)}
+    init = keyed.initial_tables()
+    per, summed = bench_w1.PerTableSokpyContestant(wl, init), SummedPerTable(wl, init)
+    variants = {"keyed": keyed, "per-table": per, "per-table, no cat": summed}
     times: dict[str, list] = {name: [] for name in variants}
     for r in range(max(args.rounds, 2)):
         for name, v in variants.items():
