@@ -133,6 +133,18 @@ def test_the_import_graph_has_no_circle():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore stays in its module: what another module needs is
+    public (dunder names, such as ``__version__``, are not private)."""
+    crossing = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                crossing += [f"{name}: from {'.' * node.level}{node.module or ''} import {p}" for p in private]
+    assert not crossing, "private names imported across modules:\n" + "\n".join(crossing)
+
+
 def test_mpi_only_in_comm_and_the_test_doubles():
     users = {
         name

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.skipif(not OK, reason=WHY), pytest.mark.xdist_group("e
 def cluster():
     with emulated_nodes.EmulatedNodes(nodes=2, rate="10gbit") as c:
         yield c
-    assert not [ns for ns in emulated_nodes._namespaces() if ns.startswith(c.tag)], "namespaces left behind"
+    assert not [ns for ns in emulated_nodes.all_namespaces() if ns.startswith(c.tag)], "namespaces left behind"
 
 
 def run(cluster, script, *args, timeout=300):
@@ -108,7 +108,7 @@ def test_a_failure_on_one_node_ends_the_job_on_both(cluster):
     assert res.returncode != 0 and "finished" not in out, out[-3000:]
     assert "uncaught exception on rank 1 of 4 (host node0" in out, out[-3000:]
     assert took < 30, f"the job took {took:.0f} s"
-    assert not any(emulated_nodes._pids(ns) for ns in cluster.namespaces), "processes left on the nodes"
+    assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
 
 def test_a_job_past_its_timeout_leaves_no_process_on_the_nodes(cluster, tmp_path):
@@ -117,7 +117,7 @@ def test_a_job_past_its_timeout_leaves_no_process_on_the_nodes(cluster, tmp_path
     with pytest.raises(subprocess.TimeoutExpired):
         cluster.run(["python", str(WORKERS / "loop_worker.py"), str(tmp_path), "timeout"], timeout=30)
     assert sorted(p.read_text() for p in tmp_path.glob("ready.*")) == ["node0", "node1"], "the job did not start"
-    assert not any(emulated_nodes._pids(ns) for ns in cluster.namespaces), "processes left on the nodes"
+    assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
 
 def test_multinode_benchmark_counts_its_bytes(tmp_path):
@@ -142,7 +142,7 @@ def test_multinode_benchmark_counts_its_bytes(tmp_path):
 
 
 def test_command_line_tool_runs_and_cleans_up(tmp_path):
-    before = set(emulated_nodes._namespaces())
+    before = set(emulated_nodes.all_namespaces())
     res = subprocess.run(
         [sys.executable, "-m", "sokpy.launch.emulated_nodes", "--nodes", "2", "--rate", "1gbit", "--timeout", "120", "--",
          "python", str(WORKERS / "where_worker.py")],
@@ -150,4 +150,4 @@ def test_command_line_tool_runs_and_cleans_up(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert {ln.split()[2] for ln in res.stdout.splitlines() if ln.startswith("where ")} == {"node0", "node1"}
-    assert set(emulated_nodes._namespaces()) <= before, "the tool left namespaces behind"
+    assert set(emulated_nodes.all_namespaces()) <= before, "the tool left namespaces behind"

@@ -65,7 +65,7 @@ def _running(pid: int, wait: float = 0.0) -> bool:
 
 def _run_left(run: str) -> list[str]:
     """The namespaces and the record a run still has."""
-    left = [ns for ns in emulated_nodes._namespaces() if emulated_nodes._run_of(ns) == run]
+    left = [ns for ns in emulated_nodes.all_namespaces() if emulated_nodes.run_of(ns) == run]
     return left + ([f"record of {run}"] if (emulated_nodes.RECORDS / f"{run}.json").exists() else [])
 
 
@@ -181,7 +181,7 @@ def test_cleanup_removes_only_the_runs_it_is_given_or_whose_process_is_gone(caps
             subprocess.run(["ip", "netns", "add", unrecorded], check=True, timeout=30)
             code, out = _cleanup(capsys)
             assert code == 0 and not _run_left(b) and not _running(b_sleeper, wait=5), out
-            assert unrecorded in emulated_nodes._namespaces(), out
+            assert unrecorded in emulated_nodes.all_namespaces(), out
             assert f"left alone: {live.tag} (its sokpy-nodes, pid {os.getpid()}, still runs)" in out
             assert f"left alone: {emulated_nodes.PREFIX}0-0 (no record" in out
             assert sorted(_run_left(live.tag)) == mine

@@ -2,7 +2,7 @@
 
 A lookup's backward exchange delivers, on each owner, one buffer of gradient rows for all
 tables of the call: a :class:`GradChunk`. Each table keeps references to the chunks that hold
-its gradients (``Variable._grad_refs``), so that no table's rows are copied out of the
+its gradients (``Variable.grad_refs``), so that no table's rows are copied out of the
 buffer. An optimizer step reads the entries of its tables from every chunk at once
 (:func:`collect_entries`, through :meth:`GradChunk.entries`), merges the rows of equal keys
 (:func:`merge_entries`) and updates each row once; it then replaces those chunks by one merged
@@ -245,7 +245,7 @@ def collect_entries(
     rank."""
     xp = runtime.xp()
     ntab = len(tables)
-    refs = [v._grad_refs for v in tables]
+    refs = [v.grad_refs for v in tables]
     flat = list(chain.from_iterable(refs))
     if not flat:
         return None
@@ -330,11 +330,11 @@ def table_grad(table) -> SparseGrad | None:
     the table then holds instead, and whose buffer the returned ``values`` share: reading
     ``grad`` again gives the same tensors, and editing them in place (clipping, scaling)
     changes what the next ``step()`` applies, as editing ``param.grad`` does in torch."""
-    refs = table._grad_refs
+    refs = table.grad_refs
     if not refs:
         return None
-    if table._grad_view is not None and table._grad_view[0] is refs:
-        return table._grad_view[1]
+    if table.grad_view is not None and table.grad_view[0] is refs:
+        return table.grad_view[1]
     xp = runtime.xp()
     keys, rows, grads = [], [], []
     for chunk in {id(c): c for c in refs}.values():
@@ -367,6 +367,6 @@ def table_grad(table) -> SparseGrad | None:
         tables_used=np.ones(1, bool),
     )  # not merged: a step sums and checks it again (an edit may have made a row not finite)
     grad = SparseGrad(handoff.to_torch(keys), handoff.to_torch(values))
-    table._grad_refs = (held,)
-    table._grad_view = (table._grad_refs, grad)
+    table.grad_refs = (held,)
+    table.grad_view = (table.grad_refs, grad)
     return grad

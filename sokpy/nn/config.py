@@ -315,7 +315,7 @@ def apply_init_fn(var: Variable, init_fn: Callable[[torch.Tensor], Any]) -> None
             lo = c * INIT_CHUNK_ROWS
             n = min(INIT_CHUNK_ROWS, var.rows - lo)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_chunk_seed(var._init.seed, c))
+                torch.manual_seed(_chunk_seed(var.init_spec.seed, c))
                 chunk = torch.empty(n, var.dim, dtype=torch.float32)
                 out = init_fn(chunk)
             chunk = out if isinstance(out, torch.Tensor) else chunk

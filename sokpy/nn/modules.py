@@ -156,7 +156,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         self.grad_reduction, self.insert = grad_reduction, insert
         self.wire_dtype = check_wire_dtype(wire_dtype)
         self._tables: dict[str, Table] = {}
-        self._features: list[tuple[str, Table, str | None]] = []  # (feature, its table, its pooling)
+        self.feature_tables: list[tuple[str, Table, str | None]] = []  # (feature, its table, its pooling)
         for s in specs:
             table_seed = seed if s.seed is None else s.seed
             if s.rows is None:
@@ -169,11 +169,11 @@ class EmbeddingCollectionBase(torch.nn.Module):
                     apply_init_fn(var, s.init_fn)
             self._tables[var.name] = var
             for f in s.features:
-                self._features.append((f, var, s.pooling))
-        names = [f for f, _, _ in self._features]
+                self.feature_tables.append((f, var, s.pooling))
+        names = [f for f, _, _ in self.feature_tables]
         if len(set(names)) != len(names):
             raise ValueError(f"a feature reads two tables: {names}")
-        self._dims = [var.dim for _, var, _ in self._features]
+        self._dims = [var.dim for _, var, _ in self.feature_tables]
 
     # ---- what the module holds -------------------------------------------------------------------
     def tables(self) -> list[Table]:
@@ -182,12 +182,12 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
     def feature_names(self) -> list[str]:
         """The features, in the order of the output."""
-        return [f for f, _, _ in self._features]
+        return [f for f, _, _ in self.feature_tables]
 
     def extra_repr(self) -> str:
         return ", ".join(
             f"{f}->{var.name}[{var.rows if isinstance(var, Variable) else 'dynamic'}x{var.dim}{', ' + p if p else ''}]"
-            for f, var, p in self._features
+            for f, var, p in self.feature_tables
         )
 
     def inserts(self) -> bool:
@@ -206,10 +206,10 @@ class EmbeddingCollectionBase(torch.nn.Module):
             text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             ids, ws, fault = None, None, f"{type(self).__name__} input: {text}"
         return lookup(
-            [var for _, var, _ in self._features],
+            [var for _, var, _ in self.feature_tables],
             ids,
             ws,
-            [p or "sum" for _, _, p in self._features],
+            [p or "sum" for _, _, p in self.feature_tables],
             insert=self.inserts(),
             grad_reduction=self.grad_reduction,
             wire_dtype=self.wire_dtype,

@@ -151,7 +151,7 @@ def _of_collection(coll: EmbeddingCollectionBase, rank: int) -> InferenceCollect
     tables = coll.tables()
     entries = checkpoint.gather_state(tables)  # every table whole on rank 0
     index = {id(t): i for i, t in enumerate(tables)}
-    reads = [(f, index[id(var)], p) for f, var, p in coll._features]
+    reads = [(f, index[id(var)], p) for f, var, p in coll.feature_tables]
     built = None
     if runtime.rank() == 0:
         built = _built(reads, [(t.dynamic, e["keys"], checkpoint.float32_values(e)) for t, e in zip(tables, entries)])

@@ -271,8 +271,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         )
         held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:
-            if v._grad_refs:
-                v._grad_refs = held
+            if v.grad_refs:
+                v.grad_refs = held
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -58,7 +58,7 @@ def _room_verdict(var: Table) -> Callable[[Room], None] | None:
 
     def verdict(room: Room) -> None:
         error = room.error
-        if error is None and var._grad_refs and cast(HashStorage, var.storage).to_evict(room.new):
+        if error is None and var.grad_refs and cast(HashStorage, var.storage).to_evict(room.new):
             error = "it must evict rows while gradients wait for the optimizer: call step() and zero_grad() first"
         collective.agree_verdict("assign", None if error is None else f"table {var.name!r}: {error}")
 

@@ -175,7 +175,7 @@ class DynamicVariable(Table):
             share = HashStorage.UNCAPPED
         self.storage = HashStorage(
             self.dim,
-            self._init,
+            self.init_spec,
             capacity,
             localized=self.target_gpu != -1,
             max_rows=share,
@@ -223,7 +223,7 @@ class DynamicVariable(Table):
         error = None
         if self.ttl_steps is None:
             error = f'table {self.name!r}: evict() needs a table made with evict="step" and ttl_steps'
-        elif self._grad_refs:
+        elif self.grad_refs:
             error = f"table {self.name!r}: evict() while gradients wait for the optimizer: call step() and zero_grad() first"
         with collective.Call("DynamicVariable.evict", [self]) as call:
             call.agree(error)

@@ -67,10 +67,10 @@ class Variable(Table):
         fmt = {"dtype": dtype, "rounding": rounding}
         if self.target_gpu == -1:
             local = max(0, (self.rows - rank + world - 1) // world)
-            self.storage = StaticStorage(local, self.dim, self._init, world, rank, localized=False, **fmt)
+            self.storage = StaticStorage(local, self.dim, self.init_spec, world, rank, localized=False, **fmt)
         else:
             local = self.rows if rank == self.target_gpu else 0
-            self.storage = StaticStorage(local, self.dim, self._init, 1, 0, localized=True, **fmt)
+            self.storage = StaticStorage(local, self.dim, self.init_spec, 1, 0, localized=True, **fmt)
 
     @property
     def local_rows(self) -> int:

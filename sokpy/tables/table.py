@@ -88,13 +88,13 @@ class Table:
         self.dim, self.target_gpu, self.seed = int(dim), int(target_gpu), int(seed)
         self.initializer = init
         self._world, self._rank = world, rank
-        self._init = InitSpec(init.code, init.a, init.b, _init_seed(seed, self.name))
+        self.init_spec = InitSpec(init.code, init.a, init.b, _init_seed(seed, self.name))
         # A leaf tensor that ties lookups into autograd and stands for this table in an
         # optimizer's param_groups; its own gradient is never used.
         self.handle = torch.zeros((), requires_grad=True)
-        self._grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
-        # (the _grad_refs it was read from, the SparseGrad ``grad`` gave for them)
-        self._grad_view: tuple[tuple, SparseGrad | None] | None = None
+        self.grad_refs: tuple = ()  # GradChunks holding this table's gradients (shared, never changed in place)
+        # (the grad_refs it was read from, the SparseGrad ``grad`` gave for them)
+        self.grad_view: tuple[tuple, SparseGrad | None] | None = None
         # The optimizer that trains this table (a sokpy.optim.SparseOptimizer: optim imports this
         # module, so not named here), once it joins one.
         self.optimizer: torch.optim.Optimizer | None = None
@@ -127,7 +127,7 @@ class Table:
         return table_grad(self)
 
     def zero_grad(self) -> None:
-        self._grad_refs = ()
+        self.grad_refs = ()
 
     def __repr__(self) -> str:
         return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"

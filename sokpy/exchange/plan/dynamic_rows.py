@@ -107,7 +107,7 @@ def _make_room(call: CallTables, keys, rows, tab, alias) -> dict:
     errors = []
     for i, r in room.items():
         var = call.tables[i]
-        if r.error is None and var._grad_refs and var.storage.to_evict(r.new):
+        if r.error is None and var.grad_refs and var.storage.to_evict(r.new):
             r = r._replace(
                 error="it must evict rows while gradients of an earlier lookup wait for the optimizer "
                 "(rows move when others are evicted): call step() and zero_grad() before the next lookup"

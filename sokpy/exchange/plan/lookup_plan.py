@@ -128,7 +128,7 @@ class LookupPlan:
             agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
             chunk = strategy.backward(gptr, used, pooled, agreement)
         for t in self.tables:
-            t._grad_refs += (chunk,)
+            t.grad_refs += (chunk,)
         grads_of_weights = weight_grads(call, self.source, pooled, gptr)
         del keep  # the gradient copies gptr points to: only now may they go
         return grads_of_weights

@@ -50,9 +50,9 @@ from .resources import default_burst as default_burst
 from .resources import rate_bits as rate_bits
 from .runs import PREFIX as PREFIX
 from .runs import RECORDS as RECORDS
-from .runs import _namespaces as _namespaces
-from .runs import _pids as _pids
-from .runs import _run_of as _run_of
+from .runs import all_namespaces as all_namespaces
 from .runs import available, cleanup, end_processes
+from .runs import pids_in as pids_in
+from .runs import run_of as run_of
 
 __all__ = ["EmulatedNodes", "Interrupted", "available", "cleanup", "end_processes", "main"]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from .cluster import EmulatedNodes, Interrupted
-from .runs import _left_alone, cleanup
+from .runs import cleanup, left_alone
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             sys.exit(str(e))
         if not args.cleanup:
-            for line in _left_alone():
+            for line in left_alone():
                 print("left alone:", line)
         return
     program = args.program[1:] if args.program[:1] == ["--"] else args.program

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 
 from .. import sokrun as launcher
-from .resources import _free_subnet, _node_cpus, default_burst
-from .runs import PREFIX, RECORDS, _ip, _namespaces, _remove_run, _run_of, _start_time, available, end_processes
+from .resources import default_burst, free_subnet, node_cpus
+from .runs import PREFIX, RECORDS, all_namespaces, available, end_processes, remove_run, run_ip, run_of, start_time
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the run and everything it started
 _runs_made = itertools.count()  # k in the run names sokpyn<pid>-<k> of this process
@@ -63,7 +63,7 @@ class EmulatedNodes:
         self.names = [f"node{i}" for i in range(self.nodes)]
         self.tag = ""  # the run's name, sokpyn<pid>-<k>, once entered
         self.namespaces: list[str] = []  # <tag>-switch, <tag>-node0, ...
-        self.cpus = _node_cpus(self.nodes)
+        self.cpus = node_cpus(self.nodes)
         self.subnet = ""
         self._dir: tempfile.TemporaryDirectory | None = None
         self._old_handlers: dict = {}
@@ -93,21 +93,21 @@ class EmulatedNodes:
 
     def _build(self) -> None:
         self._claim_name()
-        self.subnet = _free_subnet()
+        self.subnet = free_subnet()
         sw = f"{self.tag}-switch"
-        _ip("ip", "netns", "add", sw)
-        _ip("ip", "link", "add", "br0", "type", "bridge", ns=sw)
-        _ip("ip", "link", "set", "br0", "up", ns=sw)
+        run_ip("ip", "netns", "add", sw)
+        run_ip("ip", "link", "add", "br0", "type", "bridge", ns=sw)
+        run_ip("ip", "link", "set", "br0", "up", ns=sw)
         for i, name in enumerate(self.names):
             ns = f"{self.tag}-{name}"
-            _ip("ip", "netns", "add", ns)
-            _ip("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
-            _ip("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=ns)
+            run_ip("ip", "netns", "add", ns)
+            run_ip("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
+            run_ip("ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0", ns=ns)
             for dev_ns, dev in ((ns, "lo"), (ns, "eth0"), (sw, f"p{i}")):
-                _ip("ip", "link", "set", dev, "up", ns=dev_ns)
-            _ip("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
+                run_ip("ip", "link", "set", dev, "up", ns=dev_ns)
+            run_ip("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
             for dev_ns, dev in ((ns, "eth0"), (sw, f"p{i}")):  # both directions of the link
-                _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
+                run_ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
                     "latency", self.latency, ns=dev_ns)  # fmt: skip
         self._dir = tempfile.TemporaryDirectory(prefix="sokpy-nodes-")
         agent = Path(self._dir.name) / "agent"
@@ -121,7 +121,7 @@ class EmulatedNodes:
         while it is built is found by --cleanup): the first sokpyn<pid>-<k> that has neither
         a record nor a namespace (an earlier process with this pid may have left some)."""
         RECORDS.mkdir(parents=True, exist_ok=True)
-        existing = {_run_of(ns) for ns in _namespaces()}
+        existing = {run_of(ns) for ns in all_namespaces()}
         while True:
             tag = f"{PREFIX}{os.getpid()}-{next(_runs_made)}"
             if tag in existing:
@@ -130,7 +130,7 @@ class EmulatedNodes:
                 with open(RECORDS / f"{tag}.json", "x") as f:  # "x": no other process has it
                     self.tag = tag
                     self.namespaces = [f"{tag}-switch", *(f"{tag}-{n}" for n in self.names)]
-                    record = {"run": tag, "pid": os.getpid(), "started": _start_time(os.getpid())}
+                    record = {"run": tag, "pid": os.getpid(), "started": start_time(os.getpid())}
                     f.write(json.dumps({**record, "namespaces": self.namespaces}) + "\n")
                 return
             except FileExistsError:
@@ -152,7 +152,7 @@ class EmulatedNodes:
         self._ending = True
         try:
             if self.tag:
-                _remove_run(self.tag, self.namespaces)
+                remove_run(self.tag, self.namespaces)
             if self._dir is not None:
                 self._dir.cleanup()
                 self._dir = None

@@ -8,21 +8,21 @@ import os
 import re
 import subprocess
 
-from .runs import _ip, _namespaces
+from .runs import all_namespaces, run_ip
 
 
-def _free_subnet() -> str:
+def free_subnet() -> str:
     """A 10.213.x.0/24 subnet no interface of this machine uses (three octets, no mask)."""
     used = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
-    for ns in _namespaces():
-        used += _ip("ip", "-4", "addr", ns=ns, check=False).stdout
+    for ns in all_namespaces():
+        used += run_ip("ip", "-4", "addr", ns=ns, check=False).stdout
     for x in [os.getpid() % 200 + 20, *range(20, 250)]:
         if f"10.213.{x}." not in used:
             return f"10.213.{x}"
     raise RuntimeError("emulated nodes: no free 10.213.x.0/24 subnet")
 
 
-def _node_cpus(nodes: int) -> list[list[int]]:
+def node_cpus(nodes: int) -> list[list[int]]:
     """Each node's cores: the cores this process may use, dealt out round-robin, so that nodes
     do not share cores (a real node's cores are its own) and sokrun's threads-per-rank rule
     sees one node's cores. With more nodes than cores every node gets all of them."""

@@ -23,7 +23,7 @@ PREFIX = "sokpyn"  # every namespace sokpy.launch.emulated_nodes creates starts 
 RECORDS = Path("/run/sokpy-nodes")  # <run>.json per live run; /run is emptied at boot, as namespaces are
 
 
-def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     res = subprocess.run(cmd, capture_output=True, text=True)
     if check and res.returncode != 0:
@@ -39,25 +39,25 @@ def available() -> tuple[bool, str]:
         if shutil.which(tool) is None:
             return False, f"emulated nodes need the `{tool}` command"
     probe = f"{PREFIX}probe{os.getpid()}"
-    res = _ip("ip", "netns", "add", probe, check=False)
+    res = run_ip("ip", "netns", "add", probe, check=False)
     if res.returncode != 0:
         return False, f"cannot create a network namespace: {res.stderr.strip()}"
-    _ip("ip", "netns", "del", probe, check=False)
+    run_ip("ip", "netns", "del", probe, check=False)
     return True, ""
 
 
-def _namespaces() -> list[str]:
+def all_namespaces() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _run_of(ns: str) -> str | None:
+def run_of(ns: str) -> str | None:
     """The run a namespace of this module belongs to (``sokpyn4242-0`` for ``sokpyn4242-0-node1``)."""
     m = re.fullmatch(rf"({PREFIX}\S+)-(?:switch|node\d+)", ns)
     return m.group(1) if m else None
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks since boot, from /proc), None if there is no
     such process: with the pid it tells a run's process from a later one given the same pid."""
     try:
@@ -81,10 +81,10 @@ def _records() -> dict[str, dict]:
 
 def _alive(record: dict) -> bool:
     """Whether the process that made a run still runs."""
-    return _start_time(int(record["pid"])) == record["started"]
+    return start_time(int(record["pid"])) == record["started"]
 
 
-def _pids(ns: str) -> set[int]:
+def pids_in(ns: str) -> set[int]:
     res = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
     return {int(p) for p in res.stdout.split()}
 
@@ -96,7 +96,7 @@ def end_processes(namespaces: Iterable[str], grace: float = 3.0) -> set[int]:
     namespaces = list(namespaces)
     start, termed = time.monotonic(), set()
     while True:
-        pids = {p for ns in namespaces for p in _pids(ns)} - {os.getpid()}
+        pids = {p for ns in namespaces for p in pids_in(ns)} - {os.getpid()}
         waited = time.monotonic() - start
         if not pids or waited > grace + 5:
             return pids
@@ -110,14 +110,14 @@ def end_processes(namespaces: Iterable[str], grace: float = 3.0) -> set[int]:
         time.sleep(0.1)
 
 
-def _remove_run(run: str, namespaces: Iterable[str]) -> list[str]:
+def remove_run(run: str, namespaces: Iterable[str]) -> list[str]:
     """Ends the processes inside a run's namespaces, then removes the namespaces (their links
     go with them) and the run's record; returns the namespaces removed."""
-    existing = set(_namespaces())
+    existing = set(all_namespaces())
     namespaces = [ns for ns in namespaces if ns in existing]
     end_processes(namespaces)
     for ns in namespaces:
-        _ip("ip", "netns", "del", ns, check=False)
+        run_ip("ip", "netns", "del", ns, check=False)
     (RECORDS / f"{run}.json").unlink(missing_ok=True)
     return namespaces
 
@@ -127,10 +127,10 @@ def cleanup(runs: Iterable[str] = ()) -> list[str]:
     records. With ``runs`` (names such as ``sokpyn4242-0``): those runs, whether or not the
     process that made them still runs, and a name that is no run raises ValueError. Without:
     every recorded run whose process is gone. Returns the namespaces removed."""
-    records, existing = _records(), _namespaces()
+    records, existing = _records(), all_namespaces()
 
     def namespaces_of(run: str) -> list[str]:
-        return sorted(set(records.get(run, {}).get("namespaces", [])) | {ns for ns in existing if _run_of(ns) == run})
+        return sorted(set(records.get(run, {}).get("namespaces", [])) | {ns for ns in existing if run_of(ns) == run})
 
     runs = [runs] if isinstance(runs, str) else list(runs)
     unknown = [run for run in runs if run not in records and not namespaces_of(run)]
@@ -138,15 +138,15 @@ def cleanup(runs: Iterable[str] = ()) -> list[str]:
         raise ValueError(f"emulated nodes: no run {', '.join(unknown)} on this machine")
     if not runs:
         runs = [run for run, rec in records.items() if not _alive(rec)]
-    return [ns for run in runs for ns in _remove_run(run, namespaces_of(run))]
+    return [ns for run in runs for ns in remove_run(run, namespaces_of(run))]
 
 
-def _left_alone() -> list[str]:
+def left_alone() -> list[str]:
     """What ``cleanup()`` without runs leaves: one line per run still alive or not recorded."""
     records, lines = _records(), []
     for run, rec in records.items():
         if _alive(rec):
             lines.append(f"{run} (its sokpy-nodes, pid {rec['pid']}, still runs)")
-    unrecorded = sorted({name for ns in _namespaces() if (name := _run_of(ns))} - set(records))
+    unrecorded = sorted({name for ns in all_namespaces() if (name := run_of(ns))} - set(records))
     lines += [f"{run} (no record: made by another program or version)" for run in unrecorded]
     return lines

@@ -76,10 +76,10 @@ import numpy as np
 from .constructors import array, asarray, from_dlpack
 from .constructors import empty as empty
 from .constructors import empty_like as empty_like
-from .cupy_names import _require
-from .device_array import _call, ndarray
+from .cupy_names import require_cupy_name
+from .device_array import call_on_stream, ndarray
 from .memory import is_device_address, to_device
-from .operators import _Ufunc
+from .operators import Ufunc
 from .streams import (
     DEFAULT_STREAM,
     Event,
@@ -127,14 +127,14 @@ def __getattr__(name):
     """Every other numpy name: functions under CuPy's operand rules, queued; the rest
     (dtypes, constants) as they are."""
     attr = getattr(np, name)
-    _require("", None, name)
+    require_cupy_name("", None, name)
     if isinstance(attr, np.ufunc):
-        return _Ufunc(attr)
+        return Ufunc(attr)
     if not callable(attr) or isinstance(attr, type):
         return attr
 
     def fn(*args, **kwargs):
-        return _call(attr, args, kwargs, False, f"cupy.{name}")
+        return call_on_stream(attr, args, kwargs, False, f"cupy.{name}")
 
     fn.__name__ = name
     return fn

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from .device_array import ndarray
-from .memory import _device_empty
+from .memory import device_empty
 from .streams import enqueue
 
 
 def empty(shape, dtype=float, order="C") -> ndarray:
     """``cupy.empty``: new device memory, poisoned until something writes it."""
-    return ndarray(_device_empty(shape, dtype))
+    return ndarray(device_empty(shape, dtype))
 
 
 def empty_like(a, dtype=None) -> ndarray:
@@ -24,7 +24,7 @@ def _host_to_device(host: np.ndarray) -> ndarray:
     """A copy of host data into new device memory, queued on the current stream (from a
     snapshot taken now: the host may change its array afterwards)."""
     snapshot = np.array(host, copy=True)
-    out = _device_empty(snapshot.shape, snapshot.dtype)
+    out = device_empty(snapshot.shape, snapshot.dtype)
 
     def copy():
         out[...] = snapshot

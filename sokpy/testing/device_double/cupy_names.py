@@ -5,7 +5,7 @@ not have raises here too. Only CuPy's names are consulted, never its arrays."""
 from __future__ import annotations
 
 
-def _cupy():
+def installed_cupy():
     """The installed CuPy module (only its names are consulted), or None."""
     global _CUPY
     if _CUPY is False:
@@ -20,8 +20,8 @@ def _cupy():
 _CUPY = False
 
 
-def _require(owner_name: str, owner, name: str) -> None:
-    cp = _cupy()
+def require_cupy_name(owner_name: str, owner, name: str) -> None:
+    cp = installed_cupy()
     if cp is None:
         return
     target = cp if owner is None else owner(cp)

@@ -2,7 +2,7 @@
 (:mod:`sokpy.testing.device_double`): a numpy buffer behind CuPy's rules (no implicit conversion
 to numpy, no numpy arrays among the operands, 0-d arrays from reductions, the pointer only
 through ``__cuda_array_interface__`` and DLPack), and how a routine on such arrays runs
-(:func:`_call`): queued on the current stream and reading its inputs when it runs, a view made
+(:func:`call_on_stream`): queued on the current stream and reading its inputs when it runs, a view made
 at once, a routine whose result size depends on the data read on the host first.
 
 Its operators (``+``, ``==``, ``+=``, ...) are set by :mod:`.operators`, which the package
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cupy_names import _cupy, _require
-from .memory import _device_empty
+from .cupy_names import installed_cupy, require_cupy_name
+from .memory import device_empty
 from .streams import current_stream, enqueue, host_read, torch_current_stream
 
 _IMPLICIT = (
@@ -93,7 +93,7 @@ def _queue_result(compute, r, what: str):
     """Allocates poisoned buffers shaped as ``r`` (a speculative result: an array, or a
     tuple of arrays) and queues ``compute()`` to fill them; returns the wrapped buffers."""
     if isinstance(r, tuple):
-        outs = tuple(_device_empty(np.shape(v), np.asarray(v).dtype) for v in r)
+        outs = tuple(device_empty(np.shape(v), np.asarray(v).dtype) for v in r)
 
         def fill():
             for o, v in zip(outs, compute()):
@@ -101,7 +101,7 @@ def _queue_result(compute, r, what: str):
 
         enqueue(fill, what)
         return tuple(ndarray(o) for o in outs)
-    out = _device_empty(r.shape, r.dtype)
+    out = device_empty(r.shape, r.dtype)
 
     def fill_one():
         out[...] = compute()
@@ -110,7 +110,7 @@ def _queue_result(compute, r, what: str):
     return ndarray(out)
 
 
-def _call(fn, args, kwargs, allow_numpy: bool, kind: str, in_place: bool = False):
+def call_on_stream(fn, args, kwargs, allow_numpy: bool, kind: str, in_place: bool = False):
     """Runs a routine the way a GPU would: queued on the current stream, reading its inputs
     when it runs; a view of an input is made at once (it computes nothing)."""
     name = kind.rpartition(".")[2]
@@ -254,7 +254,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             if all(isinstance(v, (int, np.integer)) for v in idx):
                 idx = (*idx, Ellipsis)  # a 0-d view, not a numpy scalar
             return ndarray(self._a[idx])
-        return _call(lambda a, i: a[i], (self, index), {}, True, "indexing")
+        return call_on_stream(lambda a, i: a[i], (self, index), {}, True, "indexing")
 
     def __setitem__(self, index, value):
         target, idx = self._a, _index(index)
@@ -270,14 +270,14 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def __getattr__(self, name):
         if name.startswith("__"):  # never numpy's __array_interface__ / __array_struct__ / buffer
             raise AttributeError(name)
-        _require("ndarray.", lambda cp: cp.ndarray, name)
+        require_cupy_name("ndarray.", lambda cp: cp.ndarray, name)
         attr = getattr(self._a, name)
         if not callable(attr):
             return ndarray(attr) if isinstance(attr, np.ndarray) else attr
         if name in _VIEW_METHODS:
             return lambda *args, **kwargs: self._view(attr, name, args, kwargs)
         in_place = name in _IN_PLACE_METHODS
-        return lambda *args, **kwargs: _call(attr, args, kwargs, False, f"ndarray.{name}", in_place)
+        return lambda *args, **kwargs: call_on_stream(attr, args, kwargs, False, f"ndarray.{name}", in_place)
 
     def _view(self, method, name: str, args, kwargs):
         """A method that gives a view in CuPy when the layout allows one (``reshape`` of a
@@ -286,14 +286,14 @@ class ndarray:  # noqa: N801 (CuPy's name)
         out = method(*args, **kwargs)  # metadata only when it is a view (nothing is read)
         if isinstance(out, np.ndarray) and np.shares_memory(out, self._a):
             return ndarray(out)
-        return _call(method, args, kwargs, False, f"ndarray.{name}")
+        return call_on_stream(method, args, kwargs, False, f"ndarray.{name}")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         fn = getattr(ufunc, method)
-        return _call(fn, inputs, kwargs, False, f"ufunc {ufunc.__name__}")
+        return call_on_stream(fn, inputs, kwargs, False, f"ufunc {ufunc.__name__}")
 
     def __array_function__(self, func, types, args, kwargs):
-        cp = _cupy()
+        cp = installed_cupy()
         if cp is not None and not hasattr(cp, func.__name__):  # CuPy answers NotImplemented
             raise TypeError(f"numpy.{func.__name__} has no CuPy implementation (emulated CuPy, SOKPY_EMULATE_DEVICE)")
-        return _call(func, args, kwargs, False, f"numpy.{func.__name__}")
+        return call_on_stream(func, args, kwargs, False, f"numpy.{func.__name__}")

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import torch
 
-from .streams import _held
+from .streams import held
 
 _POISON_INT = {1: 0xA5, 2: 0x5A5A, 4: 0x5A5A5A5A, 8: 0x5A5A5A5A5A5A5A5A}
 _allocations: list[tuple[int, int]] = []  # (start, end) of live device buffers, sorted
@@ -35,11 +35,11 @@ def _poison(a: np.ndarray) -> None:
         a.view(f"u{a.dtype.itemsize}").fill(_POISON_INT[a.dtype.itemsize])
 
 
-def _device_empty(shape, dtype) -> np.ndarray:
+def device_empty(shape, dtype) -> np.ndarray:
     """A new poisoned buffer in emulated device memory (registered, see :func:`is_device_address`)."""
     a = np.empty(shape, dtype)
     _poison(a)
-    _held.append(a)
+    held.append(a)
     if a.nbytes:
         start = a.ctypes.data
         span = (start, start + a.nbytes)
@@ -59,6 +59,6 @@ def is_device_address(address: int) -> bool:
 def to_device(t):
     """A torch tensor in emulated device memory with the values of ``t`` (the double's
     ``t.to("cuda")``): sokpy treats it as a tensor on the GPU (its ids are parsed there)."""
-    buf = _device_empty(tuple(t.shape), t.detach().cpu().numpy().dtype)
+    buf = device_empty(tuple(t.shape), t.detach().cpu().numpy().dtype)
     buf[...] = t.detach().cpu().numpy()  # a fresh buffer nothing else touches yet: copied at once
     return torch.from_dlpack(buf)

@@ -21,7 +21,7 @@ _queued = 0  # work items queued on all streams and not yet run
 # queued work (NCCL's calls in particular, which see only addresses) may still use a buffer
 # that Python has dropped, as a GPU's caching allocator keeps a freed block until its stream
 # is past the work that used it.
-_held: list = []
+held: list = []
 _handles = itertools.count(0x5000)
 _streams: dict[int, Stream] = {}
 
@@ -63,7 +63,7 @@ class Stream:
                 _queued -= 1
                 fn()
             if not _queued:
-                _held.clear()  # every stream is idle: memory freed meanwhile may go
+                held.clear()  # every stream is idle: memory freed meanwhile may go
 
     def synchronize(self) -> None:
         self.run_until(self.enqueued)
