@@ -8,9 +8,11 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
-# pytest-xdist workers: one worker's jobs leave a core idle much of the time (waiting on
-# process start-up and timeouts), which a second worker fills (0: one process, no workers).
-TEST_WORKERS ?= 2
+# pytest-xdist workers (0: the suite in one process, the default). One process leaves a core
+# idle much of the time (its jobs wait on start-up and timeouts); `make test TEST_WORKERS=2`
+# fills it, but one of its runs hit a hang the suite has not shown in one process
+# (docs/benchmarks.md, "The test suite"), so two workers are not the default yet.
+TEST_WORKERS ?= 0
 
 .PHONY: demo test lint horovod-env gpu-check clean
 
