@@ -111,6 +111,35 @@ def test_ranks_ending_at_different_moments_end_quietly(launch, nranks):
     assert "sokpy" not in out and "rror" not in out, out[-3000:]
 
 
+def test_an_abort_that_does_not_end_the_rank_is_ended_by_the_rank():
+    """The uncaught-exception path when MPI_Abort neither returns nor ends the process (as a
+    job on emulated nodes once did): the rank exits by itself, code 1, ABORT_WAIT_S later,
+    with faulthandler's report of where it waited. The stand-in abort blocks in a C call that
+    holds the GIL, as MPI_Abort does, so no Python thread could end the process instead."""
+    code = """
+import ctypes
+from sokpy.backends import watchdog
+
+class HeldAbort:
+    rank, size = 1, 2
+
+    def abort(self, code):
+        print("abort called", flush=True)
+        ctypes.PyDLL(None).pause()  # blocks, holding the GIL
+
+watchdog.ABORT_GRACE_S, watchdog.ABORT_WAIT_S = 0.1, 2.0
+watchdog.install(timeout_s=0, comm=HeldAbort())
+raise RuntimeError("rank 1 fails")
+"""
+    start = time.monotonic()
+    res = run_python(code, timeout=60)
+    took = time.monotonic() - start
+    assert res.returncode == 1 and "abort called" in res.stdout, res.stdout + res.stderr
+    assert "uncaught exception on rank 1 of 2" in res.stderr and "rank 1 fails" in res.stderr, res.stderr
+    assert "Timeout (0:00:02)!" in res.stderr and "abort" in res.stderr, res.stderr  # where it waited
+    assert took < 30, f"the rank took {took:.0f} s to end"
+
+
 def test_leave_notices_count_the_calls():
     """The watchdog's bookkeeping with a stand-in channel: calls counted from the outermost,
     a peer that completed the call this rank is in is not missed, leave() tells the count once."""

@@ -7,7 +7,8 @@ ranks that leave while others wait for them.
   the rank and host, then calls ``MPI_Abort`` on the world, so every launcher (plain
   ``mpirun``, ``sokrun``, ``horovodrun --mpi``) ends the whole job at once with a non-zero
   code, instead of leaving the other ranks waiting in a collective forever. The abort comes
-  ``ABORT_GRACE_S`` (1 s) after the report, so that the launcher forwards the report first. Set
+  ``ABORT_GRACE_S`` (1 s) after the report, so that the launcher forwards the report first; a
+  rank that ``MPI_Abort`` has not ended ``ABORT_WAIT_S`` (20 s) later exits by itself. Set
   ``SOKPY_ABORT_ON_ERROR=0`` to keep Python's own behaviour. One-rank jobs are not aborted
   (Python's exit is enough there).
 * **Collective timeout.** Every collective call of sokpy (``sokpy.exchange.collective.Call``) is
@@ -42,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import socket
 import sys
@@ -55,6 +57,7 @@ DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_EXIT_CODE = 3
 PEER_LEFT_EXIT_CODE = 4
 ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
+ABORT_WAIT_S = 20.0  # after MPI_Abort: a process it has not ended ends itself (see _abort)
 
 _lock = threading.Lock()
 # (call, start) of the calls this rank is in, outermost first; a call is its description or a
@@ -84,6 +87,11 @@ def _abort(code: int) -> None:
     # report and traceback are lost. A short pause lets the launcher's output forwarding run first.
     time.sleep(ABORT_GRACE_S)
     if _comm is not None:
+        # MPI_Abort holds the GIL while it runs and ends the job only when the launcher acts on
+        # it. Should it neither return nor end this process, faulthandler's timer (a thread of
+        # its own that needs no GIL) prints where every thread is and exits with code 1, which
+        # every launcher also takes as the end of the job.
+        faulthandler.dump_traceback_later(ABORT_WAIT_S, exit=True)
         _comm.abort(code)
     os._exit(code)
 
