@@ -201,11 +201,14 @@ class PerTableSokpyContestant(SokpyContestant):
         self.inputs = [[sokpy.Ragged(torch.from_numpy(b[t]), offsets) for t in range(wl.tables)] for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
 
-    def output(self, i):
-        outs = self.sokpy.lookup_sparse(
+    def outputs(self, i):
+        """The call's per-table outputs."""
+        return self.sokpy.lookup_sparse(
             self.vars, self.inputs[i % len(self.inputs)], combiners=["sum"] * self.wl.tables
         )
-        return torch.cat(outs, 1)
+
+    def output(self, i):
+        return torch.cat(self.outputs(i), 1)
 
 
 class DynamicSokpyContestant(SokpyContestant):

@@ -38,9 +38,6 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        return self.start(code, env, cwd).wait(timeout)
-
     def start(self, code: str, env: dict[str, str], cwd: Path) -> Child:
         """Forks a child running ``code``; the server serves nothing else until it is waited for."""
         self.calls += 1
@@ -120,14 +117,7 @@ def run(
     """What ``subprocess.run([python, "-c", code], env=env, cwd=cwd, timeout=timeout,
     capture_output=True, text=True)`` gives, from a child of the fork server (started, once,
     with ``server_env``: the environment without any one call's additions)."""
-    global _server
-    if not ENABLED:
-        return subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
-        )
-    if _server is None or not _server.alive():
-        _server = ForkServer(server_env, cwd)
-    return _server.run(code, env, cwd, timeout)
+    return start(code, env, cwd, server_env).wait(timeout)
 
 
 def start(code: str, env: dict[str, str], cwd: Path, server_env: dict[str, str]) -> Child:

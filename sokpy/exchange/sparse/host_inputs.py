@@ -167,7 +167,7 @@ def _joined_offsets(parts, counts, key_start, bag_start) -> np.ndarray | None:
     offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
     for t, part in enumerate(parts):
         off = part[1]
-        if off.size == 0 or off[0] != 0 or off[-1] != counts[t]:
+        if off[0] != 0 or off[-1] != counts[t]:  # (the caller has checked that none is empty)
             return None
         np.add(off[:-1], key_start[t], out=offsets[bag_start[t] : bag_start[t + 1]])
     offsets[-1] = key_start[-1]
