@@ -61,6 +61,20 @@ class Workload:
         # A fixed random upstream gradient per table: loss = sum_t sum(out_t * upstream_t).
         self.upstream = [rng.standard_normal((batch, dim)).astype(np.float32) for _ in range(tables)]
 
+    @staticmethod
+    def add_arguments(parser, *, tables=4, rows=1_000_000, dim=64, batch=4096, hotness=8, batch_help=None) -> None:
+        """Adds the workload's options (--tables, --rows, --dim, --batch, --hotness, --alpha,
+        --nbatches, --seed) to ``parser``, with the script's defaults; :meth:`from_args`
+        reads them back."""
+        parser.add_argument("--tables", type=int, default=tables)
+        parser.add_argument("--rows", type=int, default=rows)
+        parser.add_argument("--dim", type=int, default=dim)
+        parser.add_argument("--batch", type=int, default=batch, help=batch_help)
+        parser.add_argument("--hotness", type=int, default=hotness, help="keys per bag per table")
+        parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the key distribution")
+        parser.add_argument("--nbatches", type=int, default=8, help="pre-generated batches, cycled")
+        parser.add_argument("--seed", type=int, default=1234)
+
     @classmethod
     def from_args(cls, args) -> Workload:
         """The workload a benchmark's command line asks for (its --tables, --rows, --dim,

@@ -58,14 +58,17 @@ def exchange_volume(wl, world: int, wire_dtype: str = "float32") -> dict:
 
 
 def time_each_kernel(sokpy) -> dict:
-    """Wraps ``sokpy.backends.kernels.get`` so that every kernel launch adds its seconds to the returned
-    dict, by kernel name (``copy_rows`` split into its forward use, which gathers table rows,
-    and its backward use, which copies received gradient rows into a contiguous array)."""
+    """Wraps the running backend's kernel lookup (``kernels.get`` of the object
+    ``sokpy.backends.runtime.current()`` launches through) so that every kernel launch adds its
+    seconds to the returned dict, by kernel name (``copy_rows`` split into its forward use,
+    which gathers table rows, and its backward use, which copies received gradient rows into a
+    contiguous array)."""
     seconds: dict = {}
-    get = sokpy.backends.kernels.get
+    kernel_set = sokpy.backends.runtime.current().kernels
+    get = kernel_set.get
 
-    def timed_get(name, backend=None):
-        fn = get(name, backend)
+    def timed_get(name, *rest):
+        fn = get(name, *rest)
 
         def call(grid, block, kargs):
             label = name
@@ -77,7 +80,7 @@ def time_each_kernel(sokpy) -> dict:
 
         return call
 
-    sokpy.backends.kernels.get = timed_get
+    kernel_set.get = timed_get
     return seconds
 
 
@@ -316,16 +319,9 @@ def merge(paths, out_json, out_png) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--tables", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4096, help="global batch (bags per table), split over the ranks")
-    p.add_argument("--hotness", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=1.05)
+    _common.Workload.add_arguments(p, batch_help="global batch (bags per table), split over the ranks")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--nbatches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="threads per rank")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--per-kernel", action="store_true", help="also time each kernel (rank 0's, per step)")
     p.add_argument("--wire-dtype", default="float32", help="rows between ranks: float32, float16 or bfloat16")
     p.add_argument(

@@ -661,16 +661,9 @@ def plot(report, path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--tables", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--hotness", type=int, default=8, help="keys per bag per table")
-    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the key distribution")
+    _common.Workload.add_arguments(p)
     p.add_argument("--steps", type=int, default=80, help="timed steps per contestant (>= 20 for a report)")
-    p.add_argument("--nbatches", type=int, default=8, help="pre-generated batches, cycled")
     p.add_argument("--threads", type=int, default=1, help="threads for torch, OpenMP and sokpy's kernels")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stream-mb", type=int, default=256, help="array size of the bandwidth probe")
     p.add_argument("--skip-fbgemm", action="store_true")
     p.add_argument(

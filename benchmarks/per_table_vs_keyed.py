@@ -37,16 +37,12 @@ class SummedPerTable(bench_w1.PerTableSokpyContestant):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", type=int, default=26)
-    ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--dim", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--hotness", type=int, default=1)
+    _common.Workload.add_arguments(ap, tables=26, rows=100_000, dim=16, hotness=1)
     ap.add_argument("--steps", type=int, default=10, help="steps of one variant per turn")
     ap.add_argument("--rounds", type=int, default=8, help="turns of every variant (the first is a warm-up)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    wl = _common.Workload(args.tables, args.rows, args.dim, args.batch, args.hotness, 1.05, 8, 1234)
+    wl = _common.Workload.from_args(args)
     keyed = bench_w1.SokpyContestant(wl)
     init = keyed.initial_tables()
     per, summed = bench_w1.PerTableSokpyContestant(wl, init), SummedPerTable(wl, init)

@@ -141,3 +141,30 @@ def test_per_table_against_keyed_script_runs(tmp_path):
     lines = {line.split(":")[0]: line for line in out.splitlines() if "x keyed" in line}
     assert set(lines) == {"keyed", "per-table", "per-table, no cat"}, out
     assert lines["keyed"].endswith("1.000x keyed"), out
+
+
+def test_each_contestant_in_its_own_process(tmp_path):
+    """benchmarks/own_process.py on tiny tables: one process per contestant and round, the
+    contestants' rows agree after the correctness step, and every pair has its ratio."""
+    out = tmp_path / "own.json"
+    script = str(ROOT / "benchmarks" / "own_process.py")
+    args = ["--tables", "3", "--rows", "300", "--batch", "16", "--steps", "3", "--rounds", "1"]
+    run([script, *args, "--contestants", "sokpy,sokpy_per_table,torch", "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    (got,) = r["rounds"]
+    assert set(got) == {"sokpy", "sokpy_per_table", "torch"}
+    assert all(got[n]["max_abs_diff_to_sokpy"] <= 1e-5 for n in ("sokpy_per_table", "torch")), got
+    assert all(g["changed_by_step"] > 1e-4 and g["n"] == 3 for g in got.values()), got
+    assert set(r["summary"]["ratios"]) == {"sokpy_per_table / sokpy", "torch / sokpy", "torch / sokpy_per_table"}
+
+
+def test_scaling_benchmark_times_each_kernel(tmp_path):
+    """benchmarks/bench_scaling.py --per-kernel at one rank: the launches it times are the
+    step's kernels (the timer wraps the running backend's kernel set)."""
+    out = tmp_path / "scaling.json"
+    script = str(ROOT / "benchmarks" / "bench_scaling.py")
+    args = ["--tables", "3", "--rows", "300", "--dim", "8", "--batch", "16", "--hotness", "2", "--steps", "3"]
+    run([script, *args, "--per-kernel", "--out", str(out)], tmp_path)
+    per_kernel = json.loads(out.read_text())["result"]["per_kernel_ms_rank0"]
+    assert {"combine_forward", "segment_sum", "adagrad_update"} <= set(per_kernel), per_kernel
+    assert all(ms > 0 for ms in per_kernel.values()), per_kernel
