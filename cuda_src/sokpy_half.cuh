@@ -179,16 +179,45 @@ __device__ __forceinline__ void sokpy_put(sokpy_bf16<SR>* __restrict__ w, int d,
     w[d].bits = (unsigned short)sokpy_float_to_bfloat16(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
 }
 
+// The pooling's float16 widening on an x86 host with F16C: eight values at a time with
+// vcvtph2ps, which g++ does not produce from sokpy_half_to_float (it widens one value per
+// instruction when asked to, and the loop then stops vectorising; the bit arithmetic costs
+// what the halved bytes save). The two agree on every 16-bit word but a signalling NaN, which
+// vcvtph2ps returns quiet; the pooling only multiplies and adds the values, and x86 arithmetic
+// quiets a signalling NaN operand the same way, so the outputs are the same bits. A plain
+// widening (sokpy_half_widen_n) keeps the portable conversion. Not with emulated blocks,
+// whose threads stride the row.
+#if defined(SOKPY_HOST) && defined(__F16C__) && defined(__AVX__) && !defined(SOKPY_EMULATE_BLOCKS)
+#include <immintrin.h>
+#define SOKPY_F16C_POOLING 1
+// o = 0 + w * r (first) or o += w * r over the first n8 (a multiple of 8) values of r.
+static inline void sokpy_f16c_axpy8(float* __restrict__ o, const sokpy_half* __restrict__ r, float w, int n8,
+                                    bool first) {
+    const __m256 wv = _mm256_set1_ps(w);
+    for (int d = 0; d < n8; d += 8) {
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + d)));
+        const __m256 acc = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d);
+        _mm256_storeu_ps(o + d, _mm256_add_ps(acc, _mm256_mul_ps(wv, x)));
+    }
+}
+#endif
+
 // o = 0 + w * r (first) or o += w * r over a half row r: sokpy_row_axpy of the widened values.
 template <int DIM>
 __device__ __forceinline__ void sokpy_half_axpy_n(float* __restrict__ o, const sokpy_half* __restrict__ r, float w,
                                                   int dim, bool first, int dtype) {
     if (dtype == SOKPY_DTYPE_FLOAT16) {
+#ifdef SOKPY_F16C_POOLING
+        const int n = SOKPY_DIM(DIM, dim), n8 = n & ~7;
+        sokpy_f16c_axpy8(o, r, w, n8, first);
+        for (int d = n8; d < n; ++d) o[d] = (first ? 0.0f : o[d]) + w * sokpy_half_to_float(r[d]);
+#else
         if (first) {
             SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_half_to_float(r[d]);
         } else {
             SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * sokpy_half_to_float(r[d]);
         }
+#endif
     } else {
         if (first) {
             SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_bfloat16_to_float(r[d]);

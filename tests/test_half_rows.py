@@ -313,6 +313,34 @@ def test_lookup_equals_float32_lookup_of_the_widened_rows(sokpy_host):
     assert torch.equal(half[0].weight.float(), sokpy.export(half[0])[1])
 
 
+@pytest.mark.parametrize("dim", [64, 13])
+def test_pooling_widens_every_float16_word_exactly(sokpy_host, dim):
+    """combine_forward over a float16 table holding every 16-bit word (NaNs, signalling ones,
+    infinities, subnormals): the outputs are numpy's float32 arithmetic on numpy's widening,
+    bit for bit, for a bag's first row (0 + w * x) and the rows added to it (o + w * x). On an
+    x86 host with F16C the kernel widens eight values at a time with vcvtph2ps (dim 13: one
+    vector and a tail of five). Where both summands are NaN the sum is NaN, but which of the
+    two payloads it carries is the compiler's choice of operand order (a GPU returns its
+    canonical NaN), so there only NaN is checked."""
+    sokpy = sokpy_host
+    rows = -(-(1 << 16) // dim)
+    words = np.resize(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16), (rows, dim))
+    v = sokpy.Variable(rows, dim, name=f"every_word_{dim}", dtype="float16")
+    v.weight.view(torch.int16)[:] = torch.from_numpy(words.view(np.int16))
+    x = words.view(np.float16).astype(np.float32)
+    rng = np.random.default_rng(dim)
+    w = rng.uniform(-2, 2, (rows, 2)).astype(np.float32)
+    partner = rng.permutation(rows)
+    ids = [[[r, int(partner[r])] for r in range(rows)]]
+    got = sokpy.lookup_sparse([v], ids, sp_weights=[[[float(a), float(b)] for a, b in w]], combiners=["sum"])[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (np.float32(0) + w[:, :1] * x) + w[:, 1:] * x[partner]
+    got = got.detach().numpy()
+    both_nan = np.isnan(x) & np.isnan(x[partner])
+    assert np.array_equal(got[~both_nan].view(np.uint32), want[~both_nan].view(np.uint32))
+    assert np.isnan(got[both_nan]).all() and both_nan.sum() >= dim
+
+
 def test_assign_rounds_to_nearest_and_weight_is_a_live_view(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(6, 3, name="assign_half", dtype="float16")
