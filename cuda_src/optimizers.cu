@@ -81,14 +81,31 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
         sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
     }
 // fn<DIM>(values, args..., rc) with the values as float32, or as float16 or bfloat16 words
-// rounded to nearest or stochastically (a type each: the loops hold no run-time choice).
+// rounded to nearest or stochastically (a type each: the loops hold no run-time choice). On an
+// x86 host with F16C (sokpy_half.cuh) a float16 row of up to SOKPY_F16C_MAX_DIM values is
+// widened into a float32 copy, updated there by the float32 code, and narrowed back with the
+// same rounding: every update reads each value once and writes it once, so the bits are those
+// of the per-value conversions.
+#ifdef SOKPY_F16C
+#define SOKPY_UPDATE_F16(fn, SR, ...)                                                            \
+    if (dim <= SOKPY_F16C_MAX_DIM) {                                                             \
+        float f32_[SOKPY_F16C_MAX_DIM];                                                          \
+        sokpy_f16c_widen(f32_, (const sokpy_half*)w, dim);                                       \
+        SOKPY_WITH_DIM(fn, dim, f32_, __VA_ARGS__, rc)                                           \
+        sokpy_f16c_narrow((sokpy_half*)w, f32_, dim, SR, rc.row_bits);                           \
+    } else {                                                                                     \
+        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)                              \
+    }
+#else
+#define SOKPY_UPDATE_F16(fn, SR, ...) SOKPY_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)
+#endif
 #define SOKPY_UPDATE_CALL(fn, ...)                                                               \
     if (rc.dtype == SOKPY_DTYPE_FLOAT32) {                                                       \
         SOKPY_WITH_DIM(fn, dim, w, __VA_ARGS__, rc)                                              \
     } else if (rc.dtype == SOKPY_DTYPE_FLOAT16 && rc.stochastic) {                               \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<1>*)w, __VA_ARGS__, rc)                               \
+        SOKPY_UPDATE_F16(fn, 1, __VA_ARGS__)                                                     \
     } else if (rc.dtype == SOKPY_DTYPE_FLOAT16) {                                                \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<0>*)w, __VA_ARGS__, rc)                               \
+        SOKPY_UPDATE_F16(fn, 0, __VA_ARGS__)                                                     \
     } else if (rc.stochastic) {                                                                  \
         SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<1>*)w, __VA_ARGS__, rc)                              \
     } else {                                                                                     \

@@ -179,17 +179,24 @@ __device__ __forceinline__ void sokpy_put(sokpy_bf16<SR>* __restrict__ w, int d,
     w[d].bits = (unsigned short)sokpy_float_to_bfloat16(x, SR, SR ? sokpy_round_bits(r.row_bits, d) : 0u);
 }
 
-// The pooling's float16 widening on an x86 host with F16C: eight values at a time with
-// vcvtph2ps, which g++ does not produce from sokpy_half_to_float (it widens one value per
-// instruction when asked to, and the loop then stops vectorising; the bit arithmetic costs
-// what the halved bytes save). The two agree on every 16-bit word but a signalling NaN, which
-// vcvtph2ps returns quiet; the pooling only multiplies and adds the values, and x86 arithmetic
-// quiets a signalling NaN operand the same way, so the outputs are the same bits. A plain
-// widening (sokpy_half_widen_n) keeps the portable conversion. Not with emulated blocks,
-// whose threads stride the row.
-#if defined(SOKPY_HOST) && defined(__F16C__) && defined(__AVX__) && !defined(SOKPY_EMULATE_BLOCKS)
+// float16 on an x86 host with F16C: the lookup's pooling and the updates convert eight values
+// at a time with vcvtph2ps / vcvtps2ph, which g++ does not produce from the bit arithmetic above
+// (it widens one value per instruction when asked to, and the loop then stops vectorising; the
+// bit arithmetic costs what the halved bytes save). Not with emulated blocks, whose threads
+// stride the row. Each agrees with the bit arithmetic bit for bit where it is used:
+// * widening: on every word but a signalling NaN, which vcvtph2ps returns quiet. The pooling and
+//   the updates only compute with the values, and x86 arithmetic quiets a signalling NaN
+//   operand the same way. A plain widening (sokpy_half_widen_n) keeps the portable conversion.
+// * narrowing (sokpy_f16c_narrow): where a value's exponent puts it among float16's normals
+//   below 2^15 (float32 exponent 113..141) or below 2^-32 (exponent < 95, a signed zero), adding
+//   the rounding increment to the float32 bits and truncating (vcvtps2ph toward zero) is
+//   sokpy_float_to_half's formula for that case. Eight values with any other exponent
+//   (subnormals, 2^15 and up, inf, NaN) take sokpy_float_to_half itself.
+#if defined(SOKPY_HOST) && defined(__F16C__) && defined(__AVX2__) && !defined(SOKPY_EMULATE_BLOCKS)
 #include <immintrin.h>
-#define SOKPY_F16C_POOLING 1
+#define SOKPY_F16C 1
+// Rows of float16 values up to this long are updated through a float32 copy (sokpy_f16c_update).
+#define SOKPY_F16C_MAX_DIM 1024
 // o = 0 + w * r (first) or o += w * r over the first n8 (a multiple of 8) values of r.
 static inline void sokpy_f16c_axpy8(float* __restrict__ o, const sokpy_half* __restrict__ r, float w, int n8,
                                     bool first) {
@@ -200,6 +207,52 @@ static inline void sokpy_f16c_axpy8(float* __restrict__ o, const sokpy_half* __r
         _mm256_storeu_ps(o + d, _mm256_add_ps(acc, _mm256_mul_ps(wv, x)));
     }
 }
+// o = the n float16 values r, widened.
+static inline void sokpy_f16c_widen(float* __restrict__ o, const sokpy_half* __restrict__ r, int n) {
+    int d = 0;
+    for (; d + 8 <= n; d += 8) _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + d))));
+    for (; d < n; ++d) o[d] = sokpy_half_to_float(r[d]);
+}
+// o = the n values x as float16 words, rounded as sokpy_put rounds them (stochastic: bit
+// d of the row is sokpy_round_bits(row_bits, d)).
+static inline void sokpy_f16c_narrow(sokpy_half* __restrict__ o, const float* __restrict__ x, int n, int stochastic,
+                                     sokpy_u32 row_bits) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const __m256i f = _mm256_castps_si256(_mm256_loadu_ps(x + d));
+        const __m256i e = _mm256_and_si256(_mm256_srli_epi32(f, 23), _mm256_set1_epi32(0xff));
+        const __m256i normal = _mm256_and_si256(_mm256_cmpgt_epi32(e, _mm256_set1_epi32(112)),
+                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(142), e));
+        const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(95), e);
+        if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(normal, tiny))) != 0xff) {
+            for (int j = d; j < d + 8; ++j) {
+                o[j] = (sokpy_half)sokpy_float_to_half(x[j], stochastic, stochastic ? sokpy_round_bits(row_bits, j) : 0u);
+            }
+            continue;
+        }
+        __m256i inc;
+        if (stochastic) {  // sokpy_round_bits of columns d..d+7, then their low 13 bits
+            const __m256i col = _mm256_add_epi32(_mm256_set1_epi32(d), lanes);
+            __m256i h = _mm256_xor_si256(_mm256_set1_epi32((int)row_bits),
+                                         _mm256_mullo_epi32(col, _mm256_set1_epi32((int)0x9e3779b9u)));
+            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+            h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
+            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+            h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xc2b2ae35u));
+            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+            inc = _mm256_and_si256(h, _mm256_set1_epi32(0x1fff));
+        } else {  // to nearest, ties to even: 0xfff plus the lowest kept bit
+            inc = _mm256_add_epi32(_mm256_set1_epi32(0xfff),
+                                   _mm256_and_si256(_mm256_srli_epi32(f, 13), _mm256_set1_epi32(1)));
+        }
+        const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(f, inc));
+        _mm_storeu_si128((__m128i*)(o + d), _mm256_cvtps_ph(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+    }
+    for (; d < n; ++d) {
+        o[d] = (sokpy_half)sokpy_float_to_half(x[d], stochastic, stochastic ? sokpy_round_bits(row_bits, d) : 0u);
+    }
+}
 #endif
 
 // o = 0 + w * r (first) or o += w * r over a half row r: sokpy_row_axpy of the widened values.
@@ -207,7 +260,7 @@ template <int DIM>
 __device__ __forceinline__ void sokpy_half_axpy_n(float* __restrict__ o, const sokpy_half* __restrict__ r, float w,
                                                   int dim, bool first, int dtype) {
     if (dtype == SOKPY_DTYPE_FLOAT16) {
-#ifdef SOKPY_F16C_POOLING
+#ifdef SOKPY_F16C
         const int n = SOKPY_DIM(DIM, dim), n8 = n & ~7;
         sokpy_f16c_axpy8(o, r, w, n8, first);
         for (int d = n8; d < n; ++d) o[d] = (first ? 0.0f : o[d]) + w * sokpy_half_to_float(r[d]);

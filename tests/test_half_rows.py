@@ -341,6 +341,31 @@ def test_pooling_widens_every_float16_word_exactly(sokpy_host, dim):
     assert np.isnan(got[both_nan]).all() and both_nan.sum() >= dim
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_updates_round_every_class_of_value_as_the_conversion_kernel(sokpy_host, rounding):
+    """An SGD step (lr 1) on a float16 table of zeros writes 0 - g, rounded: for every finite
+    class of float32 (edge_floats, in class order and shuffled), the update's words equal the
+    narrow_values kernel's (the portable conversion) with the same seed, step and keys. On an
+    x86 host with F16C an update narrows eight values at a time with vcvtps2ph where their
+    exponents allow it and per value otherwise (sokpy_half.cuh); dim 60 adds a tail of four."""
+    sokpy = sokpy_host
+    x = edge_floats()
+    x = x[np.isfinite(x)]
+    x = np.concatenate([x, np.random.default_rng(5).permutation(x)])
+    dim = 60
+    rows = -(-x.size // dim)
+    g = np.resize(x, (rows, dim))
+    name = f"update_classes_{rounding}"
+    v = sokpy.Variable(rows, dim, name=name, dtype="float16", rounding=rounding, initializer=0.0)
+    opt = sokpy.optim.SGD([v], lr=1.0)
+    out = sokpy.lookup_sparse(v, [[r] for r in range(rows)], combiners="sum")
+    (out * torch.from_numpy(g)).sum().backward()
+    opt.step()
+    got = v.weight.view(torch.int16).numpy().view(np.uint16)
+    want = narrow(sokpy, np.float32(0) - np.float32(1) * g, "float16", rounding == "stochastic", table_seed(0, name), 1)
+    assert np.array_equal(got, want)
+
+
 def test_assign_rounds_to_nearest_and_weight_is_a_live_view(sokpy_host):
     sokpy = sokpy_host
     v = sokpy.Variable(6, 3, name="assign_half", dtype="float16")
