@@ -195,17 +195,20 @@ __device__ __forceinline__ void sokpy_put(sokpy_bf16<SR>* __restrict__ w, int d,
 #if defined(SOKPY_HOST) && defined(__F16C__) && defined(__AVX2__) && !defined(SOKPY_EMULATE_BLOCKS)
 #include <immintrin.h>
 #define SOKPY_F16C 1
-// Rows of float16 values up to this long are updated through a float32 copy (sokpy_f16c_update).
+// Rows of float16 values up to this long are updated through a float32 copy (SOKPY_UPDATE_F16 in
+// optimizers.cu).
 #define SOKPY_F16C_MAX_DIM 1024
-// o = 0 + w * r (first) or o += w * r over the first n8 (a multiple of 8) values of r.
-static inline void sokpy_f16c_axpy8(float* __restrict__ o, const sokpy_half* __restrict__ r, float w, int n8,
-                                    bool first) {
+// o = 0 + w * r (first) or o += w * r over the n float16 values r.
+static inline void sokpy_f16c_axpy(float* __restrict__ o, const sokpy_half* __restrict__ r, float w, int n,
+                                   bool first) {
     const __m256 wv = _mm256_set1_ps(w);
-    for (int d = 0; d < n8; d += 8) {
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
         const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + d)));
         const __m256 acc = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d);
         _mm256_storeu_ps(o + d, _mm256_add_ps(acc, _mm256_mul_ps(wv, x)));
     }
+    for (; d < n; ++d) o[d] = (first ? 0.0f : o[d]) + w * sokpy_half_to_float(r[d]);
 }
 // o = the n float16 values r, widened.
 static inline void sokpy_f16c_widen(float* __restrict__ o, const sokpy_half* __restrict__ r, int n) {
@@ -213,44 +216,44 @@ static inline void sokpy_f16c_widen(float* __restrict__ o, const sokpy_half* __r
     for (; d + 8 <= n; d += 8) _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + d))));
     for (; d < n; ++d) o[d] = sokpy_half_to_float(r[d]);
 }
-// o = the n values x as float16 words, rounded as sokpy_put rounds them (stochastic: bit
-// d of the row is sokpy_round_bits(row_bits, d)).
+// o[0..7] = the float16 words of x[0..7], columns d..d+7 of a row, rounded as sokpy_put rounds
+// them (stochastic: the bits of column d are sokpy_round_bits(row_bits, d)), when every exponent
+// allows it (above); false, writing nothing, when one does not.
+static inline bool sokpy_f16c_narrow8(sokpy_half* __restrict__ o, const float* __restrict__ x, int d, int stochastic,
+                                      sokpy_u32 row_bits) {
+    const __m256i f = _mm256_castps_si256(_mm256_loadu_ps(x));
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(f, 23), _mm256_set1_epi32(0xff));
+    const __m256i normal = _mm256_and_si256(_mm256_cmpgt_epi32(e, _mm256_set1_epi32(112)),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(142), e));
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(95), e);
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(normal, tiny))) != 0xff) return false;
+    __m256i inc;
+    if (stochastic) {  // sokpy_round_bits of columns d..d+7, then their low 13 bits
+        const __m256i col = _mm256_add_epi32(_mm256_set1_epi32(d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i h = _mm256_xor_si256(_mm256_set1_epi32((int)row_bits),
+                                     _mm256_mullo_epi32(col, _mm256_set1_epi32((int)0x9e3779b9u)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xc2b2ae35u));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        inc = _mm256_and_si256(h, _mm256_set1_epi32(0x1fff));
+    } else {  // to nearest, ties to even: 0xfff plus the lowest kept bit
+        inc = _mm256_add_epi32(_mm256_set1_epi32(0xfff), _mm256_and_si256(_mm256_srli_epi32(f, 13), _mm256_set1_epi32(1)));
+    }
+    const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(f, inc));
+    _mm_storeu_si128((__m128i*)o, _mm256_cvtps_ph(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+    return true;
+}
+// o = the n values x of a row as float16 words, rounded as sokpy_put rounds them: eight at a
+// time where sokpy_f16c_narrow8 can, one by one otherwise (and past the last multiple of 8).
 static inline void sokpy_f16c_narrow(sokpy_half* __restrict__ o, const float* __restrict__ x, int n, int stochastic,
                                      sokpy_u32 row_bits) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int d = 0;
-    for (; d + 8 <= n; d += 8) {
-        const __m256i f = _mm256_castps_si256(_mm256_loadu_ps(x + d));
-        const __m256i e = _mm256_and_si256(_mm256_srli_epi32(f, 23), _mm256_set1_epi32(0xff));
-        const __m256i normal = _mm256_and_si256(_mm256_cmpgt_epi32(e, _mm256_set1_epi32(112)),
-                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(142), e));
-        const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(95), e);
-        if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(normal, tiny))) != 0xff) {
-            for (int j = d; j < d + 8; ++j) {
-                o[j] = (sokpy_half)sokpy_float_to_half(x[j], stochastic, stochastic ? sokpy_round_bits(row_bits, j) : 0u);
-            }
-            continue;
+    for (int d = 0; d < n; d += 8) {
+        if (d + 8 <= n && sokpy_f16c_narrow8(o + d, x + d, d, stochastic, row_bits)) continue;
+        for (int j = d; j < d + 8 && j < n; ++j) {
+            o[j] = (sokpy_half)sokpy_float_to_half(x[j], stochastic, stochastic ? sokpy_round_bits(row_bits, j) : 0u);
         }
-        __m256i inc;
-        if (stochastic) {  // sokpy_round_bits of columns d..d+7, then their low 13 bits
-            const __m256i col = _mm256_add_epi32(_mm256_set1_epi32(d), lanes);
-            __m256i h = _mm256_xor_si256(_mm256_set1_epi32((int)row_bits),
-                                         _mm256_mullo_epi32(col, _mm256_set1_epi32((int)0x9e3779b9u)));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-            h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-            h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xc2b2ae35u));
-            h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-            inc = _mm256_and_si256(h, _mm256_set1_epi32(0x1fff));
-        } else {  // to nearest, ties to even: 0xfff plus the lowest kept bit
-            inc = _mm256_add_epi32(_mm256_set1_epi32(0xfff),
-                                   _mm256_and_si256(_mm256_srli_epi32(f, 13), _mm256_set1_epi32(1)));
-        }
-        const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(f, inc));
-        _mm_storeu_si128((__m128i*)(o + d), _mm256_cvtps_ph(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
-    }
-    for (; d < n; ++d) {
-        o[d] = (sokpy_half)sokpy_float_to_half(x[d], stochastic, stochastic ? sokpy_round_bits(row_bits, d) : 0u);
     }
 }
 #endif
@@ -261,9 +264,7 @@ __device__ __forceinline__ void sokpy_half_axpy_n(float* __restrict__ o, const s
                                                   int dim, bool first, int dtype) {
     if (dtype == SOKPY_DTYPE_FLOAT16) {
 #ifdef SOKPY_F16C
-        const int n = SOKPY_DIM(DIM, dim), n8 = n & ~7;
-        sokpy_f16c_axpy8(o, r, w, n8, first);
-        for (int d = n8; d < n; ++d) o[d] = (first ? 0.0f : o[d]) + w * sokpy_half_to_float(r[d]);
+        sokpy_f16c_axpy(o, r, w, SOKPY_DIM(DIM, dim), first);
 #else
         if (first) {
             SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_half_to_float(r[d]);
