@@ -110,8 +110,9 @@ def segment_starts(counts, xp=np):
 
 def int_array(x, what: str) -> np.ndarray:
     """An int64 array of ``x`` (a tensor or array); refuses floats, bools and sparse tensors."""
-    if type(x) is torch.Tensor and x.dtype == torch.int64 and x.layout == torch.strided and x.device.type == "cpu":
-        return np.ascontiguousarray(x.numpy()).reshape(-1)  # the common case, first
+    if type(x) is torch.Tensor and x.dtype is torch.int64 and x.is_cpu and x.layout is torch.strided:
+        a = x.numpy()  # the common case, first (an int64 tensor never requires a gradient)
+        return a if a.ndim == 1 and a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
     if isinstance(x, torch.Tensor):
         if x.layout != torch.strided:
             raise TypeError(f"{what} must be a dense tensor, got layout {x.layout}")

@@ -165,11 +165,12 @@ def _joined_offsets(parts, counts, key_start, bag_start) -> np.ndarray | None:
     array, and one pass over it for the order: the tables' offsets never decrease if the
     joined ones never do, when each ends where the next one starts."""
     offsets = np.empty(int(bag_start[-1]) + 1, np.int64)
-    for t, part in enumerate(parts):
+    bounds = bag_start.tolist()
+    for part, n, first, lo, hi in zip(parts, counts.tolist(), key_start.tolist(), bounds, bounds[1:]):
         off = part[1]
-        if off[0] != 0 or off[-1] != counts[t]:  # (the caller has checked that none is empty)
+        if off[0] != 0 or off[-1] != n:  # (the caller has checked that none is empty)
             return None
-        np.add(off[:-1], key_start[t], out=offsets[bag_start[t] : bag_start[t + 1]])
+        np.add(off[:-1], first, out=offsets[lo:hi])
     offsets[-1] = key_start[-1]
     if offsets.size > 1 and bool((offsets[1:] < offsets[:-1]).any()):
         return None
@@ -185,10 +186,10 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
             parts.append(table_input(ids, w))
         except (TypeError, ValueError, OverflowError) as e:
             raise BatchError(t, str(e)) from None
-    counts = np.fromiter((p[0].size for p in parts), np.int64, ntables)
-    sizes = np.fromiter((p[1].size for p in parts), np.int64, ntables)
+    counts = np.array([p[0].size for p in parts], np.int64)
+    sizes = np.array([p[1].size for p in parts], np.int64)
     key_start = segment_starts(counts)
-    weighted = np.fromiter((p[2] is not None for p in parts), bool, ntables)
+    weighted = np.array([p[2] is not None for p in parts], bool)
     weights = None
     if weighted.any():
         weights = np.ones(int(key_start[-1]), np.float32)
@@ -198,9 +199,9 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     bags = sizes - 1
     bag_start = segment_starts(bags)
     # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
-    hotness = np.fromiter((_hotness(ids) for ids in sp_ids), np.int64, ntables)
     offsets: np.ndarray | None
-    if ntables > 0 and bool((hotness > 0).all()):
+    if ntables > 0 and all(map(_hotness, sp_ids)):
+        hotness = np.array([_hotness(ids) for ids in sp_ids], np.int64)
         offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
     else:
         offsets = _joined_offsets(parts, counts, key_start, bag_start) if bool((sizes > 0).all()) else None
