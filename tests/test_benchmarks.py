@@ -125,6 +125,20 @@ def test_streaming_soak_script_runs(tmp_path):
     assert last["lru+admit2"]["inserted"] < last["lru"]["inserted"]  # keys seen once get no row
 
 
+def test_eviction_replay_bounds_every_policy_by_the_offline_optimum(tmp_path):
+    """benchmarks/eviction_replay.py on a short stream with a cap far below its keys: Belady's
+    offline optimum holds at least as many of each step's keys as every policy, and no
+    capped policy more than the uncapped key set."""
+    out = tmp_path / "replay.json"
+    args = [str(ROOT / "benchmarks" / "eviction_replay.py"), "--steps", "40", "--batch-size", "64"]
+    run([*args, "--max-rows", "200", "--policies", "lru,lfu,decay:20,bonus:20,overdue:100,belady", "--out", str(out)], tmp_path)
+    results = json.loads(out.read_text())["results"]
+    best, top = results["belady"]["hit_rate"], results["uncapped"]["hit_rate"]
+    assert 0.0 < best < top < 1.0  # (at this cap even the optimum misses some returning keys)
+    for policy in ("lru", "lfu", "decay:20", "bonus:20", "overdue:100"):
+        assert 0.0 < results[policy]["hit_rate"] <= best, (policy, results)
+
+
 def test_python_call_count_script_runs(tmp_path):
     """benchmarks/count_python_calls.py end to end on tiny tables: one count per phase."""
     args = [str(ROOT / "benchmarks" / "count_python_calls.py"), "--tables", "3", "--rows", "100", "--batch", "16"]
