@@ -229,9 +229,12 @@ static inline bool sokpy_f16c_narrow8(sokpy_half* __restrict__ o, const float* _
     if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(normal, tiny))) != 0xff) return false;
     __m256i inc;
     if (stochastic) {  // sokpy_round_bits of columns d..d+7, then their low 13 bits
-        const __m256i col = _mm256_add_epi32(_mm256_set1_epi32(d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i h = _mm256_xor_si256(_mm256_set1_epi32((int)row_bits),
-                                     _mm256_mullo_epi32(col, _mm256_set1_epi32((int)0x9e3779b9u)));
+        // (d + j) * 0x9e3779b9 mod 2^32 = d * 0x9e3779b9 + j * 0x9e3779b9: an add, not a multiply
+        const __m256i col = _mm256_add_epi32(
+            _mm256_set1_epi32((int)((sokpy_u32)d * 0x9e3779b9u)),
+            _mm256_setr_epi32(0, (int)0x9e3779b9u, (int)0x3c6ef372u, (int)0xdaa66d2bu, (int)0x78dde6e4u,
+                              (int)0x1715609du, (int)0xb54cda56u, (int)0x5384540fu));
+        __m256i h = _mm256_xor_si256(_mm256_set1_epi32((int)row_bits), col);
         h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
         h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
         h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
