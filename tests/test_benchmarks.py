@@ -131,7 +131,10 @@ def test_eviction_replay_bounds_every_policy_by_the_offline_optimum(tmp_path):
     capped policy more than the uncapped key set."""
     out = tmp_path / "replay.json"
     args = [str(ROOT / "benchmarks" / "eviction_replay.py"), "--steps", "40", "--batch-size", "64"]
-    run([*args, "--max-rows", "200", "--policies", "lru,lfu,decay:20,bonus:20,overdue:100,belady", "--out", str(out)], tmp_path)
+    run(
+        [*args, "--max-rows", "200", "--policies", "lru,lfu,decay:20,bonus:20,overdue:100,belady", "--out", str(out)],
+        tmp_path,
+    )
     results = json.loads(out.read_text())["results"]
     best, top = results["belady"]["hit_rate"], results["uncapped"]["hit_rate"]
     assert 0.0 < best < top < 1.0  # (at this cap even the optimum misses some returning keys)
