@@ -92,7 +92,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
         float f32_[SOKPY_F16C_MAX_DIM];                                                          \
         sokpy_f16c_widen(f32_, (const sokpy_half*)w, dim);                                       \
         SOKPY_WITH_DIM(fn, dim, f32_, __VA_ARGS__, rc)                                           \
-        sokpy_f16c_narrow((sokpy_half*)w, f32_, dim, SR, rc.row_bits);                           \
+        sokpy_f16c_narrow((sokpy_f16<SR>*)w, f32_, dim, rc);                                     \
     } else {                                                                                     \
         SOKPY_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)                              \
     }

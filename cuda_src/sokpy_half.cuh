@@ -249,14 +249,14 @@ static inline bool sokpy_f16c_narrow8(sokpy_half* __restrict__ o, const float* _
     return true;
 }
 // o = the n values x of a row as float16 words, rounded as sokpy_put rounds them: eight at a
-// time where sokpy_f16c_narrow8 can, one by one otherwise (and past the last multiple of 8).
-static inline void sokpy_f16c_narrow(sokpy_half* __restrict__ o, const float* __restrict__ x, int n, int stochastic,
-                                     sokpy_u32 row_bits) {
+// time where sokpy_f16c_narrow8 can, by sokpy_put itself otherwise (and past the last multiple
+// of 8).
+template <int SR>
+static inline void sokpy_f16c_narrow(sokpy_f16<SR>* __restrict__ o, const float* __restrict__ x, int n,
+                                     const sokpy_rounding& rc) {
     for (int d = 0; d < n; d += 8) {
-        if (d + 8 <= n && sokpy_f16c_narrow8(o + d, x + d, d, stochastic, row_bits)) continue;
-        for (int j = d; j < d + 8 && j < n; ++j) {
-            o[j] = (sokpy_half)sokpy_float_to_half(x[j], stochastic, stochastic ? sokpy_round_bits(row_bits, j) : 0u);
-        }
+        if (d + 8 <= n && sokpy_f16c_narrow8((sokpy_half*)(o + d), x + d, d, SR, rc.row_bits)) continue;
+        for (int j = d; j < d + 8 && j < n; ++j) sokpy_put(o, j, x[j], rc);
     }
 }
 #endif
