@@ -200,9 +200,9 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     bag_start = segment_starts(bags)
     # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
     offsets: np.ndarray | None
-    if ntables > 0 and all(map(_hotness, sp_ids)):
-        hotness = np.array([_hotness(ids) for ids in sp_ids], np.int64)
-        offsets = _fixed_offsets(key_start, bag_start, bags, hotness)
+    hotness = [_hotness(ids) for ids in sp_ids] if ntables > 0 and _hotness(sp_ids[0]) else [0]
+    if all(hotness):
+        offsets = _fixed_offsets(key_start, bag_start, bags, np.array(hotness, np.int64))
     else:
         offsets = _joined_offsets(parts, counts, key_start, bag_start) if bool((sizes > 0).all()) else None
     # Every table's structure at once; the exact message of the first faulty table only on failure.
