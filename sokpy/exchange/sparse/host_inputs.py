@@ -200,8 +200,8 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     bag_start = segment_starts(bags)
     # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
     offsets: np.ndarray | None
-    hotness = [_hotness(ids) for ids in sp_ids] if ntables > 0 and _hotness(sp_ids[0]) else [0]
-    if all(hotness):
+    hotness = [_hotness(ids) for ids in sp_ids] if ntables > 0 and _hotness(sp_ids[0]) else []
+    if hotness and all(hotness):
         offsets = _fixed_offsets(key_start, bag_start, bags, np.array(hotness, np.int64))
     else:
         offsets = _joined_offsets(parts, counts, key_start, bag_start) if bool((sizes > 0).all()) else None
