@@ -136,7 +136,7 @@ def test_a_failure_on_one_node_ends_the_job_on_both(cluster):
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "finished" not in out, out[-3000:]
     assert "uncaught exception on rank 1 of 4 (host node0" in out, out[-3000:]
-    assert took < 30, f"the job took {took:.0f} s"
+    assert took < 30, f"the job took {took:.0f} s; on the nodes 35 s in:\n{''.join(snapshot)}\n{out[-3000:]}"
     assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
 
