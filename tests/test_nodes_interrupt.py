@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from conftest import ROOT, WORKERS
 
 from sokpy.launch import emulated_nodes
+from sokpy.launch.emulated_nodes import runs
 
 OK, WHY = emulated_nodes.available()
 # xdist_group: under pytest -n, every test of emulated nodes runs on one worker, one at a time
@@ -64,8 +66,10 @@ def _running(pid: int, wait: float = 0.0) -> bool:
 
 
 def _run_left(run: str) -> list[str]:
-    """The namespaces and the record a run still has."""
+    """The namespaces, the record and the private folder (its launch agent) a run still has."""
     left = [ns for ns in emulated_nodes.all_namespaces() if emulated_nodes.run_of(ns) == run]
+    folders = Path(tempfile.gettempdir()).glob(runs.agent_dir_prefix(run) + "*")
+    left += [f"folder {f}" for f in folders]
     return left + ([f"record of {run}"] if (emulated_nodes.RECORDS / f"{run}.json").exists() else [])
 
 
@@ -163,7 +167,7 @@ def test_cleanup_removes_only_the_runs_it_is_given_or_whose_process_is_gone(caps
     try:
         with emulated_nodes.EmulatedNodes(nodes=1, rate="1gbit") as live:
             runs.append(live.tag)
-            mine = sorted([*live.namespaces, f"record of {live.tag}"])
+            mine = sorted([*live.namespaces, f"record of {live.tag}", f"folder {Path(live.agent).parent}"])
             a, a_sleeper = _stale_run(runs)
             sleepers.append(a_sleeper)
             assert _run_left(a) and _running(a_sleeper)

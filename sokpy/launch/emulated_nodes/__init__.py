@@ -22,7 +22,7 @@ From the shell (``sokpy-nodes``, also ``launch/sokpy-nodes``)::
     sokpy-nodes --cleanup              # runs whose sokpy-nodes is gone (killed)
     sokpy-nodes --cleanup sokpyn4242-0 # that run, even while its sokpy-nodes still runs
 
-``--cleanup`` ends the processes and removes the namespaces and record of the runs it is
+``--cleanup`` ends the processes and removes the namespaces, record and folder of the runs it is
 given, or with no run given, of every recorded run whose process is gone. Runs still alive
 and ``sokpyn`` namespaces without a record (made by someone else) are left alone unless
 named.

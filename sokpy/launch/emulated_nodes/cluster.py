@@ -18,7 +18,18 @@ from pathlib import Path
 
 from .. import sokrun as launcher
 from .resources import default_burst, free_subnet, node_cpus
-from .runs import PREFIX, RECORDS, all_namespaces, available, end_processes, remove_run, run_ip, run_of, start_time
+from .runs import (
+    PREFIX,
+    RECORDS,
+    agent_dir_prefix,
+    all_namespaces,
+    available,
+    end_processes,
+    remove_run,
+    run_ip,
+    run_of,
+    start_time,
+)
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the run and everything it started
 _runs_made = itertools.count()  # k in the run names sokpyn<pid>-<k> of this process
@@ -109,7 +120,7 @@ class EmulatedNodes:
             for dev_ns, dev in ((ns, "eth0"), (sw, f"p{i}")):  # both directions of the link
                 run_ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
                     "latency", self.latency, ns=dev_ns)  # fmt: skip
-        self._dir = tempfile.TemporaryDirectory(prefix="sokpy-nodes-")
+        self._dir = tempfile.TemporaryDirectory(prefix=agent_dir_prefix(self.tag))
         agent = Path(self._dir.name) / "agent"
         cases = "\n".join(f"  {n}) cpus={','.join(map(str, c))} ;;" for n, c in zip(self.names, self.cpus))
         agent.write_text(_AGENT.format(tag=self.tag, cpu_cases=cases))

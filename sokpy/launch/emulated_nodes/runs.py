@@ -1,6 +1,6 @@
 """The runs of emulated nodes on this machine (see :mod:`sokpy.launch.emulated_nodes`): their network
-namespaces, their records in ``/run/sokpy-nodes``, the processes inside them, and their removal
-(``cleanup``, ``sokpy-nodes --cleanup``).
+namespaces, their records in ``/run/sokpy-nodes``, their private folders (the launch agent), the
+processes inside them, and their removal (``cleanup``, ``sokpy-nodes --cleanup``).
 
 A run is named ``sokpyn<pid>-<k>`` and its namespaces ``<run>-switch``, ``<run>-node0``, ...;
 its record names them and the process that made them (its pid and start time), so that a run
@@ -15,12 +15,19 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 PREFIX = "sokpyn"  # every namespace sokpy.launch.emulated_nodes creates starts with it
 RECORDS = Path("/run/sokpy-nodes")  # <run>.json per live run; /run is emptied at boot, as namespaces are
+
+
+def agent_dir_prefix(run: str) -> str:
+    """The name with which a run's private folder (its launch agent) starts, in the system's
+    temporary folder: ``sokpy-nodes-<run>-``, so that removing the run finds it by name."""
+    return f"sokpy-nodes-{run}-"
 
 
 def run_ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -112,19 +119,21 @@ def end_processes(namespaces: Iterable[str], grace: float = 3.0) -> set[int]:
 
 def remove_run(run: str, namespaces: Iterable[str]) -> list[str]:
     """Ends the processes inside a run's namespaces, then removes the namespaces (their links
-    go with them) and the run's record; returns the namespaces removed."""
+    go with them), the run's record and its private folder; returns the namespaces removed."""
     existing = set(all_namespaces())
     namespaces = [ns for ns in namespaces if ns in existing]
     end_processes(namespaces)
     for ns in namespaces:
         run_ip("ip", "netns", "del", ns, check=False)
     (RECORDS / f"{run}.json").unlink(missing_ok=True)
+    for folder in Path(tempfile.gettempdir()).glob(agent_dir_prefix(run) + "*"):
+        shutil.rmtree(folder, ignore_errors=True)
     return namespaces
 
 
 def cleanup(runs: Iterable[str] = ()) -> list[str]:
-    """Removes runs left behind: the processes inside their namespaces, the namespaces and the
-    records. With ``runs`` (names such as ``sokpyn4242-0``): those runs, whether or not the
+    """Removes runs left behind: the processes inside their namespaces, the namespaces, the
+    records and the private folders. With ``runs`` (names such as ``sokpyn4242-0``): those runs, whether or not the
     process that made them still runs, and a name that is no run raises ValueError. Without:
     every recorded run whose process is gone. Returns the namespaces removed."""
     records, existing = _records(), all_namespaces()
