@@ -13,6 +13,7 @@ machine; tests that need it are marked ``needs_horovod_env``).
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import forks
@@ -133,3 +134,33 @@ def sokpy_host():
 
     sokpy.init(backend="host")
     return sokpy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mpich_litter():
+    """MPICH's Hydra proxy writes the machine's topology to ``/tmp/hydra_hwloc_xmlfile_*`` for
+    its ranks and removes it when it ends normally; a job ended by MPI_Abort or a signal (the
+    fault tests make many) leaves it behind. At the end of the session, the files of this user
+    made since the session began are removed, unless a Hydra proxy still runs on the machine
+    (a live job, this suite's or another's, may still need its file)."""
+    started = time.time()
+    yield
+    if any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit()):
+        return
+    for path in Path("/tmp").glob("hydra_hwloc_xmlfile_*"):
+        try:
+            info = path.stat()
+            if info.st_uid == os.getuid() and info.st_mtime >= started - 1:
+                path.unlink()
+        except OSError:  # gone meanwhile
+            pass
+
+
+def _live_process_name(pid: str) -> str:
+    """The name of process ``pid``; "" for one that has ended (a zombie, or gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+    return "" if state in "ZX" else name
