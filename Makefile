@@ -8,11 +8,10 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
-# pytest-xdist workers (0: the suite in one process, the default). One process leaves a core
-# idle much of the time (its jobs wait on start-up and timeouts); `make test TEST_WORKERS=2`
-# fills it, but one of its runs hit a hang the suite has not shown in one process
-# (docs/benchmarks.md, "The test suite"), so two workers are not the default yet.
-TEST_WORKERS ?= 0
+# pytest-xdist workers, one per core of the 2-core machines the suite runs on: one process
+# leaves a core idle much of the time (its jobs wait on start-up and timeouts). 0 runs the
+# suite in one process (docs/benchmarks.md, "The test suite", compares the two).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint horovod-env gpu-check clean
 
