@@ -133,9 +133,10 @@ def remove_run(run: str, namespaces: Iterable[str]) -> list[str]:
 
 def cleanup(runs: Iterable[str] = ()) -> list[str]:
     """Removes runs left behind: the processes inside their namespaces, the namespaces, the
-    records and the private folders. With ``runs`` (names such as ``sokpyn4242-0``): those runs, whether or not the
-    process that made them still runs, and a name that is no run raises ValueError. Without:
-    every recorded run whose process is gone. Returns the namespaces removed."""
+    records and the private folders. With ``runs`` (names such as ``sokpyn4242-0``): those
+    runs, whether or not the process that made them still runs, and a name that is no run
+    raises ValueError. Without: every recorded run whose process is gone. Returns the
+    namespaces removed."""
     records, existing = _records(), all_namespaces()
 
     def namespaces_of(run: str) -> list[str]:
