@@ -23,9 +23,10 @@ def test_docs_have_examples():
 @pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{p.relative_to(ROOT)}-{i}" for p, i, _ in BLOCKS])
 def test_example_runs(tmp_path, page, index, code):
     # As `python example.py` in an empty folder, in the one-rank pool (a fresh process per
-    # example paid Python's, torch's and sokpy's start-up 14 times over).
+    # example paid Python's, torch's and sokpy's start-up 14 times over). Temporary folders the
+    # example makes go under that folder, which pytest removes, not under /tmp.
     script = tmp_path / "example.py"
-    script.write_text(code)
+    script.write_text(f"import tempfile\ntempfile.tempdir = {str(tmp_path)!r}\n{code}")
     run_mpi(1, script, cwd=tmp_path, timeout=300)
 
 

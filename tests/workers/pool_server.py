@@ -9,7 +9,7 @@ descriptors 1 and 2 sent to ``task-K.rankR.out`` / ``.err``; then the rank write
 code to ``task-K.rankR.status``. ``{"exit": true}`` ends the pool.
 
 What a fresh process would have, each task gets again: ``sys.argv``, ``sys.path`` with the
-script's folder first, the working directory and environment variables, torch's and numpy's global random states as
+script's folder first, the working directory, environment variables and tempfile's folder, torch's and numpy's global random states as
 they were at start-up, float32 as torch's default dtype, no torch.distributed group; a ``gc.collect()`` after it frees the
 tables it made, and ``sokpy.testing.process.start_over`` numbers the next task's tables from 1
 again; a task whose tables outlive it (a worker that patched sokpy and left the patch) makes
@@ -26,6 +26,7 @@ import json
 import os
 import runpy
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -72,6 +73,7 @@ def run(task: dict, out: Path, err: Path) -> int:
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     argv, path, cwd, env = list(sys.argv), list(sys.path), os.getcwd(), dict(os.environ)
+    tempdir = tempfile.tempdir
     code = 0
     with open(out, "w") as o, open(err, "w") as e:
         os.dup2(o.fileno(), 1)
@@ -99,6 +101,7 @@ def run(task: dict, out: Path, err: Path) -> int:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
+            tempfile.tempdir = tempdir
     return code
 
 
