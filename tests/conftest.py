@@ -137,6 +137,16 @@ def sokpy_host():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _end_pools_and_fork_server():
+    """The session's rank pools and fork server end, and their folders go, when the session
+    does: under pytest-xdist a worker can be ended before its atexit handlers finish, and
+    pools left that way kept their folders in /tmp."""
+    yield
+    rank_pool.close_all()
+    forks.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_mpich_litter():
     """MPICH's Hydra proxy writes the machine's topology to ``/tmp/hydra_hwloc_xmlfile_*`` for
     its ranks and removes it when it ends normally; a job ended by MPI_Abort or a signal (the

@@ -50,8 +50,11 @@ class ForkServer:
         return Child(code, pid, out, err, lambda: json.loads(self.proc.stdout.readline())["status"])
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except BrokenPipeError:  # the server has ended already
+            pass
         self.proc.wait(timeout=30)
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -132,11 +135,17 @@ def start(code: str, env: dict[str, str], cwd: Path, server_env: dict[str, str])
             proc = subprocess.Popen([sys.executable, "-c", code], stdout=fo, stderr=fe, env=env, cwd=cwd)
         return Child(code, proc.pid, out, err, proc.wait, lambda: shutil.rmtree(where, ignore_errors=True))
     if _server is None or not _server.alive():
+        if _server is not None:
+            _server.close()  # ended: its folder goes
         _server = ForkServer(server_env, cwd)
     return _server.start(code, env, cwd)
 
 
 @atexit.register
-def _close() -> None:
-    if _server is not None and _server.alive():
+def close() -> None:
+    """Ends the fork server and removes its folder (conftest calls it at the end of the
+    session; atexit is the fallback)."""
+    global _server
+    if _server is not None:
         _server.close()
+        _server = None

@@ -97,9 +97,14 @@ class RankPool:
             self.close()
         return Result(code, out, err)
 
-    def close(self) -> None:
+    def ask_to_exit(self) -> None:
+        """Tells the ranks to end (they do once they see it); :meth:`close` waits for them."""
         if self.alive():
             (self.dir / f"task-{self.tasks}.json").write_text(json.dumps({"exit": True}))
+
+    def close(self) -> None:
+        if self.alive():
+            self.ask_to_exit()
             if not self._wait(lambda: not self.alive(), 10):
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -157,5 +162,12 @@ def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, job
 
 @atexit.register
 def close_all() -> None:
-    while _pools:
-        _pools.popitem()[1].close()
+    """Ends every pool and removes its folder: all are told to end at once, then each is
+    waited for. conftest calls it at the end of the session (a pytest-xdist worker may be
+    ended before its atexit handlers finish); atexit is the fallback."""
+    pools = list(_pools.values())
+    _pools.clear()
+    for pool in pools:
+        pool.ask_to_exit()
+    for pool in pools:
+        pool.close()
