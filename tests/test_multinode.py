@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -148,13 +149,22 @@ def test_a_failure_on_one_node_ends_the_job_on_both(cluster):
 
 def test_a_job_past_its_timeout_leaves_no_process_on_the_nodes(cluster, tmp_path):
     """Killing mpirun at the timeout would leave the other node's daemon and ranks running:
-    run() ends every process inside the nodes."""
+    run() ends every process inside the nodes. Open MPI's session folders of the killed job
+    are in the run's own folder, not in /tmp (where a later mpirun with the same pid would
+    fail to start in them)."""
+
+    def node_session_folders() -> set[Path]:  # ompi.<pid> folders of an mpirun on a node "node0"
+        return {p.parent for p in Path(tempfile.gettempdir()).glob("ompi.*/pmix.node0.tool*")}
+
+    before = node_session_folders()
     # The loop worker imports mpi4py only (no torch): both ranks are up within a few seconds
     # even under the other test worker's load; the ready files below prove it.
     with pytest.raises(subprocess.TimeoutExpired):
         cluster.run(["python", str(WORKERS / "loop_worker.py"), str(tmp_path), "timeout"], timeout=12)
     assert sorted(p.read_text() for p in tmp_path.glob("ready.*")) == ["node0", "node1"], "the job did not start"
     assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
+    assert not node_session_folders() - before, "the killed job left its session folder in /tmp"
+    assert list(Path(cluster.agent).parent.glob("ompi.*")), "no session folder in the run's folder"
 
 
 def test_multinode_benchmark_counts_its_bytes(tmp_path):

@@ -183,6 +183,10 @@ class EmulatedNodes:
         mapping = f"ppr:{ranks_per_node}:node:oversubscribe"
         args = ["-np", str(self.nodes * ranks_per_node), "--host", hosts, "--map-by", mapping, *mpirun_args]
         args += ["--prtemca", "plm_ssh_agent", self.agent, "--prtemca", "prte_if_include", cidr]
+        # Open MPI's session folders (ompi.<pid>: PMIx rendezvous files, job data) go in the run's
+        # own folder, which removing the run removes: a killed job's folder, left in /tmp, would
+        # stay there, and a later mpirun given the same pid fails to start its PMIx server in it.
+        args += ["--prtemca", "prte_tmpdir_base", str(Path(self.agent).parent)]
         env = dict(os.environ)
         # Threads per rank from the node's own cores (sokrun would count the whole machine's).
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(self.cpus[0]) // max(1, ranks_per_node))))
