@@ -147,23 +147,47 @@ def _end_pools_and_fork_server():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_mpich_litter():
-    """MPICH's Hydra proxy writes the machine's topology to ``/tmp/hydra_hwloc_xmlfile_*`` for
-    its ranks and removes it when it ends normally; a job ended by MPI_Abort or a signal (the
-    fault tests make many) leaves it behind. At the end of the session, the files of this user
-    made since the session began are removed, unless a Hydra proxy still runs on the machine
-    (a live job, this suite's or another's, may still need its file)."""
+def _no_mpi_litter():
+    """What MPI leaves behind when a job is ended by MPI_Abort or a signal (the fault tests
+    end many) is removed at the end of the session: this user's files made since the session
+    began that no live process still needs.
+
+    * MPICH's Hydra proxy writes the machine's topology to ``/tmp/hydra_hwloc_xmlfile_*`` for
+      its ranks and removes it when it ends normally. Kept while any Hydra proxy runs on the
+      machine (a live job, this suite's or another's, may still need its file).
+    * The shared-memory segments of ranks on one machine, ``/dev/shm/sm_segment.*`` (Open MPI)
+      and ``/dev/shm/mpich_shm_*`` (MPICH), removed by the ranks when they end normally. Kept
+      while a live process maps or holds one."""
     started = time.time()
     yield
-    if any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit()):
-        return
-    for path in Path("/tmp").glob("hydra_hwloc_xmlfile_*"):
+    hydra_running = any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit())
+    litter = [] if hydra_running else list(Path("/tmp").glob("hydra_hwloc_xmlfile_*"))
+    shm = [*Path("/dev/shm").glob("sm_segment.*"), *Path("/dev/shm").glob("mpich_shm_*")]
+    in_use = _files_in_use() if shm else set()
+    litter += [p for p in shm if str(p) not in in_use]
+    for path in litter:
         try:
             info = path.stat()
             if info.st_uid == os.getuid() and info.st_mtime >= started - 1:
                 path.unlink()
         except OSError:  # gone meanwhile
             pass
+
+
+def _files_in_use() -> set[str]:
+    """The paths that live processes map or hold open (from /proc)."""
+    used: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(None, 5)
+                if len(fields) == 6:
+                    used.add(fields[5].removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                used.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # it ended meanwhile, or a descriptor closed
+            continue
+    return used
 
 
 def _live_process_name(pid: str) -> str:
