@@ -189,7 +189,6 @@ def test_multinode_benchmark_counts_its_bytes(tmp_path):
 
 
 def test_command_line_tool_runs_and_cleans_up(tmp_path):
-    before = set(emulated_nodes.all_namespaces())
     res = subprocess.run(
         [sys.executable, "-m", "sokpy.launch.emulated_nodes", "--nodes", "2", "--rate", "1gbit", "--timeout", "120", "--",
          "python", str(WORKERS / "where_worker.py")],
@@ -197,4 +196,11 @@ def test_command_line_tool_runs_and_cleans_up(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert {ln.split()[2] for ln in res.stdout.splitlines() if ln.startswith("where ")} == {"node0", "node1"}
-    assert set(emulated_nodes.all_namespaces()) <= before, "the tool left namespaces behind"
+    # What the tool's own run left (other processes may run emulated nodes of their own meanwhile).
+    named = re.search(r"sokpy-nodes: run (\S+) ", res.stderr)
+    assert named, res.stderr[-3000:]
+    run = named.group(1)
+    left = [ns for ns in emulated_nodes.all_namespaces() if emulated_nodes.run_of(ns) == run]
+    assert not left, f"the tool left namespaces behind: {left}"
+    assert not (emulated_nodes.RECORDS / f"{run}.json").exists(), "the tool left its run's record behind"
+    assert not list(Path(tempfile.gettempdir()).glob(f"sokpy-nodes-{run}-*")), "the tool left its run's folder behind"
