@@ -20,8 +20,10 @@ from sokpy.launch import emulated_nodes
 from sokpy.launch.emulated_nodes import runs
 
 OK, WHY = emulated_nodes.available()
-# xdist_group: under pytest -n, every test of emulated nodes runs on one worker, one at a time
-# (they pick free subnets and namespaces of the machine).
+# xdist_group asks pytest -n to run every test of emulated nodes on one worker, but pytest 9.2
+# with pytest-xdist 3.8 does not honour it (marked tests ran on both workers), so these tests may
+# run beside each other: each run takes a free subnet and its own namespaces, and a test checks
+# only what its own runs left.
 pytestmark = [pytest.mark.skipif(not OK, reason=WHY), pytest.mark.xdist_group("emulated_nodes")]
 
 
