@@ -19,6 +19,7 @@ import pytest
 from conftest import ROOT, WORKERS, run_mpi
 
 from sokpy.launch import emulated_nodes
+from sokpy.launch.emulated_nodes.runs import leftovers
 
 OK, WHY = emulated_nodes.available()
 # xdist_group asks pytest -n to run every test of emulated nodes on one worker, but pytest 9.2
@@ -201,8 +202,5 @@ def test_command_line_tool_runs_and_cleans_up(tmp_path):
     # What the tool's own run left (other processes may run emulated nodes of their own meanwhile).
     named = re.search(r"sokpy-nodes: run (\S+) ", res.stderr)
     assert named, res.stderr[-3000:]
-    run = named.group(1)
-    left = [ns for ns in emulated_nodes.all_namespaces() if emulated_nodes.run_of(ns) == run]
-    assert not left, f"the tool left namespaces behind: {left}"
-    assert not (emulated_nodes.RECORDS / f"{run}.json").exists(), "the tool left its run's record behind"
-    assert not list(Path(tempfile.gettempdir()).glob(f"sokpy-nodes-{run}-*")), "the tool left its run's folder behind"
+    left = leftovers(named.group(1))  # namespaces, record, folder
+    assert not left, f"the tool left its run's {left} behind"

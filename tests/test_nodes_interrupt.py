@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from conftest import ROOT, WORKERS
 
 from sokpy.launch import emulated_nodes
-from sokpy.launch.emulated_nodes import runs
+from sokpy.launch.emulated_nodes.runs import leftovers
 
 OK, WHY = emulated_nodes.available()
 # xdist_group asks pytest -n to run every test of emulated nodes on one worker, but pytest 9.2
@@ -67,14 +66,6 @@ def _running(pid: int, wait: float = 0.0) -> bool:
         time.sleep(0.2)
 
 
-def _run_left(run: str) -> list[str]:
-    """The namespaces, the record and the private folder (its launch agent) a run still has."""
-    left = [ns for ns in emulated_nodes.all_namespaces() if emulated_nodes.run_of(ns) == run]
-    folders = Path(tempfile.gettempdir()).glob(runs.agent_dir_prefix(run) + "*")
-    left += [f"folder {f}" for f in folders]
-    return left + ([f"record of {run}"] if (emulated_nodes.RECORDS / f"{run}.json").exists() else [])
-
-
 def _remove(run: str, marker: str = "") -> None:
     """A test's last resort, also when it fails: kills what is left of ``run``."""
     for pid in _marked(marker) if marker else ():
@@ -82,7 +73,7 @@ def _remove(run: str, marker: str = "") -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if run and _run_left(run):
+    if run and leftovers(run):
         emulated_nodes.cleanup([run])
 
 
@@ -120,7 +111,7 @@ def test_a_signal_ends_the_job_on_every_node(tmp_path, sig):
         while _marked(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _marked(marker), f"left running: {_marked(marker)}\n{out}"
-        assert not _run_left(run), out
+        assert not leftovers(run), out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -172,13 +163,13 @@ def test_cleanup_removes_only_the_runs_it_is_given_or_whose_process_is_gone(caps
             mine = sorted([*live.namespaces, f"record of {live.tag}", f"folder {Path(live.agent).parent}"])
             a, a_sleeper = _stale_run(runs)
             sleepers.append(a_sleeper)
-            assert _run_left(a) and _running(a_sleeper)
+            assert leftovers(a) and _running(a_sleeper)
 
             # Named: that run goes, the process left inside it included; the live run stays.
             code, out = _cleanup(capsys, a)
-            assert code == 0 and not _run_left(a), out
+            assert code == 0 and not leftovers(a), out
             assert not _running(a_sleeper, wait=5), "the process left inside the run still runs"
-            assert sorted(_run_left(live.tag)) == mine
+            assert sorted(leftovers(live.tag)) == mine
 
             # None named: the runs whose process is gone go; a live run and an unrecorded
             # namespace stay, and the tool says why.
@@ -186,18 +177,18 @@ def test_cleanup_removes_only_the_runs_it_is_given_or_whose_process_is_gone(caps
             sleepers.append(b_sleeper)
             subprocess.run(["ip", "netns", "add", unrecorded], check=True, timeout=30)
             code, out = _cleanup(capsys)
-            assert code == 0 and not _run_left(b) and not _running(b_sleeper, wait=5), out
+            assert code == 0 and not leftovers(b) and not _running(b_sleeper, wait=5), out
             assert unrecorded in emulated_nodes.all_namespaces(), out
             assert f"left alone: {live.tag} (its sokpy-nodes, pid {os.getpid()}, still runs)" in out
             assert f"left alone: {emulated_nodes.PREFIX}0-0 (no record" in out
-            assert sorted(_run_left(live.tag)) == mine
+            assert sorted(leftovers(live.tag)) == mine
 
             # A name that is no run is an error; a live run goes when it is named.
             code, out = _cleanup(capsys, f"{emulated_nodes.PREFIX}0-1")
             assert code == 1 and "no run" in out, out
             code, out = _cleanup(capsys, live.tag)
-            assert code == 0 and not _run_left(live.tag), out
-        assert not _run_left(live.tag)
+            assert code == 0 and not leftovers(live.tag), out
+        assert not leftovers(live.tag)
     finally:
         for pid in sleepers:
             try:

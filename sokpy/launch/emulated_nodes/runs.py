@@ -30,6 +30,14 @@ def agent_dir_prefix(run: str) -> str:
     return f"sokpy-nodes-{run}-"
 
 
+def leftovers(run: str) -> list[str]:
+    """What run ``run`` still has on this machine, a line each: its namespaces, its private
+    folder (``folder <path>``) and its record (``record of <run>``); empty once it is removed."""
+    left = [ns for ns in all_namespaces() if run_of(ns) == run]
+    left += [f"folder {f}" for f in Path(tempfile.gettempdir()).glob(agent_dir_prefix(run) + "*")]
+    return left + ([f"record of {run}"] if (RECORDS / f"{run}.json").exists() else [])
+
+
 def run_ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     res = subprocess.run(cmd, capture_output=True, text=True)
