@@ -53,8 +53,9 @@ for step in range(4):
     if mode == "stalls" and fails and step == 2:
         print(f"rank {rank}: stalls at {time.time():.3f}", flush=True)
         time.sleep(120)
-    ids = [[1, 2], [3]] if not (mode == "inside" and fails and step == 1) else [[1, 200]]
-    if ids == [[1, 200]]:
+    bad_key = mode == "inside" and fails and step == 1
+    ids = [[1, 200]] if bad_key else [[1, 2], [3]]
+    if bad_key:
         failing_now()
     out = sokpy.lookup_sparse(v, ids, combiners="sum")
     if mode == "between" and fails and step == 1:
