@@ -121,6 +121,9 @@ def test_dense_ids_of_different_hotness_pool_as_each_table_alone(sokpy_host):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
     with pytest.raises(sokpy.InputError, match=r"table 'hot1' \(index 1\): weights must have one entry per key \(7\)"):
         sokpy.lookup_sparse(tables, ids, sp_weights=[None, [1.0] * 6, None, None], combiners=["mean"] * 4)
+    nan_at_2 = torch.tensor([1.0, 1.0, float("nan"), 1.0, 1.0])
+    with pytest.raises(sokpy.InputError, match=r"table 'hot3' \(index 3\): weight at position 2 is not finite"):
+        sokpy.lookup_sparse(tables, ids, sp_weights=[None, None, None, nan_at_2.reshape(5, 1)], combiners=["mean"] * 4)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,9 @@ class Backend:
     #: Whether reading an array's values costs no wait (the host's arrays are in host memory):
     #: a size may then be learnt where a device keeps it on the device and sizes by a bound.
     free_reads = True
+    #: Whether a call's ids may live on this backend's device (then :meth:`on_device` asks
+    #: each tensor); the host takes every input as it comes.
+    device_inputs = False
     kernels: kernels.HostKernels | kernels.DeviceKernels
 
     # ---- memory -----------------------------------------------------------------------------
@@ -253,6 +256,7 @@ class DeviceBackend(Backend):
     shapes = "device"
     library_sort = True
     free_reads = False
+    device_inputs = True
 
     def __init__(self, device_index: int):
         import cupy  # optional dependency, imported only on the device path

@@ -142,6 +142,7 @@ class EmulatedDeviceBackend(Backend):
     shapes = "device"
     library_sort = True
     free_reads = False
+    device_inputs = True
 
     def __init__(self):
         self.xp = device_double

@@ -31,6 +31,8 @@ from .keyed_jagged import is_keyed_jagged, kjt_stride
 
 def ids_on_device(sp_ids, sp_weights, be) -> bool:
     """Whether the call's ids arrived on the backend's device (any tensor of the input)."""
+    if not be.device_inputs:
+        return False
     if is_keyed_jagged(sp_ids):
         return be.on_device(sp_ids.values())
     if not isinstance(sp_ids, (list, tuple)):

@@ -49,6 +49,25 @@ def ragged_weights(ids: Ragged, weights):
     return w, None, None
 
 
+def dense_input(ids, weights):
+    """(values, weights or None, weight tensor needing a gradient or None, layout) of dense
+    ``[B]`` or ``[B, H]`` ids, whose offsets are arithmetic (:func:`_dense_offsets`)."""
+    values = int_array(ids, "ids")
+    w = wt = layout = None
+    if weights is not None:
+        w = float_array(weights, "weights")
+        if isinstance(weights, torch.Tensor) and weights.requires_grad:
+            wt, layout = weights, ("dense", tuple(weights.shape))
+        if isinstance(weights, (torch.Tensor, np.ndarray)) and tuple(weights.shape) != tuple(ids.shape):
+            raise ValueError(f"weights must have the shape of the ids {list(ids.shape)}, got {list(weights.shape)}")
+    return values, w, wt, layout
+
+
+def _dense_offsets(bags: int, hotness: int) -> np.ndarray:
+    """The offsets of ``bags`` bags of ``hotness`` keys each."""
+    return np.arange(0, (bags + 1) * hotness, hotness, dtype=np.int64)
+
+
 def table_input(ids, weights):
     """(values, offsets, weights or None, weight tensor needing a gradient or None, layout)
     of one table's input. ``layout`` tells how to shape that gradient."""
@@ -84,16 +103,8 @@ def table_input(ids, weights):
             None,
         )
     if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim in (1, 2):  # [B] one-hot, [B, H] fixed bags
-        batch, hotness = ids.shape[0], (ids.shape[1] if ids.ndim == 2 else 1)
-        values = int_array(ids, "ids")
-        w = None
-        if weights is not None:
-            w = float_array(weights, "weights")
-            if isinstance(weights, torch.Tensor) and weights.requires_grad:
-                wt, layout = weights, ("dense", tuple(weights.shape))
-            if isinstance(weights, (torch.Tensor, np.ndarray)) and tuple(weights.shape) != tuple(ids.shape):
-                raise ValueError(f"weights must have the shape of the ids {list(ids.shape)}, got {list(weights.shape)}")
-        return values, np.arange(batch + 1, dtype=np.int64) * hotness, w, wt, layout
+        values, w, wt, layout = dense_input(ids, weights)
+        return values, _dense_offsets(ids.shape[0], _hotness(ids)), w, wt, layout
     if isinstance(ids, (list, tuple)):
         values, offsets = _lists(ids, "ids")
         w = None
@@ -150,7 +161,7 @@ def _fixed_offsets(key_start, bag_start, bags, hotness) -> np.ndarray:
     of table t starts at ``key_start[t] + (b - bag_start[t]) * hotness[t]``."""
     nbags = int(bag_start[-1])
     if (hotness == hotness[0]).all():  # then key_start[t] = bag_start[t] * hotness
-        return np.arange(nbags + 1, dtype=np.int64) * hotness[0]
+        return _dense_offsets(nbags, int(hotness[0]))
     offsets = np.empty(nbags + 1, np.int64)
     offsets[:-1] = np.repeat(key_start[:-1] - bag_start[:-1] * hotness, bags)
     offsets[:-1] += np.arange(nbags, dtype=np.int64) * np.repeat(hotness, bags)
@@ -180,14 +191,22 @@ def _joined_offsets(parts, counts, key_start, bag_start) -> np.ndarray | None:
 def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     """:func:`~sokpy.exchange.sparse.to_batch` for per-table ids on the host (``sp_weights``: a list with
     one entry per table): each table's input converted, then all checked at once."""
-    parts = []
+    # Dense [B] / [B, H] ids (hotness H > 0) everywhere: their offsets are arithmetic and well
+    # formed, so no table's own are made; the call's are, at once.
+    hotness = [_hotness(ids) for ids in sp_ids] if ntables > 0 and _hotness(sp_ids[0]) else []
+    dense = bool(hotness) and all(hotness)
+    parts: list[tuple] = []  # table_input's tuples (offsets None for dense ids)
     for t, (ids, w) in enumerate(zip(sp_ids, sp_weights)):
         try:
-            parts.append(table_input(ids, w))
+            if dense:
+                values, w, wt, layout = dense_input(ids, w)
+                parts.append((values, None, w, wt, layout))
+            else:
+                parts.append(table_input(ids, w))
         except (TypeError, ValueError, OverflowError) as e:
             raise BatchError(t, str(e)) from None
     counts = np.array([p[0].size for p in parts], np.int64)
-    sizes = np.array([p[1].size for p in parts], np.int64)
+    sizes = np.array([ids.shape[0] + 1 for ids in sp_ids] if dense else [p[1].size for p in parts], np.int64)
     key_start = segment_starts(counts)
     weighted = np.array([p[2] is not None for p in parts], bool)
     weights = None
@@ -198,10 +217,8 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
                 weights[key_start[t] : key_start[t + 1]] = parts[t][2]
     bags = sizes - 1
     bag_start = segment_starts(bags)
-    # Dense [B] / [B, H] ids (hotness H > 0): their offsets are arithmetic and well formed.
     offsets: np.ndarray | None
-    hotness = [_hotness(ids) for ids in sp_ids] if ntables > 0 and _hotness(sp_ids[0]) else []
-    if hotness and all(hotness):
+    if dense:
         offsets = _fixed_offsets(key_start, bag_start, bags, np.array(hotness, np.int64))
     else:
         offsets = _joined_offsets(parts, counts, key_start, bag_start) if bool((sizes > 0).all()) else None
@@ -212,7 +229,8 @@ def host_tables(sp_ids, sp_weights, ntables: int) -> Batch:
     if not ok:
         for t, part in enumerate(parts):
             try:
-                check_table(*part[:3])
+                own = part[1] if part[1] is not None else _dense_offsets(int(sizes[t]) - 1, hotness[t])
+                check_table(part[0], own, part[2])
             except ValueError as e:
                 raise BatchError(t, str(e)) from None
     assert offsets is not None  # a table whose offsets were refused fails check_table
