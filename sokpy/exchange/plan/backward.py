@@ -34,9 +34,9 @@ def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
     """``(tensor, row stride in elements)`` the gradient kernels can read for the output
     gradient ``grad`` (2-D): itself where it is float32 with adjacent columns, else a
     contiguous float32 copy (kept alive in ``keep`` until the kernels ran)."""
-    g = grad.detach()
-    if g.dtype != torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
-        g = g.to(torch.float32).contiguous()
+    g = grad
+    if g.dtype is not torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
+        g = g.detach().to(torch.float32).contiguous()
         keep.append(g)
     return g, g.stride(0) if g.shape[0] > 1 else g.shape[1]
 
@@ -45,8 +45,9 @@ def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
     """(used flags [T], device array of the gradients' addresses [T] then their row strides
     [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
     it lies, at its own row stride (an output's slice of a concatenation's gradient, a
-    broadcast row); any other is copied into a contiguous one first."""
-    xp, c, backend = runtime.xp(), kernels.constants(), runtime.current()
+    broadcast row); any other is copied into a contiguous one first. (A tensor's address is
+    its ``data_ptr()`` on every backend.)"""
+    xp, c = runtime.xp(), kernels.constants()
     ntab = call.shape.ntables
     keep: list = []
     words = np.zeros(2 * ntab, np.uint64)
@@ -55,13 +56,16 @@ def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
         if grads[0] is not None:
             g, stride = _readable(grads[0], keep)
             start = call.tables.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
-            words[:ntab] = backend.address_of(g) + 4 * start
+            words[:ntab] = g.data_ptr() + 4 * start
             words[ntab:] = stride
     else:
         used = np.fromiter((g is not None for g in grads), bool, ntab)
-        for t in np.flatnonzero(used):
-            g, stride = _readable(grads[t], keep)
-            words[t], words[ntab + t] = backend.address_of(g), stride
+        addresses, strides = [0] * ntab, [0] * ntab
+        for t, grad in enumerate(grads):
+            if grad is not None:
+                g, strides[t] = _readable(grad, keep)
+                addresses[t] = g.data_ptr()
+        words[:] = addresses + strides
     return used, xp.asarray(words), keep
 
 
