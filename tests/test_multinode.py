@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, WORKERS, run_mpi
 
 from sokpy.launch import emulated_nodes
-from sokpy.launch.emulated_nodes.runs import leftovers
+from sokpy.launch.emulated_nodes.runs import leftovers, process_stat
 
 OK, WHY = emulated_nodes.available()
 # xdist_group asks pytest -n to run every test of emulated nodes on one worker, but pytest 9.2
@@ -112,13 +112,16 @@ def processes_on(cluster) -> str:
     lines = []
     for ns in cluster.namespaces:
         for pid in sorted(emulated_nodes.pids_in(ns)):
+            stat = process_stat(pid)
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:  # it ended meanwhile
                 continue
-            lines.append(f"{ns} pid {pid} ppid {stat[1]} state {stat[0]} wchan {wchan}: {cmd[:200]}")
+            if stat is None:
+                continue
+            state, ppid = stat[1][:2]
+            lines.append(f"{ns} pid {pid} ppid {ppid} state {state} wchan {wchan}: {cmd[:200]}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, WORKERS
 
 from sokpy.launch import emulated_nodes
-from sokpy.launch.emulated_nodes.runs import leftovers
+from sokpy.launch.emulated_nodes.runs import leftovers, process_stat
 
 OK, WHY = emulated_nodes.available()
 # xdist_group asks pytest -n to run every test of emulated nodes on one worker, but pytest 9.2
@@ -56,10 +56,8 @@ def _running(pid: int, wait: float = 0.0) -> bool:
     """Whether process ``pid`` runs (a zombie does not), waiting up to ``wait`` s for it to go."""
     deadline = time.monotonic() + wait
     while True:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
-                return False
-        except OSError:
+        stat = process_stat(pid)
+        if stat is None or stat[1][0] in "ZX":
             return False
         if time.monotonic() > deadline:
             return True

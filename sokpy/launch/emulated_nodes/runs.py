@@ -72,14 +72,23 @@ def run_of(ns: str) -> str | None:
     return m.group(1) if m else None
 
 
-def start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot, from /proc), None if there is no
-    such process: with the pid it tells a run's process from a later one given the same pid."""
+def process_stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """(name, the fields after it) of process ``pid`` from ``/proc/<pid>/stat``, or None if
+    there is no such process. The fields count from the state: ``[0]`` the state (``Z`` for a
+    zombie), ``[1]`` the parent's pid, ``[19]`` the start time. The name may hold spaces and
+    parentheses, so it ends at the last ``)``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+
+
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), None if there is no
+    such process: with the pid it tells a run's process from a later one given the same pid."""
+    stat = process_stat(pid)
+    return None if stat is None else stat[1][19]
 
 
 def _records() -> dict[str, dict]:
