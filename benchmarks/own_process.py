@@ -2,7 +2,9 @@
 per-table call, FBGEMM's CPU TBE, ...) timed one process at a time, so that no contestant's
 tables, caches or allocator state are in another's way. A run is ``--rounds`` rounds; each
 round starts one fresh process per contestant, in an order that rotates from round to round,
-and every process times ``--steps`` steps after a warm-up pass over the batches. The ratios
+and every process times ``--steps`` steps after a warm-up pass over the batches, and counts the
+minor page faults they took (the allocator handing memory back to the system and taking it
+again, which can make one process's round slow for reasons outside the contestant). The ratios
 are taken within a round (the processes of one round run minutes apart at most), and the
 report gives their median and range over the rounds.
 
@@ -33,6 +35,7 @@ _common.set_threads_early()
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -85,10 +88,12 @@ def child(args) -> int:
         c.step(i)
     times, phases = [], []
     load = _common.LoadMonitor()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(args.steps):
         phase = c.step(i)
         times.append(sum(phase))
         phases.append(phase)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     result = _common.summary(times)
     ph = np.median(np.array(phases), axis=0) * 1e3
     result.update(
@@ -98,6 +103,7 @@ def child(args) -> int:
         optimizer_ms=float(ph[3]),
         changed_by_step=changed,
         load=load.stop(),
+        page_faults_per_step=faults / args.steps,
         peak_rss_mb=_common.peak_rss_mb(),
     )
     _common.write_json(args.out, result)
@@ -147,7 +153,9 @@ def parent(args) -> int:
             print(
                 f"round {r}: "
                 + ", ".join(
-                    f"{n} {got[n]['median_ms']:.2f} ms (others {got[n]['load'].get('others_cores')})" for n in names
+                    f"{n} {got[n]['median_ms']:.2f} ms (others {got[n]['load'].get('others_cores')}, "
+                    f"page faults a step {got[n]['page_faults_per_step']:.0f})"
+                    for n in names
                 ),
                 flush=True,
             )

@@ -172,6 +172,7 @@ def test_each_contestant_in_its_own_process(tmp_path):
     assert set(got) == {"sokpy", "sokpy_per_table", "torch"}
     assert all(got[n]["max_abs_diff_to_sokpy"] <= 1e-5 for n in ("sokpy_per_table", "torch")), got
     assert all(g["changed_by_step"] > 1e-4 and g["n"] == 3 for g in got.values()), got
+    assert all(g["page_faults_per_step"] >= 0 for g in got.values()), got
     assert set(r["summary"]["ratios"]) == {"sokpy_per_table / sokpy", "torch / sokpy", "torch / sokpy_per_table"}
 
 
