@@ -6,6 +6,8 @@ import json
 import pytest
 from conftest import mpi_job, run_python
 
+from sokpy.backends.runtime import started_by_launcher
+
 
 def json_from(res, tag):
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
@@ -46,13 +48,15 @@ def test_init_rejects_unknown_backend(sokpy_host, bogus):
 
 
 def test_public_comm_after_init(sokpy_host):
-    """``sokpy.comm()`` is the communicator after init (a function, not the module sokpy.backends.comm)."""
+    """``sokpy.comm()`` is the communicator after init (a function, not the module
+    sokpy.backends.comm): in this process, which no launcher started, the one of a world of
+    one without MPI."""
     from sokpy.backends import runtime
-    from sokpy.backends.comm import MpiComm
+    from sokpy.backends.comm import MpiComm, SoloComm
 
     assert callable(sokpy_host.comm), f"sokpy.comm is {sokpy_host.comm!r} after sokpy.init()"
     c = sokpy_host.comm()
-    assert isinstance(c, MpiComm) and c is runtime.comm()
+    assert isinstance(c, MpiComm if runtime.started_by_launcher() else SoloComm) and c is runtime.comm()
     assert (c.rank, c.size) == (0, 1)
 
 
@@ -244,9 +248,39 @@ print("no_mpi " + json.dumps({"comm": type(sokpy.comm()).__name__, "world": sokp
 """
 
 
-def test_one_process_runs_without_an_mpi_library():
-    out = json_from(run_python(NO_MPI_SCRIPT), "no_mpi")[0]
+@pytest.mark.parametrize("use_mpi", ["", "1"])
+def test_one_process_runs_without_an_mpi_library(use_mpi):
+    """Whether or not SOKPY_USE_MPI asks for MPI (then its absence is found and the process
+    runs alone all the same)."""
+    out = json_from(run_python(NO_MPI_SCRIPT, {"SOKPY_USE_MPI": use_mpi}), "no_mpi")[0]
     assert out == {"comm": "SoloComm", "world": 1, "row5": [1.0] * 4, "grad_keys": [1, 2, 3]}, out
+
+
+PLAIN_PROCESS_SCRIPT = """
+import json, sys, torch, sokpy
+sokpy.init()
+v = sokpy.Variable(10, 4, name="plain")
+opt = sokpy.optim.Adagrad([v], lr=0.1)
+sokpy.lookup_sparse(v, [[1, 2], [3]], combiners="sum").sum().backward()
+opt.step()
+print("plain " + json.dumps({"comm": type(sokpy.comm()).__name__, "world": sokpy.world_size(),
+                              "mpi_started": "mpi4py.MPI" in sys.modules}))
+"""
+
+
+@pytest.mark.skipif(
+    started_by_launcher(), reason="this test process has a launcher's variables, which run_python passes on"
+)
+@pytest.mark.parametrize("use_mpi", ["", "1"])
+def test_a_process_no_launcher_started_starts_no_mpi(use_mpi):
+    """``python train.py``: a world of one on SoloComm, and MPI is never started, so no
+    singleton leaves its shared-memory segment and session folder behind (Open MPI 5.0).
+    SOKPY_USE_MPI=1 starts MPI anyway (a world of one over MPI)."""
+    out = json_from(run_python(PLAIN_PROCESS_SCRIPT, {"SOKPY_USE_MPI": use_mpi}), "plain")[0]
+    if use_mpi:
+        assert out == {"comm": "MpiComm", "world": 1, "mpi_started": True}, out
+    else:
+        assert out == {"comm": "SoloComm", "world": 1, "mpi_started": False}, out
 
 
 def test_several_processes_without_an_mpi_library_are_refused():

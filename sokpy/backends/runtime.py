@@ -64,6 +64,34 @@ _LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
 # Variables by which MPI launchers tell a process the size of its world; used only when no
 # MPI library can be loaded, to tell a one-process run from a broken multi-process launch.
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
+# Names and prefixes of the variables by which a launcher tells a process that it is one of a
+# job: Open MPI and PMIx, MPICH's Hydra and PMI (Intel MPI, Slurm's srun, MVAPICH), Cray's
+# ALPS and PALS, and the launchers above. MPI itself finds its job through these, so a process
+# that has none of them would start an MPI world of itself alone (a singleton). sokpy then
+# starts no MPI and runs on SoloComm: Open MPI 5.0's singletons leave a 16 MB segment in
+# /dev/shm and a folder in /tmp behind at every start. SOKPY_USE_MPI=1 starts MPI anyway.
+_LAUNCH_MARKS = (
+    "OMPI_COMM_WORLD_",
+    "PMIX_",
+    "PMI_",
+    "HYDI_",
+    "HYDRA_",
+    "MPI_LOCALNRANKS",
+    "I_MPI_",
+    "MV2_COMM_WORLD_",
+    "SLURM_PROCID",
+    "ALPS_APP_PE",
+    "PALS_",
+    *_LAUNCHER_SIZE_VARS,
+)
+
+
+def started_by_launcher() -> bool:
+    """Whether a launcher started this process (or SOKPY_USE_MPI=1 asks for MPI anyway)."""
+    if os.environ.get("SOKPY_USE_MPI", "").strip() == "1":
+        return True
+    return any(name.startswith(_LAUNCH_MARKS) for name in os.environ)
+
 
 # Whether "auto" picks the device backend when a GPU is usable. The device path is proven
 # without a GPU (an asynchronous device double, NcclComm over a test double, NVRTC builds)
@@ -99,8 +127,11 @@ def _check_launch(mpi_size: int) -> None:
 
 def _mpi_world():
     """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
-    single process where no MPI library can be loaded (one GPU checked where only torch and
-    CuPy are installed); a launch that asked for several processes then fails clearly."""
+    single process: one no launcher started (:func:`started_by_launcher`), or one where no MPI library
+    can be loaded (one GPU checked where only torch and CuPy are installed); a launch that
+    asked for several processes then fails clearly."""
+    if not started_by_launcher():
+        return None, 0
     try:
         mpi, local_rank = mpi_world()
     except MpiUnavailable as e:
@@ -130,8 +161,9 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     on a GPU: ask for it by name). On the device backend the rank binds GPU ``local_rank %
     device_count`` (of those ``CUDA_VISIBLE_DEVICES`` leaves visible) for CuPy and torch
     before anything is allocated; if torch's CUDA, CuPy, NVRTC or (on several ranks) NCCL is
-    missing, one error names them all and the pip line that installs them. A single process
-    runs without an MPI library. Idempotent: a second call with the same or ``"auto"``
+    missing, one error names them all and the pip line that installs them. A process that no
+    launcher started (``python train.py``) is a world of one and starts no MPI
+    (``SOKPY_USE_MPI=1`` starts it anyway); it needs no MPI library. Idempotent: a second call with the same or ``"auto"``
     backend returns the first one's choice.
 
     A failed rank then ends the whole job (``sokpy.backends.watchdog``): an uncaught exception aborts
