@@ -11,6 +11,7 @@ machine; tests that need it are marked ``needs_horovod_env``).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,11 +163,28 @@ def _no_mpi_litter():
       while a live process maps or holds one.
     * Open MPI 5.0's session folders of one-process (singleton) runs,
       ``<tmp>/ompi.<host>.<uid>/jf.0/<job>``: a singleton leaves its folder behind even when
-      it ends normally (its clean-up of singletons is incomplete in 5.0.x), 100-170 a suite run. Only
-      empty folders go."""
+      it ends normally (its clean-up of singletons is incomplete in 5.0.x). Only empty folders
+      go. (sokpy starts no MPI in a process no launcher started, so only SOKPY_USE_MPI=1 makes
+      one now.)
+    * The session folder ``<tmp>/ompi.<pid>`` of an Open MPI launcher (``mpirun``/``prterun``,
+      process ``pid``) that was killed: a rank pool's, when it did not end in time at the end
+      of the session. Kept while process ``pid`` lives."""
     started = time.time()
     yield
     _remove_empty_singleton_folders(started)
+    for folder in Path(tempfile.gettempdir()).glob("ompi.*"):
+        pid = folder.name.removeprefix("ompi.")
+        try:
+            info = folder.stat()
+            if (
+                pid.isdigit()
+                and not _live_process_name(pid)
+                and info.st_uid == os.getuid()
+                and info.st_mtime >= started - 1
+            ):
+                shutil.rmtree(folder)
+        except OSError:  # gone meanwhile
+            pass
     hydra_running = any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit())
     litter = [] if hydra_running else list(Path("/tmp").glob("hydra_hwloc_xmlfile_*"))
     shm = [*Path("/dev/shm").glob("sm_segment.*"), *Path("/dev/shm").glob("mpich_shm_*")]
