@@ -172,19 +172,7 @@ def _no_mpi_litter():
     started = time.time()
     yield
     _remove_empty_singleton_folders(started)
-    for folder in Path(tempfile.gettempdir()).glob("ompi.*"):
-        pid = folder.name.removeprefix("ompi.")
-        try:
-            info = folder.stat()
-            if (
-                pid.isdigit()
-                and not _live_process_name(pid)
-                and info.st_uid == os.getuid()
-                and info.st_mtime >= started - 1
-            ):
-                shutil.rmtree(folder)
-        except OSError:  # gone meanwhile
-            pass
+    _remove_killed_launcher_folders(started)
     hydra_running = any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit())
     litter = [] if hydra_running else list(Path("/tmp").glob("hydra_hwloc_xmlfile_*"))
     shm = [*Path("/dev/shm").glob("sm_segment.*"), *Path("/dev/shm").glob("mpich_shm_*")]
@@ -192,11 +180,17 @@ def _no_mpi_litter():
     litter += [p for p in shm if str(p) not in in_use]
     for path in litter:
         try:
-            info = path.stat()
-            if info.st_uid == os.getuid() and info.st_mtime >= started - 1:
+            if _mine_since(path, started):
                 path.unlink()
         except OSError:  # gone meanwhile
             pass
+
+
+def _mine_since(path: Path, since: float) -> bool:
+    """Whether ``path`` belongs to this user and changed since ``since`` (within a second):
+    the session's, not another user's or an older run's. OSError where it is gone."""
+    info = path.stat()
+    return info.st_uid == os.getuid() and info.st_mtime >= since - 1
 
 
 def _remove_empty_singleton_folders(since: float) -> None:
@@ -204,12 +198,24 @@ def _remove_empty_singleton_folders(since: float) -> None:
     (``<tmp>/ompi.*.<uid>/jf.0/<job>``, the job folder too) changed since ``since``."""
     for job in Path(tempfile.gettempdir()).glob(f"ompi.*.{os.getuid()}/jf.0/*"):
         try:
-            if job.stat().st_mtime < since - 1:
+            if not _mine_since(job, since):
                 continue
             for folder, _, _ in os.walk(job, topdown=False):
                 os.rmdir(folder)  # fails, and leaves it, where the folder still holds a file
         except OSError:
             continue
+
+
+def _remove_killed_launcher_folders(since: float) -> None:
+    """Removes this user's ``<tmp>/ompi.<pid>`` folders changed since ``since`` whose Open
+    MPI launcher, process ``pid``, no longer lives."""
+    for folder in Path(tempfile.gettempdir()).glob("ompi.*"):
+        pid = folder.name.removeprefix("ompi.")
+        try:
+            if pid.isdigit() and not _live_process_name(pid) and _mine_since(folder, since):
+                shutil.rmtree(folder)
+        except OSError:  # gone meanwhile
+            pass
 
 
 def _files_in_use() -> set[str]:
