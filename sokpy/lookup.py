@@ -187,8 +187,9 @@ def lookup_sparse(
     ``wire_dtype`` is the format of the rows sent between ranks, forward and backward:
     "float32" (default, exact), "float16" or "bfloat16" (half the bytes of the rows on the
     wire; each row and each rank's gradient row is rounded once in flight, see
-    :mod:`sokpy.exchange.wire`; bfloat16 keeps float32's range). Tables and optimizers stay float32; at
-    one rank nothing travels and nothing is rounded.
+    :mod:`sokpy.exchange.wire`; bfloat16 keeps float32's range). Only the rows in flight are
+    rounded: each table keeps its own row type (``dtype``: float32, float16 or bfloat16) and
+    optimizer state stays float32. At one rank nothing travels and nothing is rounded.
 
     Example::
 

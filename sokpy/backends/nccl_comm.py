@@ -20,8 +20,10 @@ Example (host buffers through the test double, under ``sokrun -np 2``)::
     from sokpy.backends.nccl_comm import NcclComm
     from sokpy.testing.nccl_double import MpiBackedNccl
     sokpy.init()
-    c = NcclComm(sokpy.comm(), MpiBackedNccl(), is_device=lambda a: True)
-    recv, counts = c.alltoallv(np.arange(4.0), np.full(sokpy.world_size(), 4 // sokpy.world_size()))
+    w = sokpy.world_size()
+    c = NcclComm(sokpy.comm(), MpiBackedNccl(), xp=np, is_device=lambda a: True)
+    recv, counts = c.alltoallv(np.arange(4.0), np.full(w, 4 // w))   # block r of every rank to rank r
+    assert counts.tolist() == [4 // w] * w
 """
 
 from __future__ import annotations

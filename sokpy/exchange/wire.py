@@ -9,8 +9,8 @@ format, which halves those bytes (keys and counts are unchanged):
 * ``"bfloat16"``: the upper half of a float32, round to nearest even. 8 significant bits and
   float32's range, so no gradient underflows or overflows that float32 would keep.
 
-Tables, optimizer state and the pooling stay float32: only the copies in flight are
-rounded, once per direction. bfloat16 is converted by two flat kernels
+Only the copies in flight are rounded, once per direction: each table keeps its own row
+type, optimizer state stays float32 and the pooling runs in float32. bfloat16 is converted by two flat kernels
 (``round_to_bfloat16``, ``widen_bfloat16`` in ``cuda_src/embedding.cu``: one pass each, on
 host and device alike); float16 by the array module's own conversion. Needs ``sokpy.init()``
 (the kernels run on its backend)::

@@ -219,8 +219,8 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
     # ---- dtype and device --------------------------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> EmbeddingCollectionBase:
-        """``.to``/``.cuda``/``.half``/...: the tables stay float32 on sokpy's device, so a move
-        that asks for anything else raises (before any submodule moves)."""
+        """``.to``/``.cuda``/``.half``/...: tables keep their row type on sokpy's device (outputs:
+        float32 there), so a move that asks for anything else raises (before any submodule moves)."""
         device = runtime.current().torch_device() if runtime.is_initialized() else torch.device("cpu")
         probe = torch.zeros((), dtype=torch.float32, device=device)
         try:
