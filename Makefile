@@ -10,7 +10,7 @@ VENV := .venv
 STAMP := $(VENV)/.sokpy-installed
 # pytest-xdist workers, one per core of the 2-core machines the suite runs on: one process
 # leaves a core idle much of the time (its jobs wait on start-up and timeouts). 0 runs the
-# suite in one process (docs/benchmarks.md, "The test suite", compares the two).
+# suite in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint horovod-env gpu-check clean

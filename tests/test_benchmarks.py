@@ -3,9 +3,11 @@ speed is measured by running them, see docs/benchmarks.md), and the W1 correctne
 they make (every contestant's tables equal after one step) passes, dynamic tables included."""
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
@@ -105,7 +107,7 @@ def test_soak_script_runs(tmp_path):
 def test_streaming_soak_script_runs(tmp_path):
     """benchmarks/soak_stream.py end to end, briefly, at one rank: the capped tables fill,
     evict and stay at their cap, the uncapped one holds every key, and the report has the
-    issue's goals (its numbers come from the long run, docs/benchmarks.md)."""
+    capped tables' targets (its numbers come from the long run, docs/benchmarks.md)."""
     out = tmp_path / "soak_stream.json"
     args = [str(ROOT / "benchmarks" / "soak_stream.py"), "--steps", "6", "--window", "3", "--batch-size", "64"]
     run(
@@ -186,3 +188,21 @@ def test_scaling_benchmark_times_each_kernel(tmp_path):
     per_kernel = json.loads(out.read_text())["result"]["per_kernel_ms_rank0"]
     assert {"combine_forward", "segment_sum", "adagrad_update"} <= set(per_kernel), per_kernel
     assert all(ms > 0 for ms in per_kernel.values()), per_kernel
+
+
+def shown_figures():
+    """The images docs/benchmarks.md shows (``img/<name>.png``)."""
+    return set(re.findall(r"\]\(img/([\w.-]+\.png)\)", (ROOT / "docs" / "benchmarks.md").read_text()))
+
+
+def test_every_committed_figure_is_shown():
+    assert {p.name for p in (ROOT / "docs" / "img").glob("*.png")} == shown_figures()
+
+
+def test_plots_draw_every_figure_of_the_benchmarks_page_from_docs_data(tmp_path):
+    """benchmarks/plots.py draws each figure the page shows from the JSON in docs/data/ (with
+    each benchmark's own plot function, so a change to a report's shape shows here)."""
+    pytest.importorskip("matplotlib")
+    run([str(ROOT / "benchmarks" / "plots.py"), "--out-dir", str(tmp_path)], tmp_path)
+    drawn = {p.name for p in tmp_path.glob("*.png")}
+    assert drawn == shown_figures() and all((tmp_path / n).stat().st_size > 10_000 for n in drawn)

@@ -6,8 +6,8 @@ its position in the array, so the values are unique and already in order within 
 bits: a stable sort by the high bits alone gives the same result as a full sort. Those high
 bits are few (a table index and a row number: 22 bits for 26 tables of 100,000 rows), so a
 least-significant-digit radix sort over them takes two or three passes over the data where a
-comparison sort takes log2(n) (docs/benchmarks.md, "Measurements behind design choices", has
-the timings behind this module's thresholds).
+comparison sort takes log2(n) (on a 2-core x86 VM, 2,048,000 values: about 110 ms for numpy's
+sort, about 18 ms for two radix passes).
 
 The passes are the flat kernels of ``cuda_src/sort.cu`` (one launch to count digits, the scan
 by the array module, one launch to scatter), the same on both backends. Where the values

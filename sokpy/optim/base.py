@@ -82,8 +82,8 @@ class _TableState(dict):
 
 # torch.optim.Optimizer.add_param_group, without the torch._dynamo.disable wrapper torch puts
 # around it: that wrapper imports torch._dynamo on its first call, seconds of CPU that a
-# training process otherwise never pays (a sparse optimizer's groups are not built under
-# torch.compile; docs/benchmarks.md, "Measurements behind design choices", has the cost).
+# training process otherwise never pays (2-3 s in every process that builds an optimizer; a
+# sparse optimizer's groups are not built under torch.compile).
 # Where a torch build does not wrap it, the method itself.
 _torch_add_param_group = getattr(
     torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
