@@ -499,7 +499,7 @@ def run(args) -> dict:
     report["load_during_timing"] = load.stop()
     # The loss, after the timed rounds so that it does not disturb them: part of every
     # contestant's step, so not part of sokpy's own overhead. Timed inside whole steps (the
-    # split's "loss"), and alone on warm caches ("loss_alone", the measure before 2026-11-26).
+    # split's "loss"), and alone on warm caches ("loss_alone", which meets other cache states).
     loss_ms = {
         name: 1e3 * float(np.median([c.loss_in_step_seconds(i) for i in range(args.nbatches)]))
         for c in contestants
