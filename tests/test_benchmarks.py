@@ -190,13 +190,14 @@ def test_scaling_benchmark_times_each_kernel(tmp_path):
     assert all(ms > 0 for ms in per_kernel.values()), per_kernel
 
 
-def shown_figures():
-    """The images docs/benchmarks.md shows (``img/<name>.png``)."""
-    return set(re.findall(r"\]\(img/([\w.-]+\.png)\)", (ROOT / "docs" / "benchmarks.md").read_text()))
+def shown_figures(*pages):
+    """The images ``pages`` of docs/ show (``img/<name>.png``)."""
+    return {n for page in pages for n in re.findall(r"\]\(img/([\w.-]+\.png)\)", page.read_text())}
 
 
 def test_every_committed_figure_is_shown():
-    assert {p.name for p in (ROOT / "docs" / "img").glob("*.png")} == shown_figures()
+    shown = shown_figures(*(ROOT / "docs").glob("*.md"))
+    assert {p.name for p in (ROOT / "docs" / "img").glob("*.png")} == shown
 
 
 def test_plots_draw_every_figure_of_the_benchmarks_page_from_docs_data(tmp_path):
@@ -205,4 +206,6 @@ def test_plots_draw_every_figure_of_the_benchmarks_page_from_docs_data(tmp_path)
     pytest.importorskip("matplotlib")
     run([str(ROOT / "benchmarks" / "plots.py"), "--out-dir", str(tmp_path)], tmp_path)
     drawn = {p.name for p in tmp_path.glob("*.png")}
-    assert drawn == shown_figures() and all((tmp_path / n).stat().st_size > 10_000 for n in drawn)
+    assert drawn == shown_figures(ROOT / "docs" / "benchmarks.md") and all(
+        (tmp_path / n).stat().st_size > 10_000 for n in drawn
+    )
