@@ -203,7 +203,6 @@ def test_every_committed_figure_is_shown():
 def test_plots_draw_every_figure_of_the_benchmarks_page_from_docs_data(tmp_path):
     """benchmarks/plots.py draws each figure the page shows from the JSON in docs/data/ (with
     each benchmark's own plot function, so a change to a report's shape shows here)."""
-    pytest.importorskip("matplotlib")
     run([str(ROOT / "benchmarks" / "plots.py"), "--out-dir", str(tmp_path)], tmp_path)
     drawn = {p.name for p in tmp_path.glob("*.png")}
     assert drawn == shown_figures(ROOT / "docs" / "benchmarks.md") and all(
