@@ -1,7 +1,8 @@
 """The base of sokpy's optimizers, :class:`SparseOptimizer`: param groups of tables, each
 table's state (its step count and its slots, views of its storage), the collective
 :meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.exchange.gradients`, the agreed
-finite verdict, one fused update kernel for all tables) and ``state_dict``."""
+finite verdict, one fused update kernel for all tables); ``state_dict`` and
+``load_state_dict`` are :mod:`sokpy.optim.state`'s."""
 
 from __future__ import annotations
 
