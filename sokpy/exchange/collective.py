@@ -238,6 +238,9 @@ class Call:
                 "a lookup_sparse ran under torch.no_grad() (or with autograd off) on some ranks only: "
                 "every rank must look up with autograd on, or every rank with it off"
             )
+        elif len(ops) > 1 and any("state_dict" in op for op in ops):
+            desc = next(rep[0] for rep in reports if "state_dict" in rep[3])
+            hint = "some ranks are in a call the others did not make. " + watchdog.every_rank_hint(desc).rstrip(".")
         elif any(op.endswith(".backward") for op in ops):
             hint = (
                 "the ranks ran the backward of different lookup_sparse calls (or some skipped one). Every rank "
