@@ -29,7 +29,7 @@ from ..exchange import collective, plan
 from ..storage import HashStorage
 
 # ``opt`` below is a sokpy.optim.base.SparseOptimizer (which imports this module).
-SparseOptimizer = Any
+_Optimizer = Any
 
 STATE_FORMAT = "sokpy.optimizer/1"
 
@@ -60,7 +60,7 @@ def _describe(layout: dict) -> str:
     return f"{layout.get('kind')} table ({rows}dim {layout.get('dim')}, slots {slots})"
 
 
-def state_dict(opt: SparseOptimizer) -> dict:
+def state_dict(opt: _Optimizer) -> dict:
     """See :meth:`SparseOptimizer.state_dict`."""
     index: dict[int, int] = {}  # id(handle) -> its place over all groups
     groups = []
@@ -134,7 +134,7 @@ def _entry_arrays(var, entry: dict) -> tuple[np.ndarray, np.ndarray]:
     return keys, np.ascontiguousarray(slots, dtype=np.float32)
 
 
-def _check(opt: SparseOptimizer, sd: dict, tables: list) -> _Held:
+def _check(opt: _Optimizer, sd: dict, tables: list) -> _Held:
     """This rank's state, checked against ``opt`` and its ``tables``; raises ValueError."""
     name = type(opt).__name__
     origin = sd.get("sokpy") if isinstance(sd, dict) else None
@@ -193,7 +193,7 @@ def _senders(where: list[tuple[int, int]], world: int) -> tuple[str | None, list
     return None, sorted(first.values())
 
 
-def load_state_dict(opt: SparseOptimizer, sd: dict) -> None:
+def load_state_dict(opt: _Optimizer, sd: dict) -> None:
     """See :meth:`SparseOptimizer.load_state_dict`."""
     op = f"{type(opt).__name__}.load_state_dict"
     comm = runtime.comm()
@@ -213,7 +213,9 @@ def load_state_dict(opt: SparseOptimizer, sd: dict) -> None:
                 f"rank {r} holds the state taken at rank {s} of {w} after collective call #{m[0]} (steps {list(m[1])})"
                 for r, ((w, s), m) in enumerate(everyone)
             )
-            raise CheckpointError(f"sokpy.{op}: the states were taken at different moments: {listing}. {_HINT}")
+            raise CheckpointError(
+                f"sokpy.{op}: the states were taken at different moments: {listing}. {_HINT}. Nothing was changed."
+            )
         why, senders = _senders([w for w, _ in everyone], comm.size)
         if why is not None:
             raise CheckpointError(f"sokpy.{op}: {why}. Nothing was changed.")
@@ -255,8 +257,8 @@ def _fault(var, keys, rank: int) -> str | None:
     return None
 
 
-def _apply(opt: SparseOptimizer, held: _Held, received: list) -> None:
-    """Puts the checked and exchanged state in place (nothing here can fail)."""
+def _apply(opt: _Optimizer, held: _Held, received: list) -> None:
+    """Puts the state in place, once every rank has checked what it holds and received."""
     for saved_group, group in zip(held.groups, opt.param_groups):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     for var, entry, got in zip(held.tables, held.entries, received):
