@@ -25,6 +25,7 @@ JOBS = [
     (2, "evict_worker.py", ["stream", "lfu", 85], "stream lfu ok"),
     (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
     (3, "contract_worker.py", ["resume", 8], "resume ok"),
+    (2, "optstate_worker.py", ["inplace"], "inplace Adam ok"),  # optimizer state resharded or refused
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
     (2, "fidelity_worker.py", ["sequence"], "sequence ok"),

@@ -1,5 +1,7 @@
 """Sparse optimizers: DESIGN.md numerics at 1-4 ranks, torch parity, torch.optim conventions."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -275,45 +277,89 @@ def test_rows_without_gradient_untouched_and_state_created_on_join(sokpy_host):
     assert opt.state[v.handle]["step"] == 1
 
 
+def _taken(sokpy, v, opt):
+    """``v``'s rows, ``opt``'s state_dict and a copy of its slots of ``v``."""
+    slots = {name: opt.state[v.handle][name].clone() for name in v.storage.slot_names}
+    return sokpy.export(v), opt.state_dict(), slots
+
+
 def test_state_dict_round_trip(sokpy_host):
     sokpy = sokpy_host
-    v = sokpy.Variable(10, 2)
+    v = sokpy.Variable(10, 2, name="sd_round_trip")
     opt = sokpy.optim.Ftrl([v], lr=0.3, l1=0.01)
     _one_step(sokpy, opt, v)
-    sd = opt.state_dict()
+    rows, sd, slots = _taken(sokpy, v, opt)
+    del v, opt  # a resumed run builds its tables again under their names
+    gc.collect()
     entry = sd["state"][0]
     assert entry["step"] == 1 and sd["param_groups"][0]["l1"] == 0.01
     assert entry["keys"].tolist() == list(range(10)) and entry["accumulator"].shape == (10, 2)
-    w = sokpy.Variable(10, 2)
-    sokpy.assign(w, *sokpy.export(v))
+    assert sd["sokpy"]["world_size"] == 1 and sd["sokpy"]["rank"] == 0
+    assert sd["sokpy"]["tables"][0]["name"] == "sd_round_trip"
+    assert sd["sokpy"]["tables"][0]["slots"] == [["accumulator", 2], ["linear", 2]]
+    w = sokpy.Variable(10, 2, name="sd_round_trip")
+    sokpy.assign(w, *rows)
     opt2 = sokpy.optim.Ftrl([w], lr=0.1)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == 0.3 and opt2.state[w.handle]["step"] == 1
     for name in ("accumulator", "linear"):
-        assert torch.equal(opt2.state[w.handle][name], opt.state[v.handle][name])
+        assert torch.equal(opt2.state[w.handle][name], slots[name])
+
+
+def test_state_of_another_table_or_optimizer_is_refused(sokpy_host):
+    """A state is loaded only into the tables it was taken of, in their positions, by the same
+    kind of optimizer, with its layout recorded; a refusal changes nothing."""
+    sokpy = sokpy_host
+    a, b = sokpy.Variable(10, 2, name="sd_pos_a"), sokpy.Variable(10, 2, name="sd_pos_b")
+    opt = sokpy.optim.Adagrad([a, b], lr=0.1)
+    _one_step(sokpy, opt, a)
+    sd = opt.state_dict()
+    del a, b, opt
+    gc.collect()
+    a, b = sokpy.Variable(10, 2, name="sd_pos_a"), sokpy.Variable(10, 2, name="sd_pos_b")
+    swapped = sokpy.optim.Adagrad([b, a], lr=0.2)  # the same tables in other positions
+    before = [swapped.state[v.handle]["sum"].clone() for v in (a, b)]
+    with pytest.raises(sokpy.CheckpointError, match=r"table 'sd_pos_b' \(position 0\).*'sd_pos_a'"):
+        swapped.load_state_dict(sd)
+    with pytest.raises(sokpy.CheckpointError, match=r"of a Adagrad, this is a Ftrl"):
+        sokpy.optim.Ftrl([sokpy.Variable(10, 2, name="sd_pos_c")], lr=0.1).load_state_dict(sd)
+    legacy = {"state": sd["state"], "param_groups": sd["param_groups"]}  # no record of where it was taken
+    with pytest.raises(sokpy.CheckpointError, match="does not record the rank, world size"):
+        swapped.load_state_dict(legacy)
+    assert swapped.param_groups[0]["lr"] == 0.2
+    assert all(torch.equal(swapped.state[v.handle]["sum"], x) for v, x in zip((a, b), before))
 
 
 def test_rowwise_adagrad_state_dict_round_trip(sokpy_host):
     """The per-row accumulators travel in state_dict as ``[n, 1]`` and load back by key; a state
     of element-wise Adagrad (the same slot name, ``[n, dim]``) is refused and changes nothing."""
     sokpy = sokpy_host
-    v = sokpy.Variable(10, 3, name="rowwise_sd_a")
+    v = sokpy.Variable(10, 3, name="rowwise_sd")
     opt = sokpy.optim.RowWiseAdagrad([v], lr=0.3, eps=1e-6)
     _one_step(sokpy, opt, v, key=3)
     _one_step(sokpy, opt, v, key=5)
-    sd = opt.state_dict()
+    rows, sd, slots = _taken(sokpy, v, opt)
+    del v, opt  # a resumed run builds its tables again under their names
+    gc.collect()
     entry = sd["state"][0]
     assert entry["step"] == 2 and sd["param_groups"][0]["eps"] == 1e-6
     assert entry["keys"].tolist() == list(range(10)) and tuple(entry["sum"].shape) == (10, 1)
     assert (entry["sum"][[3, 5], 0] > 0).all() and entry["sum"][[0, 4], 0].tolist() == [0.0, 0.0]
-    w = sokpy.Variable(10, 3, name="rowwise_sd_b")
-    sokpy.assign(w, *sokpy.export(v))
+    twin = sokpy.Variable(10, 3, name="rowwise_sd_twin")
+    sokpy.assign(twin, *rows)
+    twin_opt = sokpy.optim.RowWiseAdagrad([twin], lr=0.3, eps=1e-6)
+    twin_opt.state[twin.handle]["sum"].copy_(slots["sum"])
+    twin_opt.state[twin.handle]["step"] = 2
+    w = sokpy.Variable(10, 3, name="rowwise_sd")
+    sokpy.assign(w, *rows)
     opt2 = sokpy.optim.RowWiseAdagrad([w], lr=0.1)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == 0.3 and opt2.state[w.handle]["step"] == 2
-    assert torch.equal(opt2.state[w.handle]["sum"], opt.state[v.handle]["sum"])
-    # Both go on alike.
-    torch.testing.assert_close(_one_step(sokpy, opt2, w, key=3), _one_step(sokpy, opt, v, key=3), rtol=0, atol=0)
+    assert torch.equal(opt2.state[w.handle]["sum"], slots["sum"])
+    # It goes on as the twin, which was never saved and loaded.
+    torch.testing.assert_close(
+        _one_step(sokpy, opt2, w, key=3), _one_step(sokpy, twin_opt, twin, key=3), rtol=0, atol=0
+    )
     elementwise = {**sd, "state": {0: {**entry, "sum": torch.zeros(10, 3)}}}
     before = opt2.state[w.handle]["sum"].clone()
     with pytest.raises(ValueError, match=r"slot 'sum' missing or not of shape \[10, 1\]"):

@@ -15,11 +15,12 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_python
+from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_mpi, run_python
 
 from sokpy.launch import sokrun as launcher
 
 BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 30, "early": 60, "stalls": 60, "clean": 60}
+BOUND_S.update({"left": 60, "stderr": 30})  # one_rank_call_worker.py's modes
 # From rank 1's failure (the moment it prints) to the end of the whole job. The bounds above
 # count from the launch, start-up included, which takes a while on a loaded machine.
 FAIL_BOUND_S = {"before": 10, "between": 10, "inside": 10, "killed": 15}
@@ -40,9 +41,9 @@ def seconds_since_failure(out: str, ended: float) -> float:
     return ended - float(failed.group(1))
 
 
-def run_job(launch: str, mode: str, env=None, nranks: int = 2):
-    """Runs failure_worker.py at ``nranks`` ranks; returns (exit code, seconds, output)."""
-    prog = ["python", str(WORKERS / "failure_worker.py"), mode]
+def run_job(launch: str, mode: str, env=None, nranks: int = 2, worker: str = "failure_worker.py", args=()):
+    """Runs ``worker`` (failure_worker.py) at ``nranks`` ranks; returns (exit code, seconds, output)."""
+    prog = ["python", str(WORKERS / worker), mode, *map(str, args)]
     np_ = str(nranks)
     cmd, full_env = launcher.build_command(["-np", np_, *prog], dict(os.environ, **(env or {})))
     if launch == "mpirun":  # the user's plain command: `mpirun -np 2 python script.py`, no mpi4py runner
@@ -95,9 +96,50 @@ def test_rank_leaving_early_ends_the_job_promptly(launch, nranks):
     assert left, out[-3000:]
     after = ended - float(left.group(1))
     assert after < LEAVE_BOUND_S, f"the job ended {after:.0f} s after rank 1 left\n{out[-3000:]}"
-    assert f"of {nranks} (host" in out and "which rank 1 will never make: rank 1 left" in out, out[-3000:]
+    assert f"of {nranks} (host" in out and "which every rank must make: rank 1 had left the job" in out, out[-3000:]
     assert "is in the collective call lookup_sparse tables=[failing]" in out, out[-3000:]
     assert "waited" not in out and "finished" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("launch", ["mpirun", "sokrun"])
+def test_a_collective_call_on_one_rank_is_named_as_collective(launch, tmp_path):
+    """The DDP idiom ``if rank == 0: torch.save(model.state_dict())`` at the end of a script:
+    rank 0 is told that state_dict is a collective call every rank must make, that rank 1 had
+    left the job, and how to save instead; the job ends promptly."""
+    code, took, out = run_job(launch, "left", worker="one_rank_call_worker.py", args=[tmp_path / "model.pt"])
+    assert code != 0 and took < BOUND_S["left"], f"exit {code} after {took:.0f} s\n{out[-3000:]}"
+    for piece in (
+        "rank 0 of 2 (host",
+        "is in the collective call state_dict tables=[one_rank_t]",
+        "which every rank must make: rank 1 had left the job",
+        "call state_dict() on every rank",
+        "if rank == 0: torch.save(state, path)",
+    ):
+        assert piece in out, f"{piece!r} not in the output\n{out[-3000:]}"
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_collective_call_on_one_rank_names_what_the_others_were_doing(nranks):
+    """Rank 0 in state_dict while the others look up: every rank raises the same error naming
+    each rank's call and what to do, and the ranks go on in step (checked in the job)."""
+    out = run_mpi(nranks, "one_rank_call_worker.py", "other")
+    assert all(f"rank {r}: other ok" in out for r in range(nranks)), out
+    assert "rank 0: state_dict tables=[one_rank_t]" in out and f"rank {nranks - 1}: lookup_sparse" in out, out
+
+
+@pytest.mark.parametrize("launch", ["mpirun", "sokrun"])
+def test_the_crash_handler_works_whatever_stderr_is(launch):
+    """An uncaught error while sys.stderr is a stream without a file descriptor (torch puts one
+    in place while its own handler runs): the report gets out and the whole job ends, from the
+    failing rank's own abort (plain mpirun has no other: without it, rank 0 learns only at rank
+    1's exit that it left)."""
+    code, took, out = run_job(launch, "stderr", worker="one_rank_call_worker.py")
+    after = seconds_since_failure(out, time.time())
+    assert code != 0 and after < FAIL_BOUND_S["between"], f"exit {code}, {after:.1f} s after\n{out[-3000:]}"
+    assert "UnsupportedOperation" not in out and "Error in sys.excepthook" not in out, out[-3000:]
+    assert "uncaught exception on rank 1 of 2" in out and "rank 1 fails with a stderr that has no fileno" in out
+    assert "had left the job" not in out, out[-3000:]  # rank 1 ended the job itself
 
 
 @pytest.mark.parametrize("launch", LAUNCHERS)

@@ -10,7 +10,9 @@ ranks that leave while others wait for them.
   ``ABORT_GRACE_S`` (1 s) after the report, so that the launcher forwards the report first; a
   rank that ``MPI_Abort`` has not ended ``ABORT_WAIT_S`` (20 s) later exits by itself. Set
   ``SOKPY_ABORT_ON_ERROR=0`` to keep Python's own behaviour. One-rank jobs are not aborted
-  (Python's exit is enough there).
+  (Python's exit is enough there). The report gets out whatever ``sys.stderr`` is at the time:
+  where a program has replaced it by a stream without a file descriptor (torch does, while
+  its own handler runs), it goes to the original stderr's.
 * **Collective timeout.** Every collective call of sokpy (``sokpy.exchange.collective.Call``) is
   timed by a daemon thread. A call that has waited longer than the timeout
   (``SOKPY_COLLECTIVE_TIMEOUT`` seconds, default 600, or ``sokpy.init(timeout=...)``; 0
@@ -24,8 +26,9 @@ ranks that leave while others wait for them.
   ``sys.exit`` and the normal end of the script) or calls ``sokpy.shutdown()``, it tells
   every other rank, on a side channel (:class:`sokpy.backends.comm.LeaveNotices`), how many
   collective calls it completed. A rank waiting in a later call, or entering one, prints
-  which rank left and which call it waits in, then aborts the job with exit code 4, within
-  about two seconds. A rank that is still in a call the leaving rank completed, or makes no
+  which call it waits in, that every rank must make it, which rank had left the job and
+  what to do (for ``state_dict``: call it on every rank, save on one), then aborts the job
+  with exit code 4, within about two seconds. A rank that is still in a call the leaving rank completed, or makes no
   more calls, carries on: the normal end of a job, where ranks end at different moments,
   stays quiet. The calls are counted from the outermost, alike on every rank since every
   rank makes the same collective calls. This needs ``MPI_THREAD_MULTIPLE`` (mpi4py's
@@ -49,9 +52,19 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 
-__all__ = ["install", "leave", "call", "timeout", "DEFAULT_TIMEOUT_S", "TIMEOUT_EXIT_CODE", "PEER_LEFT_EXIT_CODE"]
+__all__ = [
+    "install",
+    "leave",
+    "call",
+    "timeout",
+    "every_rank_hint",
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_EXIT_CODE",
+    "PEER_LEFT_EXIT_CODE",
+]
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_EXIT_CODE = 3
@@ -79,9 +92,40 @@ _left: dict[int, int] = {}  # rank -> collective calls it completed before it le
 _exit_hook_registered = False
 
 
+def _stderr_fd() -> int:
+    """The file descriptor of stderr: ``sys.stderr``'s, else the interpreter's original
+    stream's, else 2. A program (torch, while its own error handler runs) may have replaced
+    ``sys.stderr`` by a stream without a file descriptor; the report must still get out."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            return stream.fileno()  # type: ignore[union-attr]
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            continue
+    return 2
+
+
+def _report(text: str) -> None:
+    """Writes ``text`` to ``sys.stderr``, or to stderr's file descriptor where that stream fails."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a crash report must not fail on the stream it is given
+        try:
+            os.write(_stderr_fd(), text.encode(errors="replace"))
+        except OSError:
+            pass
+
+
+def _flush() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - nothing left to report it on
+            pass
+
+
 def _abort(code: int) -> None:
-    sys.stderr.flush()
-    sys.stdout.flush()
+    _flush()
     # MPI_Abort makes the launcher kill every rank at once, and MPICH's Hydra (under mpiexec
     # and horovodrun) may act on it before it has forwarded what this rank just wrote, so the
     # report and traceback are lost. A short pause lets the launcher's output forwarding run first.
@@ -91,7 +135,7 @@ def _abort(code: int) -> None:
         # it. Should it neither return nor end this process, faulthandler's timer (a thread of
         # its own that needs no GIL) prints where every thread is and exits with code 1, which
         # every launcher also takes as the end of the job.
-        faulthandler.dump_traceback_later(ABORT_WAIT_S, exit=True)
+        faulthandler.dump_traceback_later(ABORT_WAIT_S, exit=True, file=_stderr_fd())
         _comm.abort(code)
     os._exit(code)
 
@@ -105,8 +149,11 @@ def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if _comm is None or _comm.size <= 1 or issubclass(exc_type, SystemExit):
             return previous(exc_type, exc, tb)
-        sys.stderr.write(f"sokpy: uncaught exception on {_where()}; ending the whole job:\n")
-        previous(exc_type, exc, tb)
+        _report(f"sokpy: uncaught exception on {_where()}; ending the whole job:\n")
+        try:
+            previous(exc_type, exc, tb)
+        except Exception:  # noqa: BLE001 - the previous hook failed on the stream it was given
+            _report("".join(traceback.format_exception(exc_type, exc, tb)))
         _abort(1)
 
     return hook
@@ -183,6 +230,23 @@ def _watch() -> None:
         _check()  # its own frame: nothing of the call it looked at stays referenced while the thread sleeps
 
 
+def every_rank_hint(what: str) -> str:
+    """What to do about a collective call (described by ``what``) that some ranks did not make."""
+    op = what.split(" ", 1)[0].split("(", 1)[0]
+    if op.endswith("load_state_dict"):
+        return f"{op}() is collective: call it on every rank, each with the state it loads."
+    if op == "state_dict":
+        return (
+            "state_dict() is collective (it gathers every rank's rows): call state_dict() on every rank, and "
+            "write the file on one only (state = model.state_dict() on every rank, then "
+            "if rank == 0: torch.save(state, path))."
+        )
+    return (
+        "Every rank must make the same collective calls in the same order: not under `if rank == 0:`, "
+        "and on uneven data every rank's loop stops at the same step."
+    )
+
+
 def _check() -> None:
     """One look at the call this rank is in: ends the job when a rank that left will never
     make it, or when it has waited past the timeout."""
@@ -194,13 +258,11 @@ def _check() -> None:
     gone = _gone_before(index)
     if gone:
         what = first[0]() if callable(first[0]) else first[0]
-        r, completed = gone[0]
-        sys.stderr.write(
+        left = "; ".join(f"rank {r} had left the job after completing {c} collective calls" for r, c in gone)
+        _report(
             f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
-            f"which rank {r} will never make: rank {r} left (its program ended, e.g. sys.exit, or it "
-            f"called sokpy.shutdown) after completing {completed} collective calls. Every rank must make the "
-            f"same collective calls (on uneven data, stop every rank's loop at the same step). "
-            f"Ending the whole job.\n"
+            f"which every rank must make: {left} (its program ended: sys.exit, the end of its script, or "
+            f"sokpy.shutdown), so it will never make this call. {every_rank_hint(what)} Ending the whole job.\n"
         )
         _abort(PEER_LEFT_EXIT_CODE)
     if _timeout_s <= 0:
@@ -209,10 +271,11 @@ def _check() -> None:
     what = what() if callable(what) else what
     waited = time.monotonic() - start
     if waited > _timeout_s:
-        sys.stderr.write(
+        _report(
             f"sokpy: {_where()} has waited {waited:.0f} s in the collective call {what} "
-            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the "
-            f"same call (it left the training loop early, hangs, or failed). Ending the whole job.\n"
+            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT), which every rank must make: another "
+            f"rank did not make it (it left the training loop early, hangs, or failed). "
+            f"{every_rank_hint(what)} Ending the whole job.\n"
         )
         _abort(TIMEOUT_EXIT_CODE)
 

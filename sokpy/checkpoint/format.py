@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from ..exchange.plan import repeated_key
 
 FORMAT = "sokpy-checkpoint"
 VERSION = 1
@@ -295,7 +296,15 @@ def read_table(path, name: str | None):
     parts = [read_rank(path / m["data"], spec, group) for group in spec["files"]]
     if not parts:
         return np.empty(0, np.int64), np.empty((0, spec["dim"]), np.float32)
-    return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
+    keys = np.concatenate([k for k, _ in parts])
+    twice = repeated_key(keys)
+    if twice is not None:
+        ranks = [g["rank"] for g, (k, _) in zip(spec["files"], parts) if bool((k == twice).any())]
+        raise CheckpointError(
+            f"{path / 'manifest.json'}: table {name!r} holds key {twice} twice (saved ranks {ranks}): "
+            "the checkpoint is damaged, and a reader would not know which row is the key's"
+        )
+    return keys, np.concatenate([v for _, v in parts])
 
 
 # ---- the manifest's entries -----------------------------------------------------------------------

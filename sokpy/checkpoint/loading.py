@@ -291,8 +291,12 @@ def new_storage(
     # The shares are read on the host; they travel (and land) as arrays of the backend. Every
     # array is sent before anything here can raise.
     rk, rr, *rs = plan.send_to_owners(owner, [keys, rows] + ([scores] if capped else []), comm)
-    if xp.unique(rk).shape[0] != rk.shape[0]:
-        raise ValueError("the checkpoint holds a key twice")
+    twice = plan.repeated_key(rk)
+    if twice is not None:
+        raise ValueError(f"the checkpoint holds key {twice} twice")
+    stray = plan.stray_key(var, rk)  # none: rows were sent by their owners; a shard never takes another's
+    if stray is not None:
+        raise ValueError(f"key {stray[0]} reached rank {comm.rank}, but rank {stray[1]} owns it")
     new = var.storage.new_like()
     if not var.dynamic and rk.shape[0] != new.size:
         raise ValueError(f"the checkpoint holds {rk.shape[0]} of the {new.size} rows this rank holds")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, runtime
-from ..exchange import collective
+from ..exchange import collective, plan
 from .format import (
     DATA_RE,
     FORMAT,
@@ -84,6 +84,8 @@ def save(
                 raise ValueError(f"the optimizer trains tables that are not saved: {missing}")
         if extra is not None:
             extra = json.loads(json.dumps(extra, allow_nan=False))  # refuses what JSON cannot hold
+        for var in variables:
+            _check_owned(var)
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         error = f"{type(e).__name__}: {e}"
     opt_tables = set() if optimizer is None else {id(v) for _, v in optimizer.variables()}
@@ -114,6 +116,19 @@ def save(
                 error = f"committing {path}: {type(e).__name__}: {e}"
                 shutil.rmtree(staging, ignore_errors=True)
         agree(call, error)
+
+
+def _check_owned(var) -> None:
+    """Raises ValueError, naming the table, the key and the ranks, when this rank's shard of
+    ``var`` holds a key that another rank owns (the table would hold it twice, or in the wrong
+    place, and a checkpoint of it could not be loaded)."""
+    stray = plan.stray_key(var, var.storage.keys())
+    if stray is not None:
+        key, owner = stray
+        raise ValueError(
+            f"table {var.name!r}: rank {runtime.rank()} holds key {key}, owned by rank {owner}: a shard holds "
+            "a key of another rank, so the table may hold it twice; it cannot be saved"
+        )
 
 
 def _save_shard(staging: Path, i: int, var, with_slots: bool) -> dict:

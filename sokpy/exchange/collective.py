@@ -53,7 +53,7 @@ from ..backends import runtime, watchdog
 from ..backends.comm import max_count
 from ..errors import CollectiveMismatchError, InputError
 
-__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint", "agree_verdict"]
+__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint", "agree_verdict", "calls_agreed"]
 
 HEADER_WORDS = 9
 _MAGIC = 0x736F6B7079  # "sokpy"
@@ -61,7 +61,15 @@ _F_MAGIC, _F_SEQ, _F_FP, _F_LABEL, _F_MODE, _F_ERROR, _F_COUNT, _F_VOLUME, _F_RE
 _AGREED = slice(_F_MAGIC, _F_MODE + 1)  # the words every rank must have alike: the leading five
 
 _seq = itertools.count(1)
+_last_seq = 0  # the sequence number of the last agreement (0: none yet)
 _table_uids = itertools.count(1)
+
+
+def calls_agreed() -> int:
+    """The sequence number of the last agreement this process made: the same on every rank
+    between two collective calls, so it tells when something local (an optimizer's
+    ``state_dict``) was taken."""
+    return _last_seq
 
 
 def new_table_uid() -> int:
@@ -180,9 +188,10 @@ class Call:
         this rank expects rank d to send back; the lookup's rows); ``volume`` is the number of
         elements this rank will send in the call's data exchanges (for the split decision);
         ``error_type`` (InputError or a subclass) is raised when some rank has an error."""
+        global _last_seq
         comm = runtime.comm()
         world = comm.size
-        self.seq = next(_seq)
+        self.seq = _last_seq = next(_seq)
         if world == 1 and error is None:  # no peer to agree with: the header would come back as sent
             one = np.zeros(1, np.int64)
             recv_counts = one if counts is None else np.array(counts, np.int64).reshape(1)
@@ -211,8 +220,9 @@ class Call:
         descriptions and messages (a second small exchange) and raise the same error."""
         reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error, self.detail))
         # Leave the ranks in step for the calls that follow.
-        global _seq
-        _seq = itertools.count(int(recv[:, _F_SEQ].max()) + 1)
+        global _seq, _last_seq
+        _last_seq = int(recv[:, _F_SEQ].max())
+        _seq = itertools.count(_last_seq + 1)
         errors = [f"rank {r}: {rep[4]}" for r, rep in enumerate(reports) if rep[4] is not None]
         if agreed:
             raise error_type(f"sokpy.{self.op}: " + "\n".join(errors))
@@ -228,6 +238,9 @@ class Call:
                 "a lookup_sparse ran under torch.no_grad() (or with autograd off) on some ranks only: "
                 "every rank must look up with autograd on, or every rank with it off"
             )
+        elif len(ops) > 1 and any("state_dict" in op for op in ops):
+            desc = next(rep[0] for rep in reports if "state_dict" in rep[3])
+            hint = "some ranks are in a call the others did not make. " + watchdog.every_rank_hint(desc).rstrip(".")
         elif any(op.endswith(".backward") for op in ops):
             hint = (
                 "the ranks ran the backward of different lookup_sparse calls (or some skipped one). Every rank "

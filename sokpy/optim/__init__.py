@@ -3,9 +3,11 @@ kernels.
 
 They follow torch.optim: ``step()``, ``zero_grad()``, ``param_groups`` (with a mutable
 ``"lr"``, so ``torch.optim.lr_scheduler`` works), ``add_param_group``, ``state_dict()`` /
-``load_state_dict()`` (hyper-parameters, step counts and this rank's slots, so a per-rank
-``torch.save``/``torch.load`` resumes exactly at the same world size; ``sokpy.save`` /
-``sokpy.load`` reshard). State slots (accumulators, linear terms, moments) live beside the
+``load_state_dict()`` (hyper-parameters, step counts and this rank's slots, with the rank,
+world size and tables they were taken at: a per-rank ``torch.save``/``torch.load`` resumes
+exactly; the states of every rank reshard at another world size; a state loaded where it does
+not belong, such as rank 0's on every rank, is refused on every rank; ``sokpy.save`` /
+``sokpy.load`` reshard too). State slots (accumulators, linear terms, moments) live beside the
 rows in the table's storage and are created when the table joins the optimizer, so the memory
 is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows, dim]``
 (``[local rows, 1]`` for a row-wise slot: RowWiseAdagrad's accumulator).
@@ -17,8 +19,9 @@ is not finite, then runs one fused update kernel for all its tables. Rows withou
 gradient are not touched. The numerics are in ``docs/numerics.md``.
 
 The package's parts: :mod:`sokpy.optim.base` (:class:`SparseOptimizer`: param groups, each
-table's state, the step and ``state_dict``) and :mod:`sokpy.optim.kinds` (the update rules,
-one class each). The gradient entries a step applies are assembled in :mod:`sokpy.exchange.gradients`
+table's state, the step), :mod:`sokpy.optim.state` (``state_dict`` and ``load_state_dict``:
+where a state was taken, and its load, resharded or refused) and :mod:`sokpy.optim.kinds` (the
+update rules, one class each). The gradient entries a step applies are assembled in :mod:`sokpy.exchange.gradients`
 (``collect_entries``, ``merge_entries``).
 
 Dense parameters keep their own torch optimizer (two-optimizer pattern)::

@@ -1,12 +1,13 @@
 """The base of sokpy's optimizers, :class:`SparseOptimizer`: param groups of tables, each
 table's state (its step count and its slots, views of its storage), the collective
 :meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.exchange.gradients`, the agreed
-finite verdict, one fused update kernel for all tables) and ``state_dict``."""
+finite verdict, one fused update kernel for all tables); ``state_dict`` and
+``load_state_dict`` are :mod:`sokpy.optim.state`'s."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -14,9 +15,9 @@ import torch
 from ..backends import handoff, kernels, runtime
 from ..exchange import collective
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries
-from ..exchange.plan import rows_of, table_set
-from ..storage import HashStorage
+from ..exchange.plan import table_set
 from ..tables.table import Table
+from . import state
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
@@ -284,74 +285,36 @@ class SparseOptimizer(torch.optim.Optimizer):
     @runtime.entry
     def state_dict(self) -> dict:
         """Hyper-parameters, and per table its step count and this rank's slots with their keys
-        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot, ``[n, 1]`` for a row-wise one): a per-rank ``torch.save`` of it
-        resumes at the same world size. ``sokpy.save`` writes a resharding checkpoint."""
-        index: dict[int, int] = {}  # id(handle) -> its place over all groups
-        groups = []
-        for group in self.param_groups:
-            g = {k: v for k, v in group.items() if k != "params"}
-            g["params"] = [index.setdefault(id(h), len(index)) for h in group["params"]]
-            groups.append(g)
-        state: dict[int, dict[str, Any]] = {}
-        for _, var in self.variables():
-            st = self.state[var.handle]
-            keys = _export_keys(var)
-            entry = {"step": st["step"], "keys": keys, "table": var.name}
-            for name in var.storage.slot_names:
-                entry[name] = st[name].clone()
-            state[index[id(var.handle)]] = entry
-        return {"state": state, "param_groups": groups}
+        (``keys`` int64 [n], one ``[n, dim]`` tensor per slot, ``[n, 1]`` for a row-wise one),
+        and under ``"sokpy"`` where the state was taken (world size, rank, the collective call
+        it followed) and each table's layout (name, kind, rows, dim, placement, dtype, slots).
+        Local: each rank's state holds only its own rows. ``torch.save`` it per rank; or use
+        ``sokpy.save``, which writes every rank's rows into one checkpoint.
+
+        Example::
+
+            import sokpy
+            sokpy.init()
+            v = sokpy.Variable(10, 4, name="opt_state_doc")
+            opt = sokpy.optim.Adagrad([v], lr=0.1)
+            sd = opt.state_dict()  # this rank's rows' accumulators, and where they were taken
+            opt.load_state_dict(sd)  # collective: every rank loads its own
+            assert sd["sokpy"]["rank"] == sokpy.rank()
+        """
+        return state.state_dict(self)
 
     @runtime.entry
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores hyper-parameters, step counts and slots (by key: load the tables' rows first;
-        a dynamic table creates the rows of keys it does not hold, except a capped one, which
-        skips them). Checks everything before it changes anything."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
-        ):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the saved groups do not match this optimizer's")
-        handles = [h for group in self.param_groups for h in group["params"]]
-        saved = state_dict["state"]
-        for i, h in enumerate(handles):
-            var = self._var_of[id(h)]
-            entry = saved.get(i, saved.get(str(i)))
-            if entry is None:
-                continue
-            for name in var.storage.slot_names:
-                shape = (len(entry["keys"]), var.storage.slot_width(name))
-                if name not in entry or tuple(entry[name].shape) != shape:
-                    raise ValueError(
-                        f"{type(self).__name__}.load_state_dict: table {var.name!r}: slot {name!r} "
-                        f"missing or not of shape [{shape[0]}, {shape[1]}]"
-                    )
-        for saved_group, group in zip(groups, self.param_groups):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        for i, h in enumerate(handles):
-            var = self._var_of[id(h)]
-            entry = saved.get(i, saved.get(str(i)))
-            if entry is None:
-                continue
-            st = self.state[h]
-            st["step"] = int(entry.get("step", 0))
-            keys = handoff.from_torch(entry["keys"], np.int64)
-            if keys.size:
-                # (a dynamic table's storage is a HashStorage)
-                capped = (
-                    var.dynamic and cast(HashStorage, var.storage).capped
-                )  # creates no rows: that would take a step
-                rows = rows_of(var, keys, insert=not capped)
-                held = rows >= 0 if capped else slice(None)
-                data = var.storage.data
-                assert data is not None  # set by every storage's __init__ (None only as the class default)
-                for name in var.storage.slot_names:
-                    slot = handoff.from_torch(entry[name], np.float32)
-                    data[rows[held], var.storage.columns(name)] = slot[held]
-
-
-def _export_keys(var: Table) -> torch.Tensor:
-    return handoff.to_torch(runtime.xp().array(var.storage.keys()))
+        """Restores hyper-parameters, step counts and slots; collective. Every rank passes a
+        state: the one it took, or, at another world size or rank, the states of every rank of
+        the job that took them at one moment (each saved rank's state held by at least one
+        rank), which are resharded exactly: each row's slots go to the row's owner. Anything
+        else (rank 0's state loaded on every rank, a state of two ranks loaded at one) raises
+        the same :class:`~sokpy.CheckpointError` on every rank, naming where each state was
+        taken and where it is loaded. Slots are set by key: load the tables' rows first; a
+        dynamic table creates the rows of keys it does not hold, except a capped one, which
+        skips them. Checks everything before it changes anything."""
+        state.load_state_dict(self, state_dict)
 
 
 def _fields(rows: list[list[float]]) -> np.ndarray:

@@ -45,9 +45,10 @@ rank and several is a strategy object, chosen once per call:
 * :mod:`sokpy.exchange.plan.routing`: the routing of keys to owners (:func:`~sokpy.exchange.plan.routing.route`,
   ``route_keys``' packed sort values, :func:`~sokpy.exchange.plan.routing.sort_bits`, the range
   verdict), and the single-table routing of ``assign`` and ``load`` (:func:`owners`,
-  :func:`rows_of`), and the one exchange of rows to their owners outside a lookup
-  (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state`` and
-  ``gather_state``);
+  :func:`rows_of`, which never puts a key into a shard of another rank than its owner;
+  :func:`stray_key`, :func:`repeated_key`), and the one exchange of rows to their owners outside
+  a lookup (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state``,
+  ``gather_state`` and an optimizer's ``load_state_dict``);
 * :mod:`sokpy.exchange.plan.one_rank`: ``OneRank``, the strategy of a call on one rank (no exchange;
   the backward deduplicates);
 * :mod:`sokpy.exchange.plan.several_ranks`: ``SeveralRanks``, the requester's stages on several ranks
@@ -78,11 +79,21 @@ Example::
 from .dedup import Dedup as Dedup
 from .layout import row_header as row_header
 from .lookup_plan import COMBINERS, LookupPlan
-from .routing import owner_counts, owners, rows_of, send_to_owners
+from .routing import owner_counts, owners, repeated_key, rows_of, send_to_owners, stray_key
 from .table_sets import TableSet as TableSet
 from .table_sets import forget_table_sets as forget_table_sets
 from .table_sets import table_set
 
-__all__ = ["LookupPlan", "table_set", "owners", "rows_of", "owner_counts", "send_to_owners", "COMBINERS"]
+__all__ = [
+    "LookupPlan",
+    "table_set",
+    "owners",
+    "stray_key",
+    "repeated_key",
+    "rows_of",
+    "owner_counts",
+    "send_to_owners",
+    "COMBINERS",
+]
 
 _Dedup = Dedup  # the name tests/test_lookup.py imports, as before the split

@@ -1,7 +1,9 @@
 """The routing of keys to their owners: ``route_keys``' packed sort values (:func:`route`,
 :func:`sort_bits`), the single-table routing of ``assign`` and ``load`` (:func:`owners`,
-:func:`rows_of`), and the exchange that sends rows to their owners outside a lookup
-(:func:`send_to_owners`: ``assign``, checkpoint loads and ``load_state``, ``gather_state``)."""
+:func:`rows_of`, and the checks that a shard holds only its own keys, once: :func:`stray_key`,
+:func:`repeated_key`), and the exchange that sends rows to their owners outside a lookup
+(:func:`send_to_owners`: ``assign``, checkpoint loads and ``load_state``, ``gather_state``, an
+optimizer's ``load_state_dict``)."""
 
 from __future__ import annotations
 
@@ -80,6 +82,11 @@ def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
 def owners(var, keys) -> np.ndarray:
     """The owning rank of each key of ``var`` (host int64); raises ValueError naming the first
     key a static table does not have."""
+    return handoff.to_host(_owners(var, keys))
+
+
+def _owners(var, keys):
+    """:func:`owners` as an array of the backend (on the device where the keys are)."""
     xp = runtime.xp()
     world = runtime.world_size()
     ts = table_set([var])
@@ -88,21 +95,52 @@ def owners(var, keys) -> np.ndarray:
     pos_bits, value_bits = sort_bits(n, world)
     tabs = ts.tabs.copy()
     tabs[:, kernels.constants()["SOKPY_TAB_EXACT"]] = 0
-    packed, bad = route(
-        xp.asarray(tabs), xp.asarray(keys), xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, value_bits
-    )
+    packed, bad = route(xp.asarray(tabs), keys, xp.asarray(np.array([0, n], np.int64)), 1, world, pos_bits, value_bits)
     bad = int(bad[0])
     if bad < n:
         raise ValueError(f"key {int(keys[bad])} at position {bad} is out of range [0, {var.rows})")
-    return handoff.to_host(packed >> (pos_bits + value_bits))
+    return packed >> (pos_bits + value_bits)
+
+
+def stray_key(var, keys) -> tuple[int, int] | None:
+    """``(key, its owner)`` of the first of ``keys`` (an array of the backend) that another rank
+    than this one owns under the current world size and ``var``'s placement, or None: all are
+    this rank's. Raises ValueError for a key a static table does not have. One routing
+    kernel; only the verdict (and, on a stray key, that key and its owner) is read back."""
+    if int(keys.shape[0]) == 0:
+        return None
+    xp = runtime.xp()
+    owner = _owners(var, keys)
+    first = handoff.to_host(xp.flatnonzero(owner != runtime.rank())[:1])
+    if first.size == 0:
+        return None
+    i = int(first[0])
+    return int(handoff.to_host(keys[i : i + 1])[0]), int(handoff.to_host(owner[i : i + 1])[0])
+
+
+def repeated_key(keys) -> int | None:
+    """A key that ``keys`` (an array of the backend, or numpy: then without the runtime) holds
+    more than once, or None."""
+    xp = np if isinstance(keys, np.ndarray) else runtime.xp()
+    if int(xp.unique(keys).shape[0]) == int(keys.shape[0]):
+        return None
+    host = np.sort(keys if isinstance(keys, np.ndarray) else handoff.to_host(keys))
+    return int(host[:-1][host[1:] == host[:-1]][0])
 
 
 def rows_of(var, keys, insert: bool, verdict=None):
-    """The stored rows of ``keys`` on this rank (all owned here), inserting new keys of a
-    dynamic table when ``insert`` (and initialising their rows). ``verdict``: see
-    ``HashStorage.find`` (a capped table's agreement that the new keys fit)."""
+    """The stored rows of ``keys`` on this rank, inserting new keys of a dynamic table when
+    ``insert`` (and initialising their rows). ``verdict``: see ``HashStorage.find`` (a capped
+    table's agreement that the new keys fit). Raises ValueError, naming the table, a key and
+    its owner, when a key is another rank's: a shard never holds a key it does not own."""
     xp = runtime.xp()
     keys = xp.ascontiguousarray(xp.asarray(keys, dtype=np.int64))
+    stray = stray_key(var, keys)
+    if stray is not None:
+        raise ValueError(
+            f"table {var.name!r}: key {stray[0]} belongs to rank {stray[1]}, not to rank {runtime.rank()}, "
+            "whose shard it would enter"
+        )
     return var.storage.find(keys, insert) if verdict is None else var.storage.find(keys, insert, verdict)
 
 
