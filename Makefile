@@ -5,6 +5,7 @@
 #               per machine, under ~/.cache/sokpy)
 # and, on a GPU node (torch with CUDA and CuPy installed; no network needed):
 #   make gpu-check   the device path's proof (launch/gpu-check), with the node's own python3
+#                    (python3 launch/gpu-check --emulate: all of it but the GPU itself, on any machine)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.sokpy-installed

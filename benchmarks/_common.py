@@ -191,25 +191,23 @@ def step_bytes(workload: Workload) -> dict:
       backward  read the B upstream gradient rows, write U gradient rows;
       update    read U gradient rows, read + write U weight rows and U accumulator rows.
     as_executed additionally charges a row read for every one of the N key lookups in the
-    forward (what the pooling kernel touches, hits in cache included)."""
+    forward (what the pooling kernel touches, hits in cache included). compulsory_by_phase
+    splits the compulsory bytes by phase."""
     import numpy as np
 
     row = workload.dim * 4
     B, N = workload.batch, workload.batch * workload.hotness
-    comp, execd = [], []
-    for b in workload.batches:
-        c = e = 0
+    phases = np.zeros((len(workload.batches), 4))  # forward (compulsory), forward (as executed), backward, update
+    for i, b in enumerate(workload.batches):
         for t in range(workload.tables):
             u = int(np.unique(b[t]).size)
-            fwd_c = u * row + N * 8 + B * row
-            fwd_e = N * row + N * 8 + B * row
-            bwd = B * row + u * row
-            upd = u * row + 2 * u * row + 2 * u * row
-            c += fwd_c + bwd + upd
-            e += fwd_e + bwd + upd
-        comp.append(c)
-        execd.append(e)
-    return dict(compulsory_bytes=float(np.mean(comp)), as_executed_bytes=float(np.mean(execd)))
+            phases[i] += (u * row + N * 8 + B * row, N * row + N * 8 + B * row, B * row + u * row, 5 * u * row)
+    fwd_c, fwd_e, bwd, upd = phases.mean(axis=0).tolist()
+    return dict(
+        compulsory_bytes=fwd_c + bwd + upd,
+        as_executed_bytes=fwd_e + bwd + upd,
+        compulsory_by_phase=dict(forward=fwd_c, backward=bwd, update=upd),
+    )
 
 
 # ---- machine load ------------------------------------------------------------------------------------

@@ -111,6 +111,11 @@ class Backend:
         """The raw handle of the stream work is queued on now (0 on the host)."""
         return 0
 
+    def torch_stream_handle(self) -> int:
+        """The raw handle of torch's current stream in this thread, where an entry's work
+        belongs (0 on the host; ``sokpy.backends.stream_audit`` compares the two)."""
+        return 0
+
     def synchronize(self) -> None:
         """Waits until the work queued so far has run (nothing to wait for on the host)."""
 
@@ -293,6 +298,9 @@ class DeviceBackend(Backend):
 
     def stream_handle(self) -> int:
         return self.xp.cuda.get_current_stream().ptr
+
+    def torch_stream_handle(self) -> int:
+        return torch.cuda.current_stream(self._device).cuda_stream
 
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()

@@ -63,7 +63,7 @@ class KeyedJaggedTensor(_Jagged):
             raise ValueError("give lengths or offsets")
         if offsets is None:
             lengths = torch.as_tensor(lengths, dtype=torch.int64)
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
         super().__init__(values, torch.as_tensor(offsets, dtype=torch.int64))
         self._keys, self._weights = list(keys), weights

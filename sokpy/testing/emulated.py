@@ -171,6 +171,9 @@ class EmulatedDeviceBackend(Backend):
     def stream_handle(self) -> int:
         return device_double.current_stream().handle
 
+    def torch_stream_handle(self) -> int:
+        return device_double.torch_current_stream().handle
+
     def synchronize(self) -> None:
         device_double.current_stream().synchronize()
 
