@@ -19,6 +19,11 @@ ranks that leave while others wait for them.
   turns it off) prints which call this rank is in (``lookup_sparse tables=[...]``,
   ``Adagrad.step``, ...) and for how long, then aborts the job with exit code 3. This is
   what ends a job where one rank hangs, or stops making collective calls without ending.
+  Work a collective call queued on a GPU is timed too (:func:`device_work`: every NCCL call
+  of ``NcclComm``): an NCCL call still not complete on the device after the timeout (a rank
+  that never made the same call leaves it waiting there, while the host has left the call
+  and waits elsewhere, or not at all) ends the job the same way, naming the NCCL call and the
+  collective call that queued it.
 * **A rank that leaves.** A rank whose program ends while others still make collective
   calls (``sys.exit`` in the training loop on uneven data, or its script simply ended)
   would otherwise leave them waiting for the whole timeout: MPI's launchers only notice a
@@ -53,12 +58,14 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from contextlib import contextmanager
 
 __all__ = [
     "install",
     "leave",
     "call",
+    "device_work",
     "timeout",
     "every_rank_hint",
     "DEFAULT_TIMEOUT_S",
@@ -89,6 +96,9 @@ _calls = 0
 _notices = None
 _notices_lock = threading.Lock()
 _left: dict[int, int] = {}  # rank -> collective calls it completed before it left
+# Device work not yet seen complete, oldest first (under _lock): (what, the collective call
+# that queued it or None, that call's number, when it was queued, a function: complete?).
+_device: deque = deque()
 _exit_hook_registered = False
 
 
@@ -182,6 +192,8 @@ def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
     if timeout_s < 0:
         raise ValueError(f"the collective timeout must be >= 0 seconds (0: none), not {timeout_s}")
     _timeout_s = float(timeout_s)
+    with _lock:
+        _device.clear()
     if os.environ.get("SOKPY_ABORT_ON_ERROR", "1") != "0" and sys.excepthook is not _installed_hook:
         _installed_hook = _excepthook(sys.excepthook)
         sys.excepthook = _installed_hook
@@ -228,6 +240,50 @@ def _watch() -> None:
     while True:
         time.sleep(min(1.0, max(_timeout_s / 10, 0.05)) if _timeout_s > 0 else 1.0)
         _check()  # its own frame: nothing of the call it looked at stays referenced while the thread sleeps
+        _check_device()
+
+
+def device_work(what: str, done) -> None:
+    """Work just queued on the device for the collective call this rank is in (``what``, e.g.
+    an NCCL call), complete when ``done()`` (called from the watchdog's thread) says so: if
+    it is not after the timeout, the job ends naming it and that call. Nothing while the
+    timeout is off."""
+    if _timeout_s <= 0:
+        return
+    with _lock:
+        _device.append((what, _current[0][0] if _current else None, _calls, time.monotonic(), done))
+
+
+def _check_device() -> None:
+    """Forgets the device work that completed; ends the job when the oldest has waited past
+    the timeout."""
+    while True:
+        with _lock:
+            if not _device:
+                return
+            what, call, index, start, done = _device[0]
+        try:
+            complete = bool(done())
+        except Exception:  # noqa: BLE001 - a device that cannot say (it failed): the host's waits report that
+            complete = True
+        if complete:
+            with _lock:
+                if _device and _device[0][4] is done:
+                    _device.popleft()
+            continue
+        waited = time.monotonic() - start
+        if waited <= _timeout_s:
+            return
+        call = call() if callable(call) else call
+        where = f"the collective call {call} (its collective call #{index})" if call else "no collective call"
+        hint = every_rank_hint(call) if call else ""
+        _report(
+            f"sokpy: {_where()} has waited {waited:.0f} s for {what}, queued on the device in {where}, to complete "
+            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the same call (it "
+            f"left the training loop early, hangs, or failed). {hint} Ending the whole job.\n"
+        )
+        _abort(TIMEOUT_EXIT_CODE)
+        return
 
 
 def every_rank_hint(what: str) -> str:
