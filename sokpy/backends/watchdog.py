@@ -276,11 +276,11 @@ def _check_device() -> None:
             return
         call = call() if callable(call) else call
         where = f"the collective call {call} (its collective call #{index})" if call else "no collective call"
-        hint = every_rank_hint(call) if call else ""
+        hint = every_rank_hint(call) + " " if call else ""
         _report(
             f"sokpy: {_where()} has waited {waited:.0f} s for {what}, queued on the device in {where}, to complete "
             f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the same call (it "
-            f"left the training loop early, hangs, or failed). {hint} Ending the whole job.\n"
+            f"left the training loop early, hangs, or failed). {hint}Ending the whole job.\n"
         )
         _abort(TIMEOUT_EXIT_CODE)
         return

@@ -277,7 +277,8 @@ class Storage:
         """Marks this shard's arrays as used by the current stream (``handoff.record_stream``):
         where that is not the stream they were made on, the allocator keeps their memory from
         reuse, when a growth replaces them or the table goes, until the work queued here has
-        run. A call records them once per stream (``TableSet``, ``rows_of``)."""
+        run. A call records them once per stream (``TableSet``, which every call that reads or
+        writes rows builds)."""
         xp = runtime.xp()
         handoff.record_stream(*[v for v in vars(self).values() if isinstance(v, xp.ndarray)])
 

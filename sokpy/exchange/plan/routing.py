@@ -141,7 +141,6 @@ def rows_of(var, keys, insert: bool, verdict=None):
             f"table {var.name!r}: key {stray[0]} belongs to rank {stray[1]}, not to rank {runtime.rank()}, "
             "whose shard it would enter"
         )
-    var.storage.record_stream()  # (an assign or a load may grow the table on a stream it was not made on)
     return var.storage.find(keys, insert) if verdict is None else var.storage.find(keys, insert, verdict)
 
 
