@@ -50,6 +50,4 @@ def test_the_double_catches_work_on_the_wrong_stream(host_reference, tmp_path, p
     out = res.stdout + res.stderr
     # The item queued on the default stream fails at once, naming the call.
     assert f"{what} " in out and "was queued on default stream, but torch's current stream" in out, out[-3000:]
-    if res.returncode == 0:  # the worker's backward thread prints its exception and ends: no gradient
-        got = _load(out_path)
-        assert any(not np.array_equal(host_reference[k], got[k]) for k in host_reference if not k.endswith("_reads"))
+    assert res.returncode != 0, out[-3000:]  # the job fails (the backward's error too, as torch's engine raises it)
