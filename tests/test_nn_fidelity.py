@@ -262,7 +262,15 @@ def test_sequence_lookup_and_collection_one_process(sokpy_host):
         sokpy.lookup_sequence([t], KeyedJaggedTensor(["h"], torch.tensor([1]), lengths=[1], weights=torch.ones(1)))
 
 
+def _dict_of(out):
+    """A pooled module's output as a dict feature -> tensor (TorchRec's KeyedTensor or ours)."""
+    return out.to_dict() if hasattr(out, "to_dict") else out
+
+
 def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
+    """The served module takes every input the sharded one takes (dict, dict + weights, triples,
+    Ragged, KJT: TorchRec's when it imports, and sokpy's), gives the same outputs, and exports
+    (torch.export, a dynamic batch through sokpy.nn.export) with a dict or a KJT input."""
     sokpy = sokpy_host
     from sokpy.nn import (
         EmbeddingBagCollection,
@@ -270,27 +278,52 @@ def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
         EmbeddingCollection,
         EmbeddingConfig,
         KeyedJaggedTensor,
+        export,
         inference_module,
     )
 
-    configs = [EmbeddingBagConfig("fid_srv", 4, 20, ["a"], "sqrtn"), EmbeddingBagConfig("fid_srv_d", 2, None, ["b"])]
-    ebc = EmbeddingBagCollection(configs)
-    ebc({"a": [[1]], "b": [[3, 4]]})
+    configs = [
+        EmbeddingBagConfig("fid_srv", 4, 20, ["a"], "sqrtn"),
+        EmbeddingBagConfig("fid_srv_d", 2, None, ["b"]),
+        EmbeddingBagConfig("fid_srv_m", 3, 20, ["c"], "mean"),
+    ]
+    ebc = EmbeddingBagCollection(configs, is_weighted=True)
+    ebc({"a": [[1]], "b": [[3, 4]], "c": [[1]]})
     sokpy.save(tmp_path / "ckpt", ebc.tables())
     ebc.eval()
     feats = {
         "a": (torch.tensor([1, 2, 19]), torch.tensor([0, 2, 2, 3]), torch.tensor([0.5, 2.0, 1.0])),
         "b": (torch.tensor([3, 5, 4]), torch.tensor([0, 1, 1, 3])),
+        "c": (torch.tensor([7, 8, 9]), torch.tensor([0, 2, 3, 3]), torch.tensor([0.25, 4.0, 2.0])),
     }
-    want = ebc({"a": sokpy.Ragged(*feats["a"]), "b": feats["b"]})
-    for served in (inference_module(ebc), inference_module(tmp_path / "ckpt", configs)):
-        got = served(feats)
-        for f in want:
-            torch.testing.assert_close(got[f], want[f], rtol=1e-6, atol=0)
+    want = _dict_of(ebc(feats))
+    as_weights = ({f: v[:2] for f, v in feats.items()}, {f: v[2] for f, v in feats.items() if len(v) == 3})
+    kjt = KeyedJaggedTensor(
+        ["b", "a", "c"],
+        torch.tensor([3, 5, 4, 1, 2, 19, 7, 8, 9]),
+        torch.tensor([1.0, 1, 1, 0.5, 2.0, 1.0, 0.25, 4.0, 2.0]),
+        lengths=torch.tensor([1, 0, 2, 2, 0, 1, 2, 1, 0]),
+    )
+    kjts = [kjt]
+    if sokpy.nn.jagged.torchrec_types() is not None:
+        from torchrec import KeyedJaggedTensor as TorchRecKJT
+
+        kjts.append(TorchRecKJT(kjt.keys(), kjt.values(), kjt.weights(), lengths=kjt.lengths()))
+    for served in (inference_module(ebc), inference_module(tmp_path / "ckpt", configs, is_weighted=True)):
+        for args in [(feats,), as_weights, *[(k,) for k in kjts]]:
+            got = _dict_of(served(*args))
+            sharded = _dict_of(ebc(*args))
+            for f in want:
+                torch.testing.assert_close(got[f], want[f], rtol=1e-6, atol=0)
+                torch.testing.assert_close(sharded[f], want[f], rtol=1e-6, atol=0)
         program = torch.export.export(served, (feats,))
-        torch.testing.assert_close(program.module()(feats)["a"], want["a"], rtol=1e-6, atol=0)
-        kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 19, 3, 5, 4]), lengths=torch.tensor([2, 0, 1, 1, 0, 2]))
-        torch.testing.assert_close(served(kjt)["b"], ebc(kjt)["b"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(_dict_of(program.module()(feats))["a"], want["a"], rtol=1e-6, atol=0)
+        for example in kjts:
+            program = export(served, (example,))  # dynamic: another batch size and number of ids
+            lengths = torch.tensor([1, 1, 0, 0, 2, 0, 1, 0, 1, 0, 0, 0])
+            bigger = type(example)(["b", "a", "c"], torch.arange(6), torch.ones(6), lengths=lengths)
+            bigger.offsets()  # TorchRec's KJT keeps the offsets it computed: the same fields as the example's
+            torch.testing.assert_close(_dict_of(program.module()(bigger))["c"], _dict_of(ebc(bigger))["c"])
     ec = EmbeddingCollection([EmbeddingConfig("fid_srv_seq", 2, 6, ["s"])])
     served = inference_module(ec)
     pair = (torch.tensor([5, 0, 5]), torch.tensor([0, 1, 3]))
@@ -298,3 +331,10 @@ def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
     assert torch.equal(out.values(), ec({"s": pair})["s"].values())
     with pytest.raises(ValueError, match="needs the configs"):
         inference_module(tmp_path / "ckpt")
+    unweighted = inference_module(tmp_path / "ckpt", configs)  # is_weighted=False: a KJT's weights ignored
+    torch.testing.assert_close(
+        _dict_of(unweighted(kjt))["c"], _dict_of(served_c := unweighted({f: v[:2] for f, v in feats.items()}))["c"]
+    )
+    with pytest.raises(ValueError, match="is_weighted=False"):
+        unweighted(feats)
+    assert served_c is not None

@@ -129,5 +129,17 @@ class Table:
     def zero_grad(self) -> None:
         self.grad_refs = ()
 
+    @property
+    def requires_grad(self) -> bool:
+        """Whether lookups give this table's rows gradients (torch's name; True unless frozen)."""
+        return self.handle.requires_grad
+
+    def requires_grad_(self, requires_grad: bool = True) -> Table:
+        """Freezes (False) or unfreezes the table, as ``param.requires_grad_`` does: a frozen
+        table's lookup outputs need no gradient and its rows get none, so no optimizer step
+        moves them. Takes effect from the next lookup."""
+        self.handle.requires_grad_(bool(requires_grad))
+        return self
+
     def __repr__(self) -> str:
         return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"
