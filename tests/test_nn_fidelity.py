@@ -36,13 +36,22 @@ def test_torchrec_state_dict_loads_at_any_world_size():
         assert out.count("torchrec_sd ok") == nranks, out
 
 
-def test_init_fn_gives_the_same_table_at_every_world_size(tmp_path):
+def test_init_fn_gives_torchrecs_values_at_every_world_size(tmp_path):
+    """An init_fn fills the whole table as TorchRec's unsharded module does (torch's generator,
+    config order, the table's shape), whatever the world size and the ranks' own seeds."""
     for nranks in (1, 3):
         run_mpi(nranks, "fidelity_worker.py", "init_fn", tmp_path, timeout=240)
-    one, three = np.load(tmp_path / "init_1.npy"), np.load(tmp_path / "init_3.npy")
-    np.testing.assert_array_equal(one, three)
-    assert 0.09 < one[:, 0].std() < 0.11 and 0.09 < one[-1000:].std() < 0.11  # trunc_normal_(std=0.1) on every row
-    assert not np.array_equal(one[:65536][:10], one[65536:65546])  # chunks differ
+    one, three = np.load(tmp_path / "init_1.npz"), np.load(tmp_path / "init_3.npz")
+    torch.manual_seed(7)  # rank 0's seed: TorchRec's module, built under it, draws these
+    want = {"initfn_x": torch.empty(200000, 4), "initfn_t": torch.empty(70000, 3)}
+    torch.nn.init.xavier_uniform_(want["initfn_x"])
+    torch.nn.init.trunc_normal_(want["initfn_t"], std=0.1)
+    want["initfn_r"] = torch.arange(70000.0)[:, None].expand(70000, 2)
+    for name, w in want.items():
+        np.testing.assert_array_equal(one[name], w.numpy(), err_msg=name)
+        np.testing.assert_array_equal(three[name], w.numpy(), err_msg=name)
+    bound = (6 / (200000 + 4)) ** 0.5  # xavier's bound of the whole table's shape
+    assert np.abs(one["initfn_x"]).max() <= bound
 
 
 # ---- one process -----------------------------------------------------------------------------------
@@ -94,9 +103,14 @@ def test_torchrec_config_fields_are_honoured_or_refused(sokpy_host):
     sokpy = sokpy_host
     from sokpy.nn import EmbeddingBagCollection, EmbeddingCollection
 
+    torch.manual_seed(3)
     ebc = EmbeddingBagCollection([TorchRecBagConfig(16, 3, "fid_tr", feature_names=["f"], weight_init_max=0.01)])
     (t,) = ebc.tables()
-    assert t.initializer == sokpy.initializers.uniform(-0.25, 0.01)  # TorchRec's partial(uniform_) became ours
+    torch.manual_seed(3)  # TorchRec's default partial(uniform_, -sqrt(1/16), 0.01) on the whole table
+    assert torch.equal(sokpy.export(t)[1], torch.nn.init.uniform_(torch.empty(16, 3), -0.25, 0.01))
+    cleared = TorchRecBagConfig(16, 3, "fid_tr_none", feature_names=["g"], weight_init_max=0.01)
+    cleared.init_fn = None  # sokpy's counter-based uniform in the same bounds
+    assert EmbeddingBagCollection([cleared]).tables()[0].initializer == sokpy.initializers.uniform(-0.25, 0.01)
     for field, value, words in [
         ("data_type", DataType.INT8, "data_type=INT8 is not supported"),
         ("need_pos", True, "need_pos=True is not supported"),
@@ -131,8 +145,17 @@ def test_init_fn_and_data_type_of_sokpy_configs(sokpy_host):
     )
     fn, normal, zeros = ebc.tables()
     assert torch.equal(sokpy.export(fn)[1], torch.arange(10.0).reshape(5, 2))
-    assert normal.initializer == sokpy.initializers.normal(0.0, 0.5)
-    assert zeros.initializer == sokpy.initializers.constant(0.0)
+    assert torch.isfinite(sokpy.export(normal)[1]).all() and sokpy.export(normal)[1].std() > 0
+    assert zeros.initializer == sokpy.initializers.constant(0.0)  # a dynamic table: sokpy's own
+    import sokpy.nn.config as config
+
+    limit = config.init_fn_limit_bytes
+    config.init_fn_limit_bytes = lambda: 5 * 2 * 4 - 1  # a 5 x 2 table does not fit
+    try:
+        with pytest.raises(sokpy.InputError, match="table 'fid_big': init_fn needs the whole table in every rank"):
+            EmbeddingBagCollection([EmbeddingBagConfig("fid_big", 2, 5, init_fn=torch.nn.init.ones_)])
+    finally:
+        config.init_fn_limit_bytes = limit
     with pytest.raises(ValueError, match="table 'fid_dyn_fn': init_fn cannot initialise a dynamic table"):
         EmbeddingBagCollection([EmbeddingBagConfig("fid_dyn_fn", 2, None, init_fn=lambda w: w.fill_(1))])
     with pytest.raises(sokpy.InputError, match="table 'fid_bad_fn': init_fn failed: .*shape"):
