@@ -210,6 +210,9 @@ def test_gradient_edits_apply_to_the_step(sokpy_host):
 
 def test_clip_grad_norm_one_process(sokpy_host):
     sokpy = sokpy_host
+    import gc
+
+    gc.collect()  # tables of earlier tests, left holding gradients, are gone
     from sokpy.nn import clip_grad_norm_
 
     v = sokpy.Variable(4, 2, initializer=1.0, name="fid_clip")
@@ -227,6 +230,13 @@ def test_clip_grad_norm_one_process(sokpy_host):
     v.grad.values[0, 0] = float("inf")
     with pytest.raises(RuntimeError, match="not finite"):
         clip_grad_norm_([v], 1.0, error_if_nonfinite=True)
+    # The torch habit, model.parameters(): the table holding a gradient is named, nothing is scaled.
+    before = lin.weight.grad.clone()
+    with pytest.raises(sokpy.InputError, match=r"tables \[.*'fid_clip'.*\] hold gradients and are not among"):
+        clip_grad_norm_(lin.parameters(), max_norm=1e-3)
+    assert torch.equal(lin.weight.grad, before)
+    v.zero_grad()
+    torch.testing.assert_close(clip_grad_norm_(lin.parameters(), max_norm=1e9), before.norm())  # none holds one
 
 
 def test_eval_mode_does_not_grow_dynamic_tables(sokpy_host):

@@ -21,7 +21,7 @@ from ..exchange.gradients import SparseGrad, table_grad
 from ..initializers import Initializer, resolve
 from ..storage import InitSpec, Storage
 
-__all__ = ["Table", "live_table_names"]
+__all__ = ["Table", "live_table_names", "live_tables"]
 
 _names: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -31,6 +31,11 @@ def _init_seed(seed: int, name: str) -> int:
     across processes, world sizes and checkpoints), so no two tables start alike."""
     digest = hashlib.blake2b(f"{int(seed)}|{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def live_tables() -> list[Table]:
+    """The tables alive in this process (without a garbage collection first)."""
+    return list(_names.values())
 
 
 def live_table_names() -> list[str]:
