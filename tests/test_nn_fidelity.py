@@ -185,8 +185,10 @@ def test_dtype_and_device_moves_raise_or_pass(sokpy_host):
     with pytest.raises(RuntimeError, match="tables live on cpu and cannot move to meta"):
         model.to("meta")
     assert model.float() is model and model.to("cpu", torch.float32) is model
-    with pytest.raises(ValueError, match="device='meta'.*tables live on cpu"):
-        EmbeddingBagCollection([EmbeddingBagConfig("fid_meta", 2, 5)], device="meta")
+    with pytest.raises(ValueError, match="device='cuda:3'.*tables live on cpu"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_cuda", 2, 5)], device="cuda:3")
+    (meta,) = EmbeddingBagCollection([EmbeddingBagConfig("fid_meta", 2, 5)], device="meta").tables()  # TorchRec's
+    assert meta.weight.device == torch.device("cpu")  # deferred placement: sokpy places the tables at once
     EmbeddingBagCollection([EmbeddingBagConfig("fid_cpu", 2, 5)], device="cpu")
 
 

@@ -232,6 +232,13 @@ def table_spec(c: Any, pooled: bool) -> TableSpec:
     sequence (EmbeddingCollection) module; raises ValueError naming the table and the field
     for a config the module cannot honour."""
     name: str | None = getattr(c, "name", None)
+    if name is not None and not isinstance(name, str):
+        raise ValueError(
+            f"table {name!r}: name must be a string (sokpy's order is (name, embedding_dim, num_embeddings, ...), "
+            "TorchRec's (num_embeddings, embedding_dim, name, ...): pass the fields by name)"
+        )
+    if name == "":
+        raise ValueError("table '': a table's name must not be empty (TorchRec refuses it too)")
     has_pooling = hasattr(c, "pooling")
     pooling = _field_name(getattr(c, "pooling", "none")).lower()
     if pooled and (not has_pooling or pooling == "none"):

@@ -25,9 +25,9 @@ need no gradient, and no gradient reaches their rows, so no optimizer step moves
 
 **DDP.** The tables are neither parameters nor buffers of the module: ``parameters()`` does
 not list them, so ``DistributedDataParallel`` (and a dense optimizer) never sees them; their
-rows are trained by a sokpy optimizer over :meth:`tables`, with gradients summed over ranks by
-the lookup's own exchange (or averaged, ``grad_reduction="mean"``, as TorchRec does to match
-DDP's averaged dense gradients). :func:`sokpy.nn.clip_grad_norm_` clips both together.
+rows are trained by a sokpy optimizer over :meth:`tables`, with gradients averaged over ranks
+by the lookup's own exchange (``grad_reduction="mean"``, the default: TorchRec's, to match DDP's
+averaged dense gradients; ``"sum"``: SOK's, as ``lookup_sparse``). :func:`sokpy.nn.clip_grad_norm_` clips both together.
 
 **Dtype and device.** The tables live on the device ``sokpy.init`` chose (the rank's GPU, or the host)
 and each holds rows of the type its config's ``data_type`` set (FP32, FP16, BF16; outputs are float32):
@@ -95,13 +95,15 @@ class EmbeddingCollectionBase(torch.nn.Module):
         device: torch.device | str | None = None,
         *,
         seed: int = 0,
-        grad_reduction: str = "sum",
+        grad_reduction: str = "mean",
         insert: bool | None = None,
         wire_dtype: str = "float32",
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if device is not None:  # TorchRec's argument: where the tables go (sokpy.init decides here)
+        # TorchRec's argument: where the tables go. sokpy.init decides that; "meta" (TorchRec's
+        # "the sharder places them") is what sokpy does at once.
+        if device is not None and torch.device(device).type != "meta":
             here, asked = runtime.current().torch_device(), torch.device(device)
             if asked.type != here.type or asked.index not in (None, here.index):
                 raise ValueError(f"{name}(device={device!r}): the tables live on {here} ({_WHERE}); leave device=None")
@@ -264,9 +266,10 @@ class EmbeddingBagCollection(EmbeddingCollectionBase):
     (every rank creates it alike; table names are unique in a job). ``is_weighted``
     (TorchRec's): whether the features' per-id weights are pooled (False: a
     KeyedJaggedTensor's weights are ignored, as TorchRec ignores them); ``device`` (TorchRec's)
-    may only name the device ``sokpy.init`` put the tables on. ``seed`` seeds the tables'
-    initial values; ``grad_reduction`` is the lookup's ("sum": a row's gradient summed over
-    ranks, SOK's convention; "mean": averaged, TorchRec's); ``insert`` whether dynamic tables
+    may only name the device ``sokpy.init`` put the tables on, or ``"meta"`` (TorchRec's
+    deferred placement: sokpy places the tables at once). ``seed`` seeds the tables'
+    initial values; ``grad_reduction`` is the lookup's ("mean", the default: a row's gradient
+    averaged over ranks, TorchRec's; "sum": summed, SOK's and ``lookup_sparse``'s); ``insert`` whether dynamic tables
     grow (default None: in training mode only); ``wire_dtype`` ("float32", "float16" or
     "bfloat16") is the format of the rows between ranks, as in ``lookup_sparse`` (TorchRec's
     quantized comms).

@@ -62,7 +62,9 @@ def ragged_batch(rng, nbags, high, extra=()):
 def sequence():
     rng = np.random.default_rng(5)
     ec = EmbeddingCollection(
-        [EmbeddingConfig("seq_s", 4, 30, ["h", "g"]), EmbeddingConfig("seq_d", 3, None, ["q"])], insert=True
+        [EmbeddingConfig("seq_s", 4, 30, ["h", "g"]), EmbeddingConfig("seq_d", 3, None, ["q"])],
+        insert=True,
+        grad_reduction="sum",
     )
     static, dyn = ec.tables()
     ref = {"seq_s": set_rows(static, np.arange(30), rng, 4), "seq_d": set_rows(dyn, np.arange(0, 200, 10), rng, 3)}
@@ -116,7 +118,8 @@ def sequence():
 def clip():
     rng = np.random.default_rng(9)
     ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig("clip_a", 4, 40, ["a"]), EmbeddingBagConfig("clip_b", 2, None, ["b"])]
+        [EmbeddingBagConfig("clip_a", 4, 40, ["a"]), EmbeddingBagConfig("clip_b", 2, None, ["b"])],
+        grad_reduction="sum",
     )
     dense = torch.nn.Linear(3, 2)
     model = torch.nn.ModuleDict({"ebc": ebc, "dense": dense})

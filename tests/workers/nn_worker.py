@@ -130,7 +130,7 @@ def torchrec_mean(data, ws):
 
 
 def compare():
-    ebc = EmbeddingBagCollection(configs("m"), is_weighted=True)
+    ebc = EmbeddingBagCollection(configs("m"), is_weighted=True, grad_reduction="sum")
     free = [sokpy.Variable(50, 8, name="f_shared"), sokpy.DynamicVariable(4, name="f_dyn")]
     free.append(sokpy.Variable(20, 3, target_gpu=WORLD - 1, name="f_local"))
     assert list(ebc.parameters()) == [] and len(ebc.tables()) == 3
