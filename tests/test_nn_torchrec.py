@@ -249,7 +249,7 @@ from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 sokpy.init()
 ebc = EmbeddingBagCollection([EmbeddingBagConfig("broken_t", 2, 10, ["a"])])
 kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
-assert concat(ebc(kjt)).shape == (2, 2) and isinstance(ebc({"a": [[1]]}), dict)  # sokpy's types
+assert concat(ebc(kjt)).shape == (2, 2) and isinstance(ebc({"a": [[1]]}), sokpy.nn.KeyedTensor)  # sokpy's
 import torchrec_fake_kjt
 try:
     ebc(torchrec_fake_kjt.KeyedJaggedTensor())

@@ -4,7 +4,7 @@
   id), built from :class:`EmbeddingBagConfig` / :class:`EmbeddingConfig` or TorchRec's configs
   (:mod:`sokpy.nn.modules`, :mod:`sokpy.nn.sequence`, :mod:`sokpy.nn.config`; state_dict:
   :mod:`sokpy.nn.state`);
-* :class:`KeyedJaggedTensor` and :class:`JaggedTensor` for use without torchrec, with TorchRec's
+* :class:`KeyedJaggedTensor`, :class:`JaggedTensor` and :class:`KeyedTensor` for use without torchrec, with TorchRec's
   constructors and methods (:mod:`sokpy.nn.kjt`; inputs: :mod:`sokpy.nn.jagged`);
 * :func:`clip_grad_norm_` over dense and sparse gradients together (:mod:`sokpy.nn.clip`);
 * :func:`inference_module`: a plain torch module of a trained model for serving, and
@@ -28,6 +28,7 @@ from .clip import clip_grad_norm_
 from .config import EmbeddingBagConfig, EmbeddingConfig
 from .fused import fused_optimizer
 from .jagged import JaggedTensor, KeyedJaggedTensor
+from .kjt import KeyedTensor
 from .modules import EmbeddingBagCollection, TableState, concat
 from .process_group import init_process_group
 from .sequence import EmbeddingCollection
@@ -40,6 +41,7 @@ __all__ = [
     "EmbeddingCollection",
     "KeyedJaggedTensor",
     "JaggedTensor",
+    "KeyedTensor",
     "TableState",
     "clip_grad_norm_",
     "fused_optimizer",

@@ -15,12 +15,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree
 
-__all__ = ["KeyedJaggedTensor", "JaggedTensor"]
+__all__ = ["KeyedJaggedTensor", "JaggedTensor", "KeyedTensor"]
 
 
 def _offsets(lengths: Any) -> torch.Tensor:
@@ -278,6 +278,51 @@ class KeyedJaggedTensor:
         return f"KeyedJaggedTensor(keys={self._keys}, values={list(self._values.shape)}, stride={self.stride()}{w})"
 
 
+class KeyedTensor:
+    """Pooled features side by side, as TorchRec's ``KeyedTensor(keys, length_per_key, values,
+    key_dim=1)``: an EmbeddingBagCollection's output where torchrec does not import.
+
+    Example::
+
+        import torch
+        from sokpy.nn.kjt import KeyedTensor
+        kt = KeyedTensor(["a", "b"], [2, 1], torch.arange(6.0).reshape(2, 3))
+        assert kt["b"].tolist() == [[2.0], [5.0]] and list(kt.to_dict()) == ["a", "b"]
+    """
+
+    def __init__(self, keys: list[str], length_per_key: list[int], values: torch.Tensor, key_dim: int = 1):
+        self._keys, self._lengths, self._values, self._key_dim = list(keys), list(length_per_key), values, key_dim
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def length_per_key(self) -> list[int]:
+        return self._lengths
+
+    def offset_per_key(self) -> list[int]:
+        out = [0]
+        for n in self._lengths:
+            out.append(out[-1] + n)
+        return out
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self._keys, self._values.split(self._lengths, dim=self._key_dim)))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(f"the KeyedTensor has no key {key!r} (its keys: {self._keys})")
+        return self.to_dict()[key]
+
+    def __repr__(self) -> str:
+        return f"KeyedTensor(keys={self._keys}, values={list(self._values.shape)})"
+
+
 # So torch.export and torch.compile see through them (a KJT's keys are its structure).
 _pytree = torch.utils._pytree
 _JT_FIELDS = ("values", "weights", "offsets")
@@ -311,5 +356,22 @@ _pytree.register_pytree_node(
     flatten_with_keys_fn=lambda kjt: (
         [(_pytree.GetAttrKey(k), c) for k, c in zip(_JT_FIELDS, _jt_children(kjt))],
         kjt.keys(),
+    ),
+)
+
+
+def _kt_of(children: Any, ctx: Any) -> KeyedTensor:
+    keys, lengths, key_dim = cast(tuple, ctx)
+    return KeyedTensor(keys, lengths, list(children)[0], key_dim)
+
+
+_pytree.register_pytree_node(
+    KeyedTensor,
+    lambda kt: ([kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())),
+    _kt_of,
+    serialized_type_name="sokpy.nn.KeyedTensor",
+    flatten_with_keys_fn=lambda kt: (
+        [(_pytree.GetAttrKey("values"), kt.values())],
+        (kt.keys(), kt.length_per_key(), kt.key_dim()),
     ),
 )

@@ -68,6 +68,7 @@ from ..tables.static import Variable
 from ..tables.table import Table
 from .config import apply_init_fn, table_spec
 from .jagged import feature_inputs, torchrec_types
+from .kjt import KeyedTensor
 from .state import TableState, load_tables, save_tables
 
 __all__ = ["EmbeddingCollectionBase", "EmbeddingBagCollection", "TableState", "concat"]
@@ -310,11 +311,11 @@ class EmbeddingBagCollection(EmbeddingCollectionBase):
         (any input ``lookup_sparse`` takes for one table, a ``(values, offsets)`` pair or a
         ``(values, offsets, weights)`` triple), ``weights`` an optional dict feature -> per-key
         weights for a dict input (``is_weighted=True`` only). All features need the same batch
-        size. Returns a KeyedTensor (TorchRec's when torchrec is importable, else a dict
-        feature -> ``[B, dim]`` tensor)."""
+        size. Returns a KeyedTensor ``[B, sum(dims)]`` (TorchRec's when torchrec imports, else
+        :class:`sokpy.nn.KeyedTensor`, with the same methods)."""
         (values,), _ = self._lookup(features, weights, keyed=True)
         names = self.feature_names()
         jt = torchrec_types()
-        if jt is not None:
-            return jt.KeyedTensor(keys=names, length_per_key=list(self._dims), values=values)
-        return dict(zip(names, values.split(self._dims, dim=1)))
+        return (KeyedTensor if jt is None else jt.KeyedTensor)(
+            keys=names, length_per_key=list(self._dims), values=values
+        )

@@ -12,7 +12,7 @@ weights)``, with ``features`` a KeyedJaggedTensor (TorchRec's or sokpy's) or a d
 ``(values, offsets)`` / ``(values, offsets, weights)`` tensors, a :class:`sokpy.Ragged`, or any
 other form ``lookup_sparse`` takes (those last only eagerly). Output: as the sokpy module
 gives it (a dict feature -> JaggedTensor for a sequence collection; for a pooled one a
-KeyedTensor when torchrec imports, else a dict feature -> ``[B, dim]``).
+KeyedTensor, TorchRec's when torchrec imports).
 
 The result is a plain ``torch.nn.Module`` (buffers, no sokpy objects): ``torch.save``,
 ``torch.export.export`` and the rest of torch's serving tools take it, with a dict or a
@@ -50,6 +50,7 @@ from ..backends import runtime
 from ..exchange.sparse import Ragged, table_input
 from .config import table_spec
 from .jagged import JaggedTensor, torchrec_types
+from .kjt import KeyedTensor
 from .modules import EmbeddingCollectionBase
 
 __all__ = ["InferenceCollection", "inference_module", "export"]
@@ -162,11 +163,10 @@ class InferenceCollection(torch.nn.Module):
         if not self.pooled:  # as EmbeddingCollection: a JaggedTensor per feature
             make = JaggedTensor if jt is None else jt.JaggedTensor
             return {f: make(values=r, offsets=o) for f, r, (_, o, _) in zip(self.features, outs, inputs)}
-        if jt is not None:  # as EmbeddingBagCollection: TorchRec's KeyedTensor where torchrec imports
-            return jt.KeyedTensor(
-                keys=self.features, length_per_key=[o.shape[1] for o in outs], values=torch.cat(outs, 1)
-            )
-        return dict(zip(self.features, outs))
+        # As EmbeddingBagCollection's: a KeyedTensor (TorchRec's where torchrec imports).
+        return (KeyedTensor if jt is None else jt.KeyedTensor)(
+            keys=self.features, length_per_key=[o.shape[1] for o in outs], values=torch.cat(outs, 1)
+        )
 
 
 def _dynamic(x: Any) -> Any:
