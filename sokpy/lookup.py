@@ -108,7 +108,7 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
         codes = list(map(COMBINERS.get, combs))
         if None in codes:
             i = codes.index(None)
-            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean' or 'sqrtn')")
+            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean', 'sqrtn' or 'length_mean')")
         batch = to_batch(sp_ids, sp_weights, len(params))
         if not pooled:
             batch = one_bag_per_key(batch)
@@ -183,7 +183,8 @@ def lookup_sparse(
     ``[B, H]`` or CSR, a 1-D or 2-D integer tensor, or a list of lists), or one
     KeyedJaggedTensor for all tables; ``sp_weights`` the same structure of per-key weights (or
     None: every weight is 1); ``combiners`` one of "sum", "mean" (default) or "sqrtn" per
-    table, as ``tf.nn.embedding_lookup_sparse``. Returns one float32 tensor ``[B_t, dim_t]``
+    table, as ``tf.nn.embedding_lookup_sparse``, or "length_mean" (TorchRec's MEAN: a
+    weighted bag divided by its length; docs/numerics.md). Returns one float32 tensor ``[B_t, dim_t]``
     per table (a single tensor for a single table). Every rank must pass the same tables in
     the same order; batch sizes may differ between tables and ranks. Bad input on any rank
     raises :class:`sokpy.InputError` on every rank before anything is exchanged or changed.

@@ -359,6 +359,17 @@ def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
             bigger = type(example)(["b", "a", "c"], torch.arange(6), torch.ones(6), lengths=lengths)
             bigger.offsets()  # TorchRec's KJT keeps the offsets it computed: the same fields as the example's
             torch.testing.assert_close(_dict_of(program.module()(bigger))["c"], _dict_of(ebc(bigger))["c"])
+
+    class Model(torch.nn.Module):  # a forward that calls self.ebc(ids, weights), as in training
+        def __init__(self):
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, ids, weights):
+            return self.ebc(ids, weights).values().sum(1)
+
+    model = Model()
+    torch.testing.assert_close(inference_module(model)(*as_weights), model(*as_weights), rtol=1e-6, atol=1e-6)
     ec = EmbeddingCollection([EmbeddingConfig("fid_srv_seq", 2, 6, ["s"])])
     served = inference_module(ec)
     pair = (torch.tensor([5, 0, 5]), torch.tensor([0, 1, 3]))
