@@ -278,3 +278,31 @@ def test_a_torchrec_that_fails_to_import_leaves_sokpys_inputs_alone(tmp_path):
     env.pop("WORLD_SIZE", None)
     out = subprocess.run([sys.executable, "-c", _BROKEN], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "broken ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_distributed_model_parallel_refuses_what_it_cannot_honour(sokpy_host):
+    sokpy = sokpy_host
+    from sokpy.nn import DistributedModelParallel, EmbeddingBagCollection, EmbeddingBagConfig
+
+    class Sharder:  # TorchRec's sharders have these two
+        module_type = EmbeddingBagCollection
+        fused_params = {"optimizer": "exact_sgd", "learning_rate": 1.0}
+
+    class Plan:  # TorchRec's ShardingPlan: module path -> its tables' shardings
+        plan = {"ebc": {"dmp_r": "table_wise"}}
+
+    model = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection([EmbeddingBagConfig("dmp_r", 2, 10, ["a"])])})
+    with pytest.raises(ValueError, match=r"no fused optimizer for the tables \['dmp_r'\]"):
+        DistributedModelParallel(model)
+    with pytest.raises(ValueError, match="the plan places tables.*target_gpu"):
+        DistributedModelParallel(model, plan=Plan(), sharders=[Sharder()])
+    with pytest.raises(ValueError, match=r"DistributedModelParallel\(env=...\): not supported"):
+        DistributedModelParallel(model, env=object(), sharders=[Sharder()])
+    Plan.plan = {}  # TorchRec's planner over sokpy's modules: nothing to place
+    dmp = DistributedModelParallel(model, plan=Plan(), sharders=[Sharder()])
+    (table,) = model["ebc"].tables()
+    before = sokpy.export(table)[1].clone()
+    model["ebc"]({"a": [[3]]}).values().sum().backward()  # SGD, lr 1: row 3 down by 1, inside backward
+    assert table.grad is None and torch.equal(sokpy.export(table)[1][3], before[3] - 1)
+    keys = ["ebc.embedding_bags.dmp_r.weight", "ebc.embedding_bags.dmp_r.optimizer"]  # no DDP prefix
+    assert dmp.fused_optimizer.param_groups[0]["lr"] == 1.0 and list(dmp.state_dict()) == keys

@@ -10,6 +10,8 @@
 * :func:`inference_module`: a plain torch module of a trained model for serving, and
   :func:`export` (``torch.export`` with a dynamic batch) (:mod:`sokpy.nn.serving`);
 * :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks;
+* :class:`DistributedModelParallel`: TorchRec's wrapper (the sharders' ``fused_params`` stepped
+  inside backward, DDP for the dense part) (:mod:`sokpy.nn.model_parallel`);
 * :func:`fused_optimizer`: the sokpy optimizer for TorchRec's ``fused_params``
   (:mod:`sokpy.nn.fused`).
 
@@ -29,6 +31,7 @@ from .config import EmbeddingBagConfig, EmbeddingConfig
 from .fused import fused_optimizer
 from .jagged import JaggedTensor, KeyedJaggedTensor
 from .kjt import KeyedTensor
+from .model_parallel import DistributedModelParallel
 from .modules import EmbeddingBagCollection, TableState, concat
 from .process_group import init_process_group
 from .sequence import EmbeddingCollection
@@ -39,6 +42,7 @@ __all__ = [
     "EmbeddingConfig",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
+    "DistributedModelParallel",
     "KeyedJaggedTensor",
     "JaggedTensor",
     "KeyedTensor",

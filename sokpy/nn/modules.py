@@ -54,6 +54,7 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -89,6 +90,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
     _pooled = True
     _torchrec_key = "embedding_bags"  # TorchRec's state_dict key: <prefix><this>.<table>.weight
     _weighted = False
+    _step_in_backward: Any = None  # an optimizer DistributedModelParallel steps inside backward
 
     def __init__(
         self,
@@ -191,7 +193,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
             text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
             ids, ws, fault = None, None, f"{type(self).__name__} input: {text}"
-        return lookup(
+        outs = lookup(
             [var for _, var, _ in self.feature_tables],
             ids,
             ws,
@@ -201,7 +203,11 @@ class EmbeddingCollectionBase(torch.nn.Module):
             wire_dtype=self.wire_dtype,
             input_error=fault,
             **kwargs,
-        ), ids
+        )
+        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if self._step_in_backward is not None and node is not None:  # as FBGEMM: the step inside backward
+            node.register_hook(functools.partial(_step, self._step_in_backward))
+        return outs, ids
 
     # ---- dtype and device --------------------------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> EmbeddingCollectionBase:
@@ -248,6 +254,12 @@ class EmbeddingCollectionBase(torch.nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         load_tables(self.tables(), self._torchrec_key, state_dict, prefix, missing_keys, unexpected_keys)
+
+
+def _step(optimizer: Any, *grads: Any) -> None:
+    """The lookup's backward hook: its rows' gradients arrived; the optimizer steps on them."""
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 # TorchRec's MEAN: a weighted bag divided by its length, as FBGEMM's sharded modules do.

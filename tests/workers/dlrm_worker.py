@@ -1,12 +1,12 @@
 """One TorchRec DLRM training script, run by TorchRec + FBGEMM and by sokpy.nn.
 
-The script (``build``, ``batch``, ``train``) is TorchRec's: TorchRec's own ``DLRM`` model class
-over an EmbeddingBagCollection, beside a weighted EmbeddingBagCollection and an
-EmbeddingCollection, TorchRec's KeyedJaggedTensors in, a fused EXACT_ROWWISE_ADAGRAD for the
-tables, SGD for the dense part. What differs between the two runs is the library the modules
-come from and how the model is wrapped (``wrap_torchrec``: DistributedModelParallel with a
-table-wise fused plan; ``wrap_sokpy``: DDP, and the same fused_params through
-sokpy.nn.fused_optimizer).
+The script (``build``, ``batch``, ``wrap``, ``train``) is TorchRec's: TorchRec's own ``DLRM``
+model class over an EmbeddingBagCollection, beside a weighted EmbeddingBagCollection and an
+EmbeddingCollection, KeyedJaggedTensors in, TorchRec's planner (table-wise, FBGEMM's fused
+kernel) and sharders with a fused EXACT_ROWWISE_ADAGRAD for the tables,
+DistributedModelParallel, SGD for the dense part. The two runs differ in their imports only:
+the modules, the KeyedJaggedTensor and DistributedModelParallel come from torchrec in one,
+from sokpy.nn in the other.
 
   torchrec DIR   (1 rank) writes DIR/init.pt (the model's first state, TorchRec's keys) and
                  DIR/torchrec.pt (the losses of 5 steps of the global batch and the last state)
@@ -107,7 +107,7 @@ def batch(step, KeyedJaggedTensor, lo=0, hi=GLOBAL_B):  # noqa: N803
     return dense[lo:hi], sparse, tag, history, labels[lo:hi]
 
 
-def train(model, dense_params, KeyedJaggedTensor, step_tables=None):  # noqa: N803
+def train(model, dense_params, KeyedJaggedTensor):  # noqa: N803
     """STEPS steps of this rank's share of each global batch; returns the global batch's losses."""
     lo, hi = RANK * GLOBAL_B // WORLD, (RANK + 1) * GLOBAL_B // WORLD
     dense_opt = torch.optim.SGD(dense_params, lr=0.05)
@@ -115,15 +115,33 @@ def train(model, dense_params, KeyedJaggedTensor, step_tables=None):  # noqa: N8
     for step in range(STEPS):
         dense, sparse, tag, history, labels = batch(step, KeyedJaggedTensor, lo, hi)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse, tag, history), labels)
-        loss.backward()
-        if step_tables is not None:
-            step_tables()
+        loss.backward()  # the tables' rows are updated here, inside backward
         dense_opt.step()
         dense_opt.zero_grad()
         total = torch.tensor([loss.item()], dtype=torch.float64)
         dist.all_reduce(total)
         losses.append(total.item() / WORLD)
     return losses
+
+
+def wrap(model, DistributedModelParallel):  # noqa: N803
+    """TorchRec's: a table-wise plan with FBGEMM's fused kernel, the fused optimizer in the sharders."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+
+    only = ParameterConstraints(
+        sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+    )
+    constraints = {t: only for t in ("dl_user", "dl_item", "dl_tag", "dl_hist")}
+    sharders = [EmbeddingBagCollectionSharder(fused_params=FUSED), EmbeddingCollectionSharder(fused_params=FUSED)]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=WORLD, compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
 
 
 def whole(state):
@@ -145,24 +163,10 @@ def run_torchrec(folder):
         KeyedJaggedTensor,
     )
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.types import ShardingType
 
     assert WORLD == 1, "TorchRec's reference runs the global batch on one rank"
     model = build(EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig)
-    constraints = {
-        t: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-        )
-        for t in ("dl_user", "dl_item", "dl_tag", "dl_hist")
-    }
-    sharders = [EmbeddingBagCollectionSharder(fused_params=FUSED), EmbeddingCollectionSharder(fused_params=FUSED)]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = wrap(model, DistributedModelParallel)
     torch.save(whole(dmp.module.state_dict()), os.path.join(folder, "init.pt"))
     dense = [p for n, p in dmp.named_parameters() if ".embedding_bags." not in n and ".embeddings." not in n]
     losses = train(dmp, dense, KeyedJaggedTensor)
@@ -171,7 +175,9 @@ def run_torchrec(folder):
 
 
 def run_sokpy(folder):
+    """run_torchrec's lines with sokpy's imports (and TorchRec's first state loaded, to compare)."""
     from sokpy.nn import (
+        DistributedModelParallel,
         EmbeddingBagCollection,
         EmbeddingBagConfig,
         EmbeddingCollection,
@@ -180,21 +186,12 @@ def run_sokpy(folder):
     )
 
     model = build(EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig)
-    init = torch.load(os.path.join(folder, "init.pt"), weights_only=True)
-    result = model.load_state_dict(init)  # TorchRec's keys, into sokpy's modules
-    assert not result.missing_keys and not result.unexpected_keys, result
-    tables = [
-        t for m in (model.dlrm.sparse_arch.embedding_bag_collection, model.tags, model.history) for t in m.tables()
-    ]
-    table_opt = sokpy.nn.fused_optimizer(tables, FUSED)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-
-    def step_tables():  # what FBGEMM's fused optimizer does inside backward
-        table_opt.step()
-        table_opt.zero_grad()
-
-    losses = train(ddp, list(ddp.parameters()), KeyedJaggedTensor, step_tables)
-    state = model.state_dict()  # collective: rank 0's holds the tables whole
+    result = model.load_state_dict(torch.load(os.path.join(folder, "init.pt"), weights_only=True))
+    assert not result.missing_keys and not result.unexpected_keys, result  # TorchRec's keys into sokpy's modules
+    dmp = wrap(model, DistributedModelParallel)
+    dense = [p for n, p in dmp.named_parameters() if ".embedding_bags." not in n and ".embeddings." not in n]
+    losses = train(dmp, dense, KeyedJaggedTensor)
+    state = dmp.state_dict()  # collective: rank 0's holds the tables whole
     if RANK == 0:
         want = torch.load(os.path.join(folder, "torchrec.pt"), weights_only=True)
         np.testing.assert_allclose(losses, want["losses"], rtol=1e-6, atol=1e-6)
