@@ -244,6 +244,20 @@ def test_messages_at_construction(sokpy_host):
         EmbeddingBagCollection([EmbeddingBagConfig(100, 8, "t")])
 
 
+def test_a_kjts_fault_is_named_as_the_kjts(sokpy_host):
+    """Lengths that run past the values: the KJT's feature and bag are named (in the module's
+    order and in another), not a slice of one feature's."""
+    sokpy = sokpy_host
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("msg_kjt", 2, 10, ["a", "b"])])
+    words = r"the KeyedJaggedTensor's lengths run past its 3 values: feature 'b', bag 0 \(position 2 of its lengths\)"
+    for keys in (["a", "b"], ["c", "b", "a"][1:]):
+        kjt = KeyedJaggedTensor(keys, torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1, 1, 0]))
+        with pytest.raises(sokpy.InputError, match=words if keys == ["a", "b"] else "lengths run past its 3 values"):
+            ebc(kjt)
+
+
 _BROKEN = """
 import sys, torch, sokpy
 from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, concat, jagged

@@ -132,7 +132,7 @@ def feature_inputs(features, weights, names: list[str], module: str, weighted: b
     stride = kjt_stride(features, offsets.numel() - 1, len(keys))
     fault = kjt_fault(keys, int_array(offsets, "offsets"), int(values.shape[0]), stride)
     if fault is not None:
-        raise ValueError(fault)
+        raise ValueError(fault[1])
     ids, ws = [], []
     for f in names:
         k = keys.index(f)

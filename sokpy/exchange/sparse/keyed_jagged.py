@@ -37,11 +37,12 @@ def kjt_stride(kjt, nbags: int, nfeatures: int) -> int:
     return stride
 
 
-def kjt_fault(keys: list, offsets: np.ndarray, nvalues: int, stride: int) -> str | None:
+def kjt_fault(keys: list, offsets: np.ndarray, nvalues: int, stride: int) -> tuple[int | None, str] | None:
     """The fault of a KeyedJaggedTensor's bags as a whole (offsets that do not run from 0 to
-    ``nvalues`` without decreasing), naming the feature and the bag where it shows, or None."""
+    ``nvalues`` without decreasing): ``(the index of the feature where it shows, or None; a
+    message naming the feature and the bag)``, or None."""
     if offsets.size == 0 or offsets[0] != 0:
-        return f"the KeyedJaggedTensor's offsets must start at 0, got {offsets[:1].tolist()}"
+        return None, f"the KeyedJaggedTensor's offsets must start at 0, got {offsets[:1].tolist()}"
 
     def where(b: int) -> str:
         key = keys[b // stride] if stride and b // stride < len(keys) else "?"
@@ -51,15 +52,17 @@ def kjt_fault(keys: list, offsets: np.ndarray, nvalues: int, stride: int) -> str
     past = np.flatnonzero(offsets[1:] > nvalues)
     if drops.size and (not past.size or drops[0] < past[0]):
         b = int(drops[0])
-        return f"the KeyedJaggedTensor has a negative length {int(offsets[b + 1] - offsets[b])} at {where(b)}"
+        return b // max(stride, 1), (
+            f"the KeyedJaggedTensor has a negative length {int(offsets[b + 1] - offsets[b])} at {where(b)}"
+        )
     if past.size:
         b = int(past[0])
-        return (
+        return b // max(stride, 1), (
             f"the KeyedJaggedTensor's lengths run past its {nvalues} values: {where(b)} ends at {int(offsets[b + 1])} "
             f"(its lengths sum to {int(offsets[-1])})"
         )
     if offsets[-1] != nvalues:
-        return f"the KeyedJaggedTensor's lengths sum to {int(offsets[-1])}, but it holds {nvalues} values"
+        return None, f"the KeyedJaggedTensor's lengths sum to {int(offsets[-1])}, but it holds {nvalues} values"
     return None
 
 
@@ -82,8 +85,9 @@ def from_keyed_jagged(kjt, ntables: int) -> Batch:
         offsets = segment_starts(int_array(kjt.lengths(), "lengths"))
     stride = kjt_stride(kjt, offsets.size - 1, ntables)
     fault = kjt_fault(kjt.keys() if callable(getattr(kjt, "keys", None)) else [], offsets, keys.size, stride)
-    if fault is not None:
-        raise BatchError(None, fault)
+    if fault is not None:  # named as the KJT's, after the table its feature feeds (feature f: table f)
+        feature, text = fault
+        raise BatchError(feature if feature is not None and feature < ntables else None, text)
     w = kjt.weights_or_none()
     weights = None if w is None else float_array(w, "weights")
     bag_start = np.arange(ntables + 1, dtype=np.int64) * stride
