@@ -70,7 +70,10 @@ class _LookupFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no rows for it
         ctx.plan = plan
         ctx.nweights = nweights
-        return tuple(plan.forward())
+        outs = tuple(plan.forward())
+        if not plan.keyed:  # a frozen table's output needs no gradient
+            ctx.mark_non_differentiable(*(o for o, trains in zip(outs, plan.trains) if not trains))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -82,7 +85,7 @@ class _LookupFunction(torch.autograd.Function):
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
     needed = [g for g in weight_grads if g is not None][:nweights]
-    return (None, None) + (None,) * min(len(plan.tables), 1) + tuple(needed)
+    return (None, None, None) + tuple(needed)
 
 
 def _as_list(x, n: int, what: str):
@@ -105,12 +108,14 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
         codes = list(map(COMBINERS.get, combs))
         if None in codes:
             i = codes.index(None)
-            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean' or 'sqrtn')")
+            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean', 'sqrtn' or 'length_mean')")
         batch = to_batch(sp_ids, sp_weights, len(params))
         if not pooled:
             batch = one_bag_per_key(batch)
         return batch, np.array(codes, np.int64), None
     except BatchError as e:
+        if e.table is None:  # the input as a whole (a KeyedJaggedTensor's bags)
+            return None, None, str(e)
         return None, None, f"table {params[e.table].name!r} (index {e.table}): {e}"
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         return None, None, f"{type(e).__name__}: {e}"
@@ -148,12 +153,17 @@ def lookup(
         batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners, pooled)
     else:
         batch, codes, error = None, None, input_error
-    grad_mode = torch.is_grad_enabled()
+    weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
+    # Frozen tables (requires_grad_(False)) take no gradient: a call of frozen tables alone,
+    # without weights that want one, runs as under no_grad (every rank alike: the tables'
+    # flags are the same everywhere).
+    trains = [v.requires_grad for v in params]
+    grad_mode = torch.is_grad_enabled() and (any(trains) or bool(weights))
     plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode, wire_dtype)
     if not grad_mode or error is not None:
         return plan.forward()  # with an error: raises it on every rank (the others in the node below)
-    weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
-    return list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in params[:1]), *weights))
+    handle = next((v.handle for v, t in zip(params, trains) if t), params[0].handle)  # ties the node in
+    return list(_LookupFunction.apply(plan, len(weights), handle, *weights))
 
 
 def lookup_sparse(
@@ -173,7 +183,8 @@ def lookup_sparse(
     ``[B, H]`` or CSR, a 1-D or 2-D integer tensor, or a list of lists), or one
     KeyedJaggedTensor for all tables; ``sp_weights`` the same structure of per-key weights (or
     None: every weight is 1); ``combiners`` one of "sum", "mean" (default) or "sqrtn" per
-    table, as ``tf.nn.embedding_lookup_sparse``. Returns one float32 tensor ``[B_t, dim_t]``
+    table, as ``tf.nn.embedding_lookup_sparse``, or "length_mean" (TorchRec's MEAN: a
+    weighted bag divided by its length; docs/numerics.md). Returns one float32 tensor ``[B_t, dim_t]``
     per table (a single tensor for a single table). Every rank must pass the same tables in
     the same order; batch sizes may differ between tables and ranks. Bad input on any rank
     raises :class:`sokpy.InputError` on every rank before anything is exchanged or changed.
