@@ -68,11 +68,18 @@ needs_horovod_env = pytest.mark.skipif(
 
 def launch_command(launcher, nranks, program, timeout):
     """``(command, environment additions)`` that start ``program`` (a list beginning with
-    "python") at ``nranks`` ranks under ``launcher``: "sokrun", "mpich" (MPICH's mpiexec) or
-    "horovodrun" (``--mpi``, on MPICH). The last two take the Horovod environment's Python."""
+    "python") at ``nranks`` ranks under ``launcher``: "sokrun", "torchrun" (``python -m
+    torch.distributed.run --standalone``, under ``timeout``, which ends its agent and so its
+    workers), "mpich" (MPICH's mpiexec) or "horovodrun" (``--mpi``, on MPICH). The last two
+    take the Horovod environment's Python."""
     if launcher == "sokrun":
         sokrun = [sys.executable, str(ROOT / "launch" / "sokrun"), "-np", str(nranks), "--timeout", str(timeout)]
         return [*sokrun, *program], {}
+    if launcher == "torchrun":
+        if program[0] != "python":
+            raise ValueError(f"torchrun runs Python programs: {program}")
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nranks)]
+        return ["timeout", "-k", "10", str(int(timeout)), *torchrun, *program[1:]], {}
     env = horovod_env()
     if env is None:
         pytest.skip("the Horovod/MPICH environment is not built: run launch/install-horovod")
@@ -83,6 +90,19 @@ def launch_command(launcher, nranks, program, timeout):
     return [*head[launcher], str(nranks), python, *program[1:]], extra
 
 
+def no_mpi_library(folder: Path) -> dict:
+    """Environment additions under which mpi4py is there but no MPI library loads (its ``MPI``
+    module raises the ImportError a missing libmpi raises): a stand-in package in ``folder``,
+    first on PYTHONPATH (job_command keeps it ahead of the checkout)."""
+    package = folder / "mpi4py"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""mpi4py whose MPI library is missing (tests/conftest.py)."""\n')
+    (package / "MPI.py").write_text(
+        'raise ImportError("libmpi.so.40: cannot open shared object file: No such file or directory")\n'
+    )
+    return {"PYTHONPATH": str(folder)}
+
+
 def job_command(launcher, nranks, program, timeout, env=None):
     """``(command, full environment)`` of a job: :func:`launch_command`'s, with this
     process's environment, ``env`` and sokpy from this checkout."""
@@ -90,7 +110,8 @@ def job_command(launcher, nranks, program, timeout, env=None):
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.update(extra)
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    paths = [*(env or {}).get("PYTHONPATH", "").split(os.pathsep), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return cmd, full_env
 
 

@@ -15,9 +15,10 @@ import os
 import numpy as np
 
 from .. import timing
-from . import watchdog
+from . import launchers, watchdog
 from .backend import DeviceBackend, HostBackend, check_device, device_shapes_requested
 from .comm import MpiUnavailable, SoloComm, mpi_world
+from .launchers import LaunchError, started_by_launcher
 from .nccl_comm import NcclComm
 
 __all__ = [
@@ -39,15 +40,12 @@ __all__ = [
     "abort",
     "NotInitializedError",
     "LaunchError",
+    "started_by_launcher",
 ]
 
 
 class NotInitializedError(RuntimeError):
     """An API that needs the runtime was called before ``sokpy.init()``."""
-
-
-class LaunchError(RuntimeError):
-    """The processes were started in a way sokpy cannot train under (e.g. one MPI world per process)."""
 
 
 class _State:
@@ -58,39 +56,8 @@ class _State:
 
 _state = _State()
 
-# Launchers that set a world size of their own. Under them, every process may see an MPI
-# world of 1 and would silently train its own model.
+# Launchers whose own world size must be MPI's when MPI runs the job.
 _LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
-# Variables by which MPI launchers tell a process the size of its world; used only when no
-# MPI library can be loaded, to tell a one-process run from a broken multi-process launch.
-_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
-# Names and prefixes of the variables by which a launcher tells a process that it is one of a
-# job: Open MPI and PMIx, MPICH's Hydra and PMI (Intel MPI, Slurm's srun, MVAPICH), Cray's
-# ALPS and PALS, and the launchers above. MPI itself finds its job through these, so a process
-# that has none of them would start an MPI world of itself alone (a singleton). sokpy then
-# starts no MPI and runs on SoloComm: Open MPI 5.0's singletons leave a 16 MB segment in
-# /dev/shm and a folder in /tmp behind at every start. SOKPY_USE_MPI=1 starts MPI anyway.
-_LAUNCH_MARKS = (
-    "OMPI_COMM_WORLD_",
-    "PMIX_",
-    "PMI_",
-    "HYDI_",
-    "HYDRA_",
-    "MPI_LOCALNRANKS",
-    "I_MPI_",
-    "MV2_COMM_WORLD_",
-    "SLURM_PROCID",
-    "ALPS_APP_PE",
-    "PALS_",
-    *_LAUNCHER_SIZE_VARS,
-)
-
-
-def started_by_launcher() -> bool:
-    """Whether a launcher started this process (or SOKPY_USE_MPI=1 asks for MPI anyway)."""
-    if os.environ.get("SOKPY_USE_MPI", "").strip() == "1":
-        return True
-    return any(name.startswith(_LAUNCH_MARKS) for name in os.environ)
 
 
 # Whether "auto" picks the device backend when a GPU is usable. The device path is proven
@@ -119,32 +86,31 @@ def _check_launch(mpi_size: int) -> None:
         if int(value) != mpi_size:
             raise LaunchError(
                 f"sokpy.init: the launcher says {var}={value} but MPI sees a world of {mpi_size} "
-                f"process(es), so the processes cannot exchange embeddings. Launch with MPI: "
-                f"`sokrun -np N python train.py`, `mpirun -np N python train.py`, or "
-                f"`horovodrun --mpi -np N python train.py` (not horovodrun's gloo mode or torchrun)."
+                f"process(es), so the processes cannot exchange embeddings. {launchers.LAUNCH_LINES}"
             )
 
 
 def _mpi_world():
     """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
-    single process: one no launcher started (:func:`started_by_launcher`), or one where no MPI library
-    can be loaded (one GPU checked where only torch and CuPy are installed); a launch that
-    asked for several processes then fails clearly."""
-    if not started_by_launcher():
+    world of one: a process no MPI launcher started (:func:`launchers.mpi_launched`), or one
+    where no MPI library can be loaded (one GPU checked where only torch and CuPy are
+    installed). A process that a launcher calls one of several never runs alone: it raises
+    LaunchError (:func:`launchers.refuse_alone`)."""
+    if not launchers.mpi_launched():
+        launchers.refuse_alone("no MPI launcher started it, and sokpy joins the ranks of a job through MPI")
         return None, 0
     try:
         mpi, local_rank = mpi_world()
     except MpiUnavailable as e:
-        sizes = {v: os.environ[v] for v in _MPI_SIZE_VARS if os.environ.get(v, "").strip() not in ("", "1")}
-        if sizes:
-            raise LaunchError(
-                f"sokpy.init: the launcher started several processes ({sizes}) but MPI cannot be loaded here "
-                f"({e}); install mpi4py with an MPI library (pip install "
-                f'"sokpy-embeddings[mpi]")'
-            ) from e
+        launchers.refuse_alone(f"no MPI library can be loaded here ({e})")
         return None, 0
     try:
-        _check_launch(mpi.size)
+        if mpi.size == 1:
+            launchers.refuse_alone(
+                "MPI sees a world of 1 process (the MPI library mpi4py loaded is not the one of the launcher)"
+            )
+        else:
+            _check_launch(mpi.size)
     except LaunchError:
         mpi.free()
         raise
@@ -163,8 +129,10 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     before anything is allocated; if torch's CUDA, CuPy, NVRTC or (on several ranks) NCCL is
     missing, one error names them all and the pip line that installs them. A process that no
     launcher started (``python train.py``) is a world of one and starts no MPI
-    (``SOKPY_USE_MPI=1`` starts it anyway); it needs no MPI library. Idempotent: a second call with the same or ``"auto"``
-    backend returns the first one's choice.
+    (``SOKPY_USE_MPI=1`` starts it anyway); it needs no MPI library. A process that a
+    launcher calls one of several (``sokpy.backends.launchers``) joins that world or raises
+    :class:`LaunchError` naming the launcher and what is missing; it never trains alone.
+    Idempotent: a second call with the same or ``"auto"`` backend returns the first one's choice.
 
     A failed rank then ends the whole job (``sokpy.backends.watchdog``): an uncaught exception aborts
     the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
