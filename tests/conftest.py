@@ -129,20 +129,21 @@ POOLED = os.environ.get("SOKPY_TEST_POOLS", "1") != "0"
 def job_result(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
     """The job :func:`run_mpi` runs (in a rank pool unless ``fresh``, another launcher or
     ``SOKPY_TEST_POOLS=0``), its exit code and output returned whether it failed or not."""
-    if launcher == "sokrun" and not fresh and POOLED:
-        return rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd)
+    if launcher in ("sokrun", "torchrun") and not fresh and POOLED:
+        return rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd, launcher)
     return mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
 
 
 def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
     """Runs a worker at ``nranks`` ranks and fails the test if the job fails; returns its
-    stdout. Under sokrun (the default) the worker runs in a resident rank pool of that world
-    size and environment (``rank_pool.py``: the same ranks serve many tests, so start-up is
-    paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
-    its own. ``cwd``: the ranks' working directory (the checkout's root by default)."""
+    stdout. Under sokrun (the default) or torchrun (``launcher="torchrun"``) the worker runs
+    in a resident rank pool of that launcher, world size and environment (``rank_pool.py``:
+    the same ranks serve many tests, so start-up is paid once); ``fresh=True``, another
+    launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of its own. ``cwd``: the ranks' working
+    directory (the checkout's root by default)."""
     res = job_result(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, fresh=fresh, cwd=cwd)
     if res.returncode != 0:
-        how = "sokrun rank pool" if isinstance(res, rank_pool.Result) else launcher
+        how = f"{launcher} rank pool" if isinstance(res, rank_pool.Result) else launcher
         pytest.fail(
             f"{script} {' '.join(map(str, args))} at {nranks} ranks ({how}) failed (exit {res.returncode})\n"
             f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"

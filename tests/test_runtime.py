@@ -133,7 +133,7 @@ print("launch " + json.dumps(out))
 # (environment, the launcher the error must name): each says this process is one of several.
 SEVERAL = {
     "torchrun-world-size": ({"WORLD_SIZE": "2"}, "torchrun (torch.distributed's variables): WORLD_SIZE=2"),
-    "torchrun-rank": ({"RANK": "1"}, "torchrun (torch.distributed's variables): RANK=1"),
+    "torchrun-rank": ({"RANK": "1", "MASTER_ADDR": "x"}, "torchrun (torch.distributed's variables): RANK=1"),
     "horovodrun-gloo": ({"HOROVOD_SIZE": "2", "HOROVOD_RANK": "0"}, "horovodrun: HOROVOD_SIZE=2"),
     "horovod-size-4-world-1": ({"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}, "horovodrun: HOROVOD_SIZE=4"),
     "open-mpi": (
@@ -176,6 +176,11 @@ def test_a_process_called_one_of_several_without_a_world_to_join_raises(case):
     assert out["initialized"] is False and out["mpi_started"] is False, out
 
 
+def test_the_missing_torch_variables_are_named():
+    out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), {"RANK": "1", "MASTER_ADDR": "x"}), "launch")[0]
+    assert "torch.distributed's WORLD_SIZE, MASTER_PORT are not set." in out["error"], out
+
+
 def test_the_missing_mpi_library_is_named():
     out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), {"OMPI_COMM_WORLD_SIZE": "2"}), "launch")[0]
     assert "no MPI library can be loaded here" in out["error"], out
@@ -216,10 +221,17 @@ def test_ranks_under_mpirun(nranks):
     res = mpi_job(
         nranks, "runtime_worker.py", timeout=120, env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)}
     )
+    check_runtime_reports(res, nranks, "MpiComm")
+
+
+def check_runtime_reports(res, nranks: int, comm_class: str) -> None:
+    """runtime_worker.py's job at ``nranks`` ranks saw what its launcher says, on a
+    ``comm_class`` communicator, and init, shutdown and init again behaved."""
     assert res.returncode == 0 and "sokpy:" not in res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
     reports = sorted(json_from(res, "runtime_worker"), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == list(range(nranks))
     for r in reports:
+        assert r["comm_class"] == comm_class, r
         assert r["rank"] == r["launcher_rank"] == r["comm_rank"]
         assert r["world_size"] == r["launcher_size"] == r["comm_size"] == nranks
         # One node: the local rank is the rank. (Open MPI's own OMPI_COMM_WORLD_LOCAL_RANK may

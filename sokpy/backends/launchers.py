@@ -28,6 +28,8 @@ __all__ = [
     "Claim",
     "started_by_launcher",
     "mpi_launched",
+    "torchrun_started",
+    "torch_missing",
     "several_claimed",
     "refuse_alone",
     "TORCH_VARIABLES",
@@ -135,6 +137,21 @@ def mpi_launched() -> bool:
     if os.environ.get("SOKPY_USE_MPI", "").strip() == "1":
         return True
     return any(name.startswith(_MPI_MARKS) for name in os.environ)
+
+
+def torchrun_started() -> bool:
+    """Whether torchrun's agent started this process (its variables win over an MPI
+    launcher's that the agent's own launcher, srun or mpirun, left in the environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def torch_missing() -> str:
+    """What keeps a process with some of torch.distributed's variables from joining its
+    world: the others, named (empty where it has none of them, or all)."""
+    missing = [v for v in TORCH_VARIABLES if not os.environ.get(v, "").strip()]
+    if not missing or len(missing) == len(TORCH_VARIABLES):
+        return ""
+    return f"torch.distributed's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set."
 
 
 def _number(variable: str) -> int | None:

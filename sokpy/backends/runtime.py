@@ -1,4 +1,4 @@
-"""Process-wide state: the MPI world, this rank's place in it, and the backend.
+"""Process-wide state: the job's world (over MPI or torch.distributed), this rank's place in it, and the backend.
 
 Example::
 
@@ -20,6 +20,8 @@ from .backend import DeviceBackend, HostBackend, check_device, device_shapes_req
 from .comm import MpiUnavailable, SoloComm, mpi_world
 from .launchers import LaunchError, started_by_launcher
 from .nccl_comm import NcclComm
+from .torch_comm import TorchComm
+from .torch_world import torch_world, torch_world_ready
 
 __all__ = [
     "init",
@@ -90,27 +92,51 @@ def _check_launch(mpi_size: int) -> None:
             )
 
 
-def _mpi_world():
-    """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
-    world of one: a process no MPI launcher started (:func:`launchers.mpi_launched`), or one
-    where no MPI library can be loaded (one GPU checked where only torch and CuPy are
-    installed). A process that a launcher calls one of several never runs alone: it raises
-    LaunchError (:func:`launchers.refuse_alone`)."""
+def _join_torch_world(device: bool):
+    """:func:`torch_world`, refused (LaunchError) where it is a world of one process while a
+    launcher says this process is one of several (``srun -n 2 torchrun --standalone ...``:
+    each torchrun makes a world of its own)."""
+    world, local_rank = torch_world(device)
+    if world.size == 1:
+        try:
+            launchers.refuse_alone("torch.distributed's world has 1 process (a torchrun --standalone makes its own)")
+        except LaunchError:
+            world.free()
+            raise
+    return world, local_rank
+
+
+def _join_world(device: bool):
+    """``(communicator of the job's world, node-local rank)``, or ``(None, 0)`` for a world of
+    one. torchrun's processes (and those of a program that started torch.distributed, or
+    gives its variables without an MPI launcher) join over torch.distributed; those an MPI
+    launcher started keep MPI, or join over torch.distributed where MPI cannot give them
+    their world. A process no launcher started starts no MPI (``launchers.mpi_launched``),
+    and one where no MPI library can be loaded needs none. A process that a launcher calls
+    one of several never runs alone: it raises LaunchError (``launchers.refuse_alone``)."""
+    if launchers.torchrun_started() or (not launchers.mpi_launched() and torch_world_ready()):
+        return _join_torch_world(device)
     if not launchers.mpi_launched():
-        launchers.refuse_alone("no MPI launcher started it, and sokpy joins the ranks of a job through MPI")
+        launchers.refuse_alone("it joins no world: no MPI launcher started it", launchers.torch_missing())
         return None, 0
     try:
         mpi, local_rank = mpi_world()
     except MpiUnavailable as e:
-        launchers.refuse_alone(f"no MPI library can be loaded here ({e})")
+        if torch_world_ready():
+            return _join_torch_world(device)
+        launchers.refuse_alone(f"no MPI library can be loaded here ({e})", launchers.torch_missing())
         return None, 0
     try:
-        if mpi.size == 1:
-            launchers.refuse_alone(
-                "MPI sees a world of 1 process (the MPI library mpi4py loaded is not the one of the launcher)"
-            )
-        else:
+        if mpi.size > 1:
             _check_launch(mpi.size)
+            return mpi, local_rank
+        if torch_world_ready():
+            mpi.free()
+            return _join_torch_world(device)
+        launchers.refuse_alone(
+            "MPI sees a world of 1 process (the MPI library mpi4py loaded is not the one of the launcher)",
+            launchers.torch_missing(),
+        )
     except LaunchError:
         mpi.free()
         raise
@@ -118,7 +144,14 @@ def _mpi_world():
 
 
 def init(backend: str = "auto", timeout: float | None = None) -> str:
-    """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
+    """Joins the job's world and picks the backend; returns the backend's name.
+
+    The world: a process that torchrun started (or whose program started torch.distributed,
+    or that has torch.distributed's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` without an MPI launcher) joins over torch.distributed (``TorchComm``: gloo,
+    and NCCL on the device backend; no MPI library needed), starting its default process group
+    when the program has not; one that mpirun, sokrun, horovodrun --mpi or another MPI
+    launcher started joins over MPI (mpi4py).
 
     ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
     exchange) or ``"device"`` (CuPy arrays on this rank's GPU, kernels compiled by NVRTC,
@@ -164,37 +197,46 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
         backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
     if backend == "device" and not _gpu_usable():
         check_device(1)  # names what is missing
-    mpi, local_rank = _mpi_world()
-    world = 1 if mpi is None else mpi.size
+    world, local_rank = _join_world(backend == "device")
     emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
     try:
-        be, comm = _make_backend(backend, emulated, mpi, local_rank, world)
+        be, comm = _make_backend(backend, emulated, world, local_rank)
     except BaseException:
-        if mpi is not None:
-            mpi.free()
+        if world is not None:
+            world.free()
         raise
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
-    watchdog.install(timeout, comm, notices=None if mpi is None else mpi.leave_notices())
+    watchdog.install(timeout, comm, notices=comm.leave_notices())
     return be.name
 
 
-def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int):
-    """The backend object and its communicator."""
+def _make_backend(backend: str, emulated: bool, world, local_rank: int):
+    """The backend object and its communicator; ``world`` is the job's MpiComm or TorchComm
+    (None: a world of one)."""
+    size = 1 if world is None else world.size
     if backend == "device":
-        check_device(world)
+        check_device(1 if isinstance(world, TorchComm) else size)  # torch's NCCL moves TorchComm's arrays, not CuPy's
         import cupy  # optional dependency, imported only on the device path
 
         be = DeviceBackend(device_index(local_rank, cupy.cuda.runtime.getDeviceCount()))
-        if mpi is None:
+        if world is None:
             return be, SoloComm(be.xp)
-        return be, NcclComm(mpi, stream=be.stream_handle)
+        if isinstance(world, TorchComm):
+            world.use_device(be.xp)  # NCCL, through torch's process group
+            return be, world
+        return be, NcclComm(world, stream=be.stream_handle)
     if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
+        if isinstance(world, TorchComm):
+            raise LaunchError(
+                "sokpy.init: SOKPY_EMULATE_DEVICE=1 moves the emulated device's buffers over MPI (the NCCL test "
+                "double); launch it with sokrun or mpirun, not torchrun"
+            )
         from ..testing.emulated import EmulatedDeviceBackend
 
         emulated_be = EmulatedDeviceBackend()
-        return emulated_be, emulated_be.communicator(mpi)
+        return emulated_be, emulated_be.communicator(world)
     host_be = HostBackend(device_shapes=device_shapes_requested())
-    return host_be, mpi if mpi is not None else SoloComm(np)
+    return host_be, world if world is not None else SoloComm(np)
 
 
 def device_index(local_rank: int, device_count: int) -> int:

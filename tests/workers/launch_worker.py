@@ -1,6 +1,6 @@
 """Starts sokpy under whatever launched this process and trains one step; every rank prints
 ``launch_worker {json}``: its rank, world size, node-local rank, communicator, whether MPI
-was started, and how the step changed the rows it holds. Where init refuses the launch, the
+was started, and the rows it holds before and after the step. Where init refuses the launch, the
 rank prints the LaunchError instead and exits with code 3.
 
 Rank r looks up keys r and r + 8 of a 16-row table (sum combiner) and SGD (lr 1) steps on
@@ -14,10 +14,18 @@ import sys
 
 import sokpy
 
+
+def say(report: dict) -> None:
+    """One line in one write: torchrun's workers run unbuffered (``python -u``), where print
+    writes the text and its newline apart, and another rank's line may fall in between."""
+    sys.stdout.write("launch_worker " + json.dumps(report) + "\n")
+    sys.stdout.flush()
+
+
 try:
     sokpy.init()
 except sokpy.LaunchError as e:
-    print("launch_worker " + json.dumps({"pid": os.getpid(), "error": str(e)}), flush=True)
+    say({"pid": os.getpid(), "error": str(e)})
     sys.exit(3)
 
 rank = sokpy.rank()
@@ -33,6 +41,6 @@ report = {
     "local_rank": sokpy.local_rank(),
     "comm": type(sokpy.comm()).__name__,
     "mpi_started": "mpi4py.MPI" in sys.modules,
-    "changes": {int(k): (a - b).tolist() for k, a, b in zip(keys, after, before)},
+    "rows": {int(k): [b.tolist(), a.tolist()] for k, a, b in zip(keys, after, before)},
 }
-print("launch_worker " + json.dumps(report), flush=True)
+say(report)
