@@ -355,9 +355,13 @@ class StoreNotices:
 
     def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
         """Tells every other rank that this one leaves after ``completed_calls`` collective
-        calls (the store's calls return once the server has the value; ``wait_s`` is not needed)."""
-        self._store.set(f"rank{self.rank}", str(int(completed_calls)))
-        self._store.add("count", 1)
+        calls (the store's calls return once the server has the value; ``wait_s`` is not needed).
+        Where the store is gone with its host, there is nobody left to tell."""
+        try:
+            self._store.set(f"rank{self.rank}", str(int(completed_calls)))
+            self._store.add("count", 1)
+        except RuntimeError:  # the store's host (rank 0's process, without torchrun's agent) has ended
+            pass
 
     def poll(self) -> dict[int, int]:
         """The notices that arrived since the last poll: ``{rank: collective calls it
