@@ -80,23 +80,44 @@ SRUN_ONE_TASK = {
 }
 
 
-def test_torchrun_under_srun_joins_over_torch_distributed(tmp_path):
-    """``srun -n 1 torchrun --standalone --nproc-per-node 2``: the workers carry srun's and
-    PMIx's variables, yet torchrun is their launcher: one world of 2, and no MPI started."""
-    res = mpi_job(2, "launch_worker.py", launcher=TORCHRUN, env=SRUN_ONE_TASK, timeout=120)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    check_one_world(res.stdout, 2)
+JOIN_SCRIPT = """
+import json, sys, sokpy
+try:
+    sokpy.init()
+    out = {"comm": type(sokpy.comm()).__name__, "world": sokpy.world_size()}
+except sokpy.LaunchError as e:
+    out = {"error": str(e)}
+out["mpi_started"] = "mpi4py.MPI" in sys.modules
+print("joined " + json.dumps(out))
+"""
+
+
+def torchrun_worker_env(**more) -> dict:
+    """What torchrun's agent gives a worker of a world of 1 (its store is the worker's own here)."""
+    port = str(free_port())
+    env = {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": port}
+    return {**env, "MASTER_ADDR": "127.0.0.1", **more}
+
+
+def joined(env: dict) -> dict:
+    res = run_python(JOIN_SCRIPT, env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("joined "))[7:])
+
+
+def test_torchrun_under_srun_joins_over_torch_distributed():
+    """``srun -n 1 torchrun ...``: the worker carries srun's and PMIx's variables, yet torchrun
+    is its launcher: it joins over torch.distributed, and no MPI is started."""
+    assert joined(torchrun_worker_env(**SRUN_ONE_TASK)) == {"comm": "TorchComm", "world": 1, "mpi_started": False}
 
 
 def test_torchruns_of_one_process_under_an_srun_of_two_are_refused():
     """``srun -n 2 torchrun --standalone --nproc-per-node 1``: each torchrun makes a world of
     one, while srun says the job has 2 tasks; init raises naming srun rather than train alone."""
-    env = {**SRUN_ONE_TASK, "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
-    res = mpi_job(1, "launch_worker.py", launcher=TORCHRUN, env=env, timeout=120)
-    got = reports(res.stdout)
-    assert res.returncode != 0 and len(got) == 1, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "Slurm's srun: SLURM_STEP_NUM_TASKS=2" in got[0]["error"], got
-    assert "torch.distributed's world has 1 process" in got[0]["error"], got
+    slurm = {**SRUN_ONE_TASK, "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+    out = joined(torchrun_worker_env(**slurm))
+    assert "Slurm's srun: SLURM_STEP_NUM_TASKS=2" in out["error"], out
+    assert "torch.distributed's world has 1 process" in out["error"] and not out["mpi_started"], out
 
 
 def free_port() -> int:
@@ -234,7 +255,7 @@ def test_every_input_error_on_one_rank_of_three():
 def test_runtime_state():
     """Rank, world size, node-local rank and communicator as torchrun says; init twice,
     shutdown and init again (a new communicator over the same world)."""
-    check_runtime_reports(mpi_job(2, "runtime_worker.py", timeout=120, launcher=TORCHRUN), 2, "TorchComm")
+    check_runtime_reports(job_result(2, "runtime_worker.py", timeout=120, launcher=TORCHRUN), 2, "TorchComm")
 
 
 def test_the_main_example_trains_as_under_sokrun_bit_for_bit(tmp_path):
