@@ -17,6 +17,7 @@ and makes it wait in turn.
 * A collective the transport cannot finish (a peer's process ended and its connections
   closed) raises :class:`TransportError`; the watchdog then ends the job, naming the peer
   when it said that it left or failed (:class:`StoreNotices`, keys in the world's store).
+  The watchdog also times each NCCL call until it completes on the GPU.
 * ``abort`` tells the peers that this rank failed, then ends this process: torchrun's agent
   ends the rest of the job when a process ends with an error.
 
@@ -43,13 +44,12 @@ import torch
 import torch.distributed as dist
 
 from ..timing import count_traffic, timed
-from . import hostpool
+from . import hostpool, watchdog
 from .comm import Communicator, check_count_rows, check_send_counts, max_count, pieces, receive_buffer
 
 __all__ = ["TorchComm", "StoreNotices", "TransportError", "FAILED"]
 
-# Joining: as torch.distributed's own default. Afterwards sokpy's watchdog times every call
-# (SOKPY_COLLECTIVE_TIMEOUT) and names it; gloo's own limit only stands behind it.
+# Joining: torch.distributed's default. Then sokpy's watchdog times calls; gloo's limit stands behind it.
 _CONNECT_TIMEOUT = timedelta(minutes=30)
 _OP_TIMEOUT = timedelta(days=1)
 # What gloo and NCCL reduce; allreduce widens int16, uint16 and uint32 to int64.
@@ -142,6 +142,14 @@ class TorchComm(Communicator):
                 return torch.as_tensor(a, device="cuda")
 
         self._device = _Device(group, xp, as_tensor)
+
+    def _finish(self, work, device: bool, what) -> None:
+        """Waits for ``work``: gloo's is done then; a device group's is queued, and torch's
+        current stream waits for it. The watchdog times device work until it completes (an
+        NCCL call a peer never made leaves it waiting on the GPU), naming it by ``what()``."""
+        work.wait()
+        if device and watchdog.timeout() > 0:
+            watchdog.device_work(what(), work.is_completed)
 
     def _is_device(self, a) -> bool:
         return self._device is not None and isinstance(a, self._device.xp.ndarray)
@@ -245,7 +253,10 @@ class TorchComm(Communicator):
         into = xp.empty(rbuf.shape, xp.uint8) if skip_self else rbuf
         recv_bytes = np.diff(rd)
         options = dist.AllToAllOptions()
-        group.alltoall_base(as_tensor(into), as_tensor(sbuf), recv_bytes.tolist(), send_bytes.tolist(), options).wait()
+        work = group.alltoall_base(as_tensor(into), as_tensor(sbuf), recv_bytes.tolist(), send_bytes.tolist(), options)
+        self._finish(
+            work, True, lambda: f"the NCCL alltoallv ({send_bytes.sum()} bytes sent, {recv_bytes.sum()} received)"
+        )
         if skip_self:
             lo, hi = int(rd[self.rank]), int(rd[self.rank + 1])
             rbuf[:lo] = into[:lo]
@@ -267,7 +278,8 @@ class TorchComm(Communicator):
             count_traffic("other", out.size * np.dtype(dtype).itemsize)
             if out.size:
                 with timed("exchange"), self._transport():
-                    group.allreduce([as_tensor(out)], _reduce_options(op)).wait()
+                    work = group.allreduce([as_tensor(out)], _reduce_options(op))
+                    self._finish(work, device, lambda: f"the NCCL allreduce ({op}) of {out.size} elements")
         return out.astype(dtype, copy=False)
 
     def allgather(self, arr):
@@ -287,7 +299,8 @@ class TorchComm(Communicator):
             with self._transport():
                 rows = _bytes(out).reshape(self.size, -1)  # each rank's part as bytes (out[r] of 0-d parts is no view)
                 outputs = [as_tensor(rows[r]) for r in range(self.size)]
-                group.allgather([outputs], [as_tensor(_bytes(a))]).wait()
+                work = group.allgather([outputs], [as_tensor(_bytes(a))])
+                self._finish(work, group is not self._gloo, lambda: f"the NCCL allgather of {a.nbytes} bytes")
         return out
 
     def _broadcast_bytes(self, buf, root: int, group: Any = None, as_tensor=_host_tensor) -> None:
@@ -295,7 +308,10 @@ class TorchComm(Communicator):
             options = dist.BroadcastOptions()
             options.rootRank = root
             with self._transport():
-                (group or self._gloo).broadcast([as_tensor(_bytes(buf))], options).wait()
+                work = (group or self._gloo).broadcast([as_tensor(_bytes(buf))], options)
+                self._finish(
+                    work, group is not None, lambda: f"the NCCL broadcast of {buf.nbytes} bytes from rank {root}"
+                )
 
     def allgather_object(self, obj) -> list:
         count_traffic("other", 0)

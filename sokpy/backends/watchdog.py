@@ -71,6 +71,11 @@ import traceback
 from collections import deque
 from contextlib import contextmanager
 
+from .reports import every_rank_hint
+from .reports import flush as _flush
+from .reports import report as _report
+from .reports import stderr_fd as _stderr_fd
+
 __all__ = [
     "install",
     "leave",
@@ -112,38 +117,6 @@ _left: dict[int, int] = {}  # rank -> collective calls it completed before it le
 _device: deque = deque()
 _exit_hook_registered = False
 _ending = False  # a thread is ending the job for a peer that is gone (see _claim_the_end)
-
-
-def _stderr_fd() -> int:
-    """The file descriptor of stderr: ``sys.stderr``'s, else the interpreter's original
-    stream's, else 2. A program (torch, while its own error handler runs) may have replaced
-    ``sys.stderr`` by a stream without a file descriptor; the report must still get out."""
-    for stream in (sys.stderr, sys.__stderr__):
-        try:
-            return stream.fileno()  # type: ignore[union-attr]
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
-            continue
-    return 2
-
-
-def _report(text: str) -> None:
-    """Writes ``text`` to ``sys.stderr``, or to stderr's file descriptor where that stream fails."""
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a crash report must not fail on the stream it is given
-        try:
-            os.write(_stderr_fd(), text.encode(errors="replace"))
-        except OSError:
-            pass
-
-
-def _flush() -> None:
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - nothing left to report it on
-            pass
 
 
 def _abort(code: int) -> None:
@@ -296,23 +269,6 @@ def _check_device() -> None:
         )
         _abort(TIMEOUT_EXIT_CODE)
         return
-
-
-def every_rank_hint(what: str) -> str:
-    """What to do about a collective call (described by ``what``) that some ranks did not make."""
-    op = what.split(" ", 1)[0].split("(", 1)[0]
-    if op.endswith("load_state_dict"):
-        return f"{op}() is collective: call it on every rank, each with the state it loads."
-    if op == "state_dict":
-        return (
-            "state_dict() is collective (it gathers every rank's rows): call state_dict() on every rank, and "
-            "write the file on one only (state = model.state_dict() on every rank, then "
-            "if rank == 0: torch.save(state, path))."
-        )
-    return (
-        "Every rank must make the same collective calls in the same order: not under `if rank == 0:`, "
-        "and on uneven data every rank's loop stops at the same step."
-    )
 
 
 def _check() -> None:

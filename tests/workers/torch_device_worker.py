@@ -6,7 +6,8 @@ Run under ``torchrun --nproc-per-node N torch_device_worker.py``. Every rank der
 every rank sends from fixed seeds, checks alltoallv (uneven counts, ``out=``, ``skip_self``),
 allreduce (sum, max, min; int16 and uint32 reduced as int64), allgather (0-d too) and bcast
 of device arrays against references of its own, that results are device arrays, and that
-they went over the device group (host arrays over the host group); then prints
+they went over the device group (host arrays over the host group), and that the watchdog was
+given every device call to time; then prints
 ``torch_device ok rank=R checks=K``.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import sokpy
-from sokpy.backends import torch_world
+from sokpy.backends import torch_world, watchdog
 from sokpy.backends.torch_comm import TorchComm
 
 
@@ -60,6 +61,9 @@ c.use_device(
     as_tensor=lambda a: torch.from_numpy(np.asarray(a)),
 )
 checks = 0
+timed: list[str] = []  # the device work handed to the watchdog (an NCCL call is timed until it completes)
+device_work = watchdog.device_work
+watchdog.device_work = lambda what, done: (timed.append(what), device_work(what, done))
 
 
 def check(cond, what):
@@ -112,5 +116,9 @@ for root in range(SIZE):
 before = calls["device"]
 host = c.allreduce(np.array([RANK + 1]))  # a host array: over the host group
 check(calls["device"] == before and int(host[0]) == SIZE * (SIZE + 1) // 2, "a host array went over the device")
+kinds = {what.split(" (")[0].split(" of ")[0] for what in timed}
+want = {"the NCCL alltoallv", "the NCCL allreduce", "the NCCL allgather", "the NCCL broadcast"}
+check(kinds == want, f"device work timed by the watchdog: {sorted(kinds)}")
+watchdog.device_work = device_work
 c.barrier()
 print(f"torch_device ok rank={RANK} checks={checks}", flush=True)
