@@ -10,8 +10,9 @@ What it shows:
   looked up in one call per step (one exchange);
 * the whole model (the module, a bottom MLP over 13 dense features, DLRM's pairwise
   dot-product feature interaction, a top MLP, BCE loss) wrapped in torch
-  ``DistributedDataParallel`` over gloo, next to sokpy's MPI world: DDP averages (here: sums)
-  the dense gradients and never sees the tables, which are not parameters;
+  ``DistributedDataParallel`` over gloo, next to sokpy's world (MPI under sokrun, mpirun or
+  horovodrun; torch.distributed under torchrun): DDP averages (here: sums) the dense
+  gradients and never sees the tables, which are not parameters;
 * the two-optimizer pattern: ``sokpy.optim.Adagrad`` for the tables, ``torch.optim.Adam``
   for the dense parameters;
 * a synthetic Criteo-like stream with a planted signal (``synthetic_data.py``) and a
@@ -21,6 +22,7 @@ What it shows:
 Run it (``make demo`` runs the first line)::
 
     sokrun -np 2 --timeout 900 python examples/train_dlrm.py
+    torchrun --nproc-per-node 2 examples/train_dlrm.py  # the same job, no MPI needed
     python examples/train_dlrm.py                      # one rank, no launcher needed
     sokrun -np 3 python examples/train_dlrm.py --steps 300 --batch-size 2048
     python examples/train_dlrm.py --help
@@ -89,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="float32",
         choices=["float32", "float16", "bfloat16"],
         help="format of the embedding rows and their gradients between ranks (16 bits: half the bytes)",
+    )
+    p.add_argument(
+        "--losses", metavar="FILE", help="write every training step's global mean loss to FILE (.npy, float64)"
     )
     p.add_argument("--save", metavar="DIR", help="save a checkpoint (tables, optimizers, step) to DIR at the end")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
@@ -344,6 +349,8 @@ def main(argv=None) -> None:
     if first >= args.steps:
         raise SystemExit(f"the checkpoint is at step {first}: nothing to do for --steps {args.steps}")
     losses = trainer.train(first)
+    if args.losses and rank == 0:
+        np.save(args.losses, losses)  # every step's loss, to compare runs bit for bit
     if args.save:
         trainer.save(args.save, args.steps)
     labels, logits, true_logits = trainer.evaluate()

@@ -56,6 +56,35 @@ def receive_buffer(out, shape: tuple, dtype, empty):
     return out
 
 
+def check_count_rows(counts, size: int) -> np.ndarray:
+    """``counts`` as C-contiguous int64, checked to hold one row per rank (alltoall_counts)."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if counts.shape[0] != size:
+        raise ValueError(f"alltoall_counts: need one row per rank ({size}), got {counts.shape[0]}")
+    return counts
+
+
+def check_send_counts(send_counts, rows: int, size: int) -> np.ndarray:
+    """``send_counts`` as int64, checked to hold one count per rank that sum to ``rows`` (the
+    rows of the send buffer); raises ValueError otherwise."""
+    send_counts = np.asarray(send_counts, dtype=np.int64)
+    if send_counts.shape != (size,):
+        raise ValueError(f"alltoallv: send_counts must have one entry per rank ({size})")
+    if int(send_counts.sum()) != int(rows):
+        raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {rows} rows")
+    return send_counts
+
+
+def pieces(buf, displ, rank: int, limit: int):
+    """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]`` (``displ``:
+    one more entry than there are ranks), in pieces of at most ``limit`` elements: a transfer
+    split so that no message needs a count above ``limit``."""
+    for peer in range(len(displ) - 1):
+        if peer != rank:
+            for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
+                yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
+
+
 class MpiUnavailable(RuntimeError):
     """mpi4py, or the MPI library it loads, is not there."""
 
@@ -125,6 +154,16 @@ class Communicator:
         """Ends every process of the job with exit code ``code``."""
         raise NotImplementedError
 
+    def leave_notices(self):
+        """The side channel on which ranks that leave tell the others (see
+        :class:`LeaveNotices`), or None where there is none (one rank)."""
+        return None
+
+    def lost_peer(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by one of this communicator's collectives, says that the
+        transport lost a peer (it ended or failed): the job cannot go on."""
+        return False
+
 
 class SoloComm(Communicator):
     """The communicator of a job of one process where no MPI library is loaded (one GPU
@@ -145,10 +184,7 @@ class SoloComm(Communicator):
         os._exit(code)
 
     def alltoall_counts(self, counts):
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        if counts.shape[0] != 1:
-            raise ValueError(f"alltoall_counts: need one row per rank (1), got {counts.shape[0]}")
-        return counts.copy()
+        return check_count_rows(counts, 1).copy()
 
     def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         send_counts = np.asarray(send_counts, dtype=np.int64)
@@ -209,9 +245,7 @@ class MpiComm(Communicator):
     def alltoall_counts(self, counts):
         """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)
         goes to rank d; returns what every rank sent to this one, ``[size, ...]``."""
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        if counts.shape[0] != self.size:
-            raise ValueError(f"alltoall_counts: need one row per rank ({self.size}), got {counts.shape[0]}")
+        counts = check_count_rows(counts, self.size)
         recv = np.empty_like(counts)
         if self.size == 1:
             recv[...] = counts
@@ -223,11 +257,7 @@ class MpiComm(Communicator):
 
     def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         send = np.ascontiguousarray(send)
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        if send_counts.shape != (self.size,):
-            raise ValueError(f"alltoallv: send_counts must have one entry per rank ({self.size})")
-        if send_counts.sum() != send.shape[0]:
-            raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {send.shape[0]} rows")
+        send_counts = check_send_counts(send_counts, send.shape[0], self.size)
         if recv_counts is None:
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
@@ -270,18 +300,10 @@ class MpiComm(Communicator):
         me = self.rank
         if not skip_self:
             rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
-        requests = [self._comm.Irecv(piece, source=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(rbuf, rd)]
-        requests += [self._comm.Isend(piece, dest=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(sbuf, sd)]
-        self._MPI.Request.Waitall(requests)
-
-    def _pieces(self, buf, displ):
-        """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]``, in pieces
-        of at most ``max_count()`` elements."""
         limit = max_count()
-        for peer in range(self.size):
-            if peer != self.rank:
-                for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
-                    yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
+        requests = [self._comm.Irecv(p, source=peer, tag=_SPLIT_TAG) for peer, p in pieces(rbuf, rd, me, limit)]
+        requests += [self._comm.Isend(p, dest=peer, tag=_SPLIT_TAG) for peer, p in pieces(sbuf, sd, me, limit)]
+        self._MPI.Request.Waitall(requests)
 
     def allreduce(self, arr, op: str = "sum"):
         arr = _contiguous(arr)

@@ -40,7 +40,7 @@ import numpy as np
 from ..timing import count_traffic, timed
 from . import watchdog
 from .arrays import address_of
-from .comm import Communicator, MpiComm, receive_buffer
+from .comm import Communicator, MpiComm, check_send_counts, receive_buffer
 
 __all__ = ["NcclComm", "NCCL_TYPES", "NCCL_OPS"]
 
@@ -108,6 +108,9 @@ class NcclComm(Communicator):
     def abort(self, code: int) -> None:
         self.mpi.abort(code)
 
+    def leave_notices(self):
+        return self.mpi.leave_notices()
+
     # ---- host values: over MPI ---------------------------------------------------------------
     def alltoall_counts(self, counts):
         return self.mpi.alltoall_counts(counts)
@@ -124,11 +127,7 @@ class NcclComm(Communicator):
         counts are 64-bit). One NCCL group: a send and a receive per peer with data."""
         xp = self.xp
         send = xp.ascontiguousarray(send)
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        if send_counts.shape != (self.size,):
-            raise ValueError(f"alltoallv: send_counts must have one entry per rank ({self.size})")
-        if int(send_counts.sum()) != int(send.shape[0]):
-            raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {send.shape[0]} rows")
+        send_counts = check_send_counts(send_counts, send.shape[0], self.size)
         if recv_counts is None:
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)

@@ -42,6 +42,16 @@ ranks that leave while others wait for them.
 A rank that dies (killed, out of memory) is noticed by the MPI launcher itself, which ends
 the job.
 
+Under torchrun (``TorchComm``, no MPI) the same three hold. The abort is the communicator's:
+the rank writes a notice that it failed into the job's store, then exits with its code, and
+torchrun's agent ends the other workers of its node; ranks elsewhere end on that notice,
+naming the rank and their call. The notices of ranks that leave are keys in that store
+(:class:`sokpy.backends.torch_comm.StoreNotices`). There a peer's end also closes its
+connections, so a collective call of a rank still waiting for it fails at once: the call's
+exception passes :func:`call`, which, when the communicator says the transport lost a peer,
+ends the job as for a rank that left, naming it once its notice is there (it waits up to
+``LOST_PEER_WAIT_S`` for one), or saying that another rank was lost.
+
 Example::
 
     import sokpy
@@ -61,6 +71,11 @@ import traceback
 from collections import deque
 from contextlib import contextmanager
 
+from .reports import every_rank_hint
+from .reports import flush as _flush
+from .reports import report as _report
+from .reports import stderr_fd as _stderr_fd
+
 __all__ = [
     "install",
     "leave",
@@ -78,6 +93,7 @@ TIMEOUT_EXIT_CODE = 3
 PEER_LEFT_EXIT_CODE = 4
 ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
 ABORT_WAIT_S = 20.0  # after MPI_Abort: a process it has not ended ends itself (see _abort)
+LOST_PEER_WAIT_S = 3.0  # for the notice of a rank whose connections closed (see _lost_peer)
 
 _lock = threading.Lock()
 # (call, start) of the calls this rank is in, outermost first; a call is its description or a
@@ -100,38 +116,7 @@ _left: dict[int, int] = {}  # rank -> collective calls it completed before it le
 # that queued it or None, that call's number, when it was queued, a function: complete?).
 _device: deque = deque()
 _exit_hook_registered = False
-
-
-def _stderr_fd() -> int:
-    """The file descriptor of stderr: ``sys.stderr``'s, else the interpreter's original
-    stream's, else 2. A program (torch, while its own error handler runs) may have replaced
-    ``sys.stderr`` by a stream without a file descriptor; the report must still get out."""
-    for stream in (sys.stderr, sys.__stderr__):
-        try:
-            return stream.fileno()  # type: ignore[union-attr]
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
-            continue
-    return 2
-
-
-def _report(text: str) -> None:
-    """Writes ``text`` to ``sys.stderr``, or to stderr's file descriptor where that stream fails."""
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a crash report must not fail on the stream it is given
-        try:
-            os.write(_stderr_fd(), text.encode(errors="replace"))
-        except OSError:
-            pass
-
-
-def _flush() -> None:
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - nothing left to report it on
-            pass
+_ending = False  # a thread is ending the job for a peer that is gone (see _claim_the_end)
 
 
 def _abort(code: int) -> None:
@@ -286,23 +271,6 @@ def _check_device() -> None:
         return
 
 
-def every_rank_hint(what: str) -> str:
-    """What to do about a collective call (described by ``what``) that some ranks did not make."""
-    op = what.split(" ", 1)[0].split("(", 1)[0]
-    if op.endswith("load_state_dict"):
-        return f"{op}() is collective: call it on every rank, each with the state it loads."
-    if op == "state_dict":
-        return (
-            "state_dict() is collective (it gathers every rank's rows): call state_dict() on every rank, and "
-            "write the file on one only (state = model.state_dict() on every rank, then "
-            "if rank == 0: torch.save(state, path))."
-        )
-    return (
-        "Every rank must make the same collective calls in the same order: not under `if rank == 0:`, "
-        "and on uneven data every rank's loop stops at the same step."
-    )
-
-
 def _check() -> None:
     """One look at the call this rank is in: ends the job when a rank that left will never
     make it, or when it has waited past the timeout."""
@@ -313,14 +281,7 @@ def _check() -> None:
         return
     gone = _gone_before(index)
     if gone:
-        what = first[0]() if callable(first[0]) else first[0]
-        left = "; ".join(f"rank {r} had left the job after completing {c} collective calls" for r, c in gone)
-        _report(
-            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
-            f"which every rank must make: {left} (its program ended: sys.exit, the end of its script, or "
-            f"sokpy.shutdown), so it will never make this call. {every_rank_hint(what)} Ending the whole job.\n"
-        )
-        _abort(PEER_LEFT_EXIT_CODE)
+        _end_for_gone(first[0], index, gone)
     if _timeout_s <= 0:
         return
     what, start = first
@@ -334,6 +295,63 @@ def _check() -> None:
             f"{every_rank_hint(what)} Ending the whole job.\n"
         )
         _abort(TIMEOUT_EXIT_CODE)
+
+
+def _end_for_gone(what, index: int, gone: list[tuple[int, int]]) -> None:
+    """Reports that this rank waits in call #``index`` (``what``) for ranks that left or
+    failed (``gone``: each rank and the calls it completed, negative for a failure), and ends
+    the job."""
+    _claim_the_end()
+    what = what() if callable(what) else what
+    failed = [r for r, completed in gone if completed < 0]
+    if failed:
+        _report(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), which rank "
+            f"{failed[0]} will never make: rank {failed[0]} failed and ends the job (its own report says why). "
+            f"Ending the whole job.\n"
+        )
+    else:
+        left = "; ".join(f"rank {r} had left the job after completing {c} collective calls" for r, c in gone)
+        _report(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
+            f"which every rank must make: {left} (its program ended: sys.exit, the end of its script, or "
+            f"sokpy.shutdown), so it will never make this call. {every_rank_hint(what)} Ending the whole job.\n"
+        )
+    _abort(PEER_LEFT_EXIT_CODE)
+
+
+def _claim_the_end() -> None:
+    """Returns in the first thread that ends the job for a peer that is gone; in another (the
+    watchdog's thread and the main thread may find it at once) it waits for the first to end
+    the process, so the job's end is reported once."""
+    global _ending
+    with _lock:
+        first, _ending = not _ending, True
+    if not first:
+        time.sleep(ABORT_GRACE_S + ABORT_WAIT_S + 5)
+        os._exit(PEER_LEFT_EXIT_CODE)
+
+
+def _lost_peer(what, exc: BaseException) -> None:
+    """The transport lost a peer while this rank was in the collective call ``what`` (its
+    processes ended: a torch.distributed job's connections close with them). Ends the job,
+    naming the rank when its notice that it left or failed arrives within ``LOST_PEER_WAIT_S``."""
+    with _lock:
+        index = _calls
+    deadline = time.monotonic() + LOST_PEER_WAIT_S
+    gone = _gone_before(index)
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gone = _gone_before(index)
+    if gone:
+        _end_for_gone(what, index, gone)
+    _claim_the_end()
+    what = what() if callable(what) else what
+    _report(
+        f"sokpy: {_where()} lost another rank in the collective call {what} (its collective call #{index}): "
+        f"{exc}. That rank ended or failed (its own report says why, if it could make one). Ending the whole job.\n"
+    )
+    _abort(PEER_LEFT_EXIT_CODE)
 
 
 def _gone_before(index: int) -> list[tuple[int, int]]:
@@ -357,6 +375,10 @@ def call(what):
         _current.append(entry)
     try:
         yield
+    except BaseException as exc:
+        if _comm is not None and _comm.lost_peer(exc):
+            _lost_peer(what, exc)
+        raise
     finally:
         with _lock:
             _current.remove(entry)
