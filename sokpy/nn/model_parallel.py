@@ -45,11 +45,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..backends import runtime
 from .fused import fused_optimizer
 from .modules import EmbeddingCollectionBase
+from .process_group import group_running
 
 __all__ = ["DistributedModelParallel"]
 
@@ -125,7 +125,7 @@ class DistributedModelParallel(torch.nn.Module):
             optimizers.append(m._step_in_backward)
         self.fused_optimizer = optimizers[0] if len(optimizers) == 1 else optimizers
         self._plain = [module]  # not a submodule twice (DDP holds it)
-        wrap = init_data_parallel and dist.is_initialized() and any(p.requires_grad for p in module.parameters())
+        wrap = init_data_parallel and group_running() and any(p.requires_grad for p in module.parameters())
         self.module = torch.nn.parallel.DistributedDataParallel(module) if wrap else module
 
     @property

@@ -18,7 +18,12 @@ import torch.distributed as dist
 
 from ..backends import runtime
 
-__all__ = ["init_process_group"]
+__all__ = ["init_process_group", "group_running"]
+
+
+def group_running() -> bool:
+    """Whether torch.distributed's default group runs in this process (DDP can wrap a model)."""
+    return dist.is_initialized()
 
 
 def init_process_group(backend: str = "gloo") -> None:
