@@ -6,7 +6,9 @@ checks itself against the same independent references as on the host backend."""
 
 import numpy as np
 import pytest
+import test_optim
 from conftest import run_mpi
+from multirank import on_ranks
 
 ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
 
@@ -16,9 +18,6 @@ JOBS = [
     (3, "lookup_worker.py", ["values", 63], "values ok"),
     (2, "lookup_worker.py", ["errors"], "errors ok"),
     (2, "lookup_worker.py", ["assign"], "assign ok"),
-    (1, "optim_worker.py", ["formula", "sgd,adagrad,rowwise_adagrad,ftrl,adam", 71], "adam ok"),
-    (2, "optim_worker.py", ["formula", "sgd,adagrad,rowwise_adagrad,ftrl,adam", 72], "adam ok"),
-    (3, "optim_worker.py", ["nonfinite"], "nonfinite ok"),
     (1, "dynamic_worker.py", ["train", "adagrad", 81], "adagrad ok"),
     (3, "dynamic_worker.py", ["train", "ftrl", 83], "ftrl ok"),
     (2, "dynamic_worker.py", ["insert_false"], "insert_false ok"),
@@ -40,6 +39,16 @@ JOBS = [
 def test_suite_job_on_the_emulated_device(nranks, worker, args, ok):
     out = run_mpi(nranks, worker, *args, env=ENV, timeout=300)
     assert out.count(ok) >= nranks, out[-3000:]
+
+
+@pytest.mark.parametrize("nranks,seed", [(1, 71), (2, 72)])
+def test_optimizers_on_the_emulated_device(nranks, seed):
+    kinds = ("sgd", "adagrad", "rowwise_adagrad", "ftrl", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, nranks, env=ENV, timeout=300, kinds=kinds, seed=seed)
+
+
+def test_nonfinite_gradient_refused_on_the_emulated_device():
+    on_ranks(test_optim.test_nonfinite_gradient_refused_on_every_rank, 3, env=ENV, timeout=300)
 
 
 def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):

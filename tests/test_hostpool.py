@@ -5,8 +5,10 @@ import gc
 
 import numpy as np
 import pytest
+import test_optim
 import torch
 from conftest import run_mpi, run_python
+from multirank import on_ranks
 
 from sokpy.backends import hostpool
 
@@ -163,9 +165,8 @@ POOL_ALL = {"SOKPY_HOST_POOL_MIN_BYTES": "0"}
 
 @pytest.mark.parametrize("nranks", [1, 3])
 def test_optimizer_jobs_with_every_array_pooled(nranks):
-    out = run_mpi(nranks, "optim_worker.py", "formula", "sgd,adagrad,adam", 50 + nranks, env=POOL_ALL)
-    for kind in ("sgd", "adagrad", "adam"):
-        assert out.count(f"{kind} ok") == nranks
+    kinds = ("sgd", "adagrad", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, nranks, env=POOL_ALL, kinds=kinds, seed=50 + nranks)
 
 
 def test_lookup_and_dynamic_jobs_with_every_array_pooled():

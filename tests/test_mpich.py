@@ -10,7 +10,9 @@ import subprocess
 
 import numpy as np
 import pytest
+import test_optim
 from conftest import ROOT, horovod_env, launch_command, needs_horovod_env, run_mpi
+from multirank import on_ranks
 
 pytestmark = needs_horovod_env
 
@@ -19,9 +21,8 @@ pytestmark = needs_horovod_env
 def test_lookup_and_optimizers_match_references(launcher):
     out = run_mpi(3, "lookup_worker.py", "values", 203, launcher=launcher)
     assert out.count("values ok") == 3, out
-    out = run_mpi(2, "optim_worker.py", "formula", "sgd,adagrad,ftrl,adam", 9, launcher=launcher)
-    for kind in ("sgd", "adagrad", "ftrl", "adam"):
-        assert out.count(f"{kind} ok") == 2, out
+    kinds = ("sgd", "adagrad", "ftrl", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, 2, launcher=launcher, kinds=kinds, seed=9)
 
 
 def test_every_input_error_on_one_rank_at_3_ranks():

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+import test_optim
 from conftest import ROOT, WORKERS, run_mpi
+from multirank import own_job
 
 from sokpy.launch import emulated_nodes
 from sokpy.launch.emulated_nodes.runs import leftovers, process_stat
@@ -87,10 +89,10 @@ def test_lookup_and_gradients_match_the_reference(cluster):
 
 
 def test_optimizers_match_the_formulas(cluster):
-    kinds = "sgd,adagrad,adam"
-    out = run(cluster, WORKERS / "optim_worker.py", "formula", kinds, 11)
-    for kind in kinds.split(","):
-        assert out.count(f"{kind} ok") == 4, out
+    body = test_optim.test_optimizers_match_numpy_formulas
+    with own_job(body, 4, kinds=("sgd", "adagrad", "adam"), seed=11) as job:
+        res = cluster.run(job.program, ranks_per_node=2, timeout=300)
+        job.verdict(res, "2 emulated nodes x 2 ranks")
 
 
 def _result(text: str) -> dict:

@@ -19,12 +19,13 @@ import sys
 
 import numpy as np
 import pytest
+import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
+from multirank import on_ranks
 from test_checkpoint import npz
 from test_comm import GROUPS
 from test_contract import CASES
 from test_example_resume import result
-from test_optim import KINDS
 from test_runtime import check_runtime_reports
 
 TORCHRUN = "torchrun"
@@ -209,14 +210,11 @@ def test_assign_routes_any_keys_to_their_owners():
 
 
 def test_optimizers_match_numpy_formulas():
-    out = run_mpi(2, "optim_worker.py", "formula", KINDS, 9, launcher=TORCHRUN)
-    for kind in KINDS.split(","):
-        assert out.count(f": {kind} ok") == 2
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, 2, launcher=TORCHRUN, seed=9)
 
 
 def test_nonfinite_gradient_refused_on_every_rank():
-    out = run_mpi(3, "optim_worker.py", "nonfinite", launcher=TORCHRUN)
-    assert out.count("nonfinite ok") == 3
+    on_ranks(test_optim.test_nonfinite_gradient_refused_on_every_rank, 3, launcher=TORCHRUN)
 
 
 def test_dynamic_tables_match_dict_reference():
