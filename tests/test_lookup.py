@@ -240,32 +240,9 @@ def test_name_of_a_dropped_table_can_be_reused_even_from_a_reference_cycle(sokpy
     del w
 
 
-class _Jagged:
-    """The accessors of TorchRec's KeyedJaggedTensor that sokpy reads (torchrec not needed)."""
-
-    def __init__(self, keys, values, lengths, weights=None):
-        self._keys, self._values, self._lengths, self._weights = keys, values, lengths, weights
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self._lengths, 0)])
-
-    def stride(self):
-        return self._lengths.numel() // len(self._keys)
-
-    def weights_or_none(self):
-        return self._weights
-
-
 def test_keyed_jagged_input_equals_per_table_input(sokpy_host):
+    from sokpy.nn import KeyedJaggedTensor
+
     sokpy = sokpy_host
     a, b = sokpy.Variable(20, 4, name="kjt_a"), sokpy.DynamicVariable(3, name="kjt_b")
     bags = [[[1, 5], [], [19]], [[-7], [2**40, -7, 3], []]]
@@ -273,17 +250,19 @@ def test_keyed_jagged_input_equals_per_table_input(sokpy_host):
     flat = [k for table in bags for bag in table for k in bag]
     flat_w = [x for table in weights for bag in table for x in bag]
     lengths = torch.tensor([len(bag) for table in bags for bag in table])
-    jagged = _Jagged(["fa", "fb"], torch.tensor(flat), lengths, torch.tensor(flat_w))
+    jagged = KeyedJaggedTensor(["fa", "fb"], torch.tensor(flat), torch.tensor(flat_w), lengths=lengths)
     combs = ["sum", "sqrtn"]
     got = sokpy.lookup_sparse([a, b], jagged, combiners=combs)
     want = sokpy.lookup_sparse([a, b], bags, sp_weights=weights, combiners=combs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     # A fault names the feature's table: lengths that overrun the values of table kjt_b.
-    bad = _Jagged(["fa", "fb"], torch.tensor(flat[:-1]), lengths)
+    bad = KeyedJaggedTensor(["fa", "fb"], torch.tensor(flat[:-1]), lengths=lengths)
     with pytest.raises(sokpy.InputError, match="kjt_b"):
         sokpy.lookup_sparse([a, b], bad, combiners=combs)
-    nan = _Jagged(["fa", "fb"], torch.tensor(flat), lengths, torch.tensor(flat_w[:-1] + [float("nan")]))
+    nan = KeyedJaggedTensor(
+        ["fa", "fb"], torch.tensor(flat), torch.tensor(flat_w[:-1] + [float("nan")]), lengths=lengths
+    )
     with pytest.raises(sokpy.InputError, match="kjt_b.*not finite"):
         sokpy.lookup_sparse([a, b], nan, combiners=combs)
 
