@@ -6,7 +6,10 @@ checks itself against the same independent references as on the host backend."""
 
 import numpy as np
 import pytest
+import test_dynamic
+import test_evict
 import test_optim
+import test_optim_state
 from conftest import run_mpi
 from multirank import on_ranks
 
@@ -18,13 +21,8 @@ JOBS = [
     (3, "lookup_worker.py", ["values", 63], "values ok"),
     (2, "lookup_worker.py", ["errors"], "errors ok"),
     (2, "lookup_worker.py", ["assign"], "assign ok"),
-    (1, "dynamic_worker.py", ["train", "adagrad", 81], "adagrad ok"),
-    (3, "dynamic_worker.py", ["train", "ftrl", 83], "ftrl ok"),
-    (2, "dynamic_worker.py", ["insert_false"], "insert_false ok"),
-    (2, "evict_worker.py", ["stream", "lfu", 85], "stream lfu ok"),
     (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
     (3, "contract_worker.py", ["resume", 8], "resume ok"),
-    (2, "optstate_worker.py", ["inplace"], "inplace Adam ok"),  # optimizer state resharded or refused
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
     (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
@@ -49,6 +47,23 @@ def test_optimizers_on_the_emulated_device(nranks, seed):
 
 def test_nonfinite_gradient_refused_on_the_emulated_device():
     on_ranks(test_optim.test_nonfinite_gradient_refused_on_every_rank, 3, env=ENV, timeout=300)
+
+
+@pytest.mark.parametrize("nranks,kind,seed", [(1, "adagrad", 81), (3, "ftrl", 83)])
+def test_dynamic_tables_on_the_emulated_device(nranks, kind, seed):
+    on_ranks(test_dynamic.test_training_matches_dict_reference, nranks, env=ENV, timeout=300, kind=kind, seed=seed)
+
+
+def test_insert_false_on_the_emulated_device():
+    on_ranks(test_dynamic.test_insert_false_reads_zero_rows_and_creates_nothing, 2, env=ENV, timeout=300)
+
+
+def test_optimizer_state_resharded_or_refused_on_the_emulated_device():
+    on_ranks(test_optim_state.test_state_loads_where_it_was_taken_and_nowhere_else, 2, env=ENV, timeout=300)
+
+
+def test_eviction_on_the_emulated_device():
+    on_ranks(test_evict._stream_checked, 2, env=ENV, timeout=300, policy="lfu", seed=85)
 
 
 def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):

@@ -5,6 +5,7 @@ import gc
 
 import numpy as np
 import pytest
+import test_dynamic
 import test_optim
 import torch
 from conftest import run_mpi, run_python
@@ -171,4 +172,4 @@ def test_optimizer_jobs_with_every_array_pooled(nranks):
 
 def test_lookup_and_dynamic_jobs_with_every_array_pooled():
     assert run_mpi(2, "lookup_worker.py", "values", 61, env=POOL_ALL).count("values ok") == 2
-    assert run_mpi(2, "dynamic_worker.py", "train", "adagrad", 62, timeout=300, env=POOL_ALL).count("adagrad ok") == 2
+    on_ranks(test_dynamic.test_training_matches_dict_reference, 2, env=POOL_ALL, timeout=300, seed=62)
