@@ -6,8 +6,9 @@ resumed at another, the collective contract, the runtime's state, and the main e
 (the same losses, bit for bit, as under sokrun). The failures of a rank are in
 test_reliability.py (its launchers include torchrun), emulated nodes in test_multinode.py.
 
-The workers are the MPI tests' own, run in torchrun rank pools (``run_mpi(...,
-launcher="torchrun")``); the jobs that check start-up itself run fresh.
+The workers and test bodies are the MPI tests' own, run in torchrun rank pools (``run_mpi(...,
+launcher="torchrun")``, ``on_ranks(..., launcher="torchrun")``); the jobs that check start-up
+itself run fresh.
 """
 
 import json
