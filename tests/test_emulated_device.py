@@ -6,6 +6,7 @@ checks itself against the same independent references as on the host backend."""
 
 import numpy as np
 import pytest
+import test_checkpoint
 import test_dynamic
 import test_evict
 import test_optim
@@ -70,10 +71,9 @@ def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):
     """Saved at 3 ranks on the emulated device after 3 of 6 steps, resumed at 2: the state
     loads bit for bit (checked inside the jobs) and training ends where an uninterrupted run
     on the host backend ends."""
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, env=ENV, timeout=300)
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
-    out = run_mpi(2, "checkpoint_worker.py", "resume", tmp_path, 6, 3, env=ENV, timeout=300)
-    assert out.count("resume ok") == 2
+    on_ranks(test_checkpoint.train_job, 3, env=ENV, timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
+    on_ranks(test_checkpoint.resume_job, 2, env=ENV, timeout=300, folder=tmp_path, steps=6, first=3)
     with np.load(tmp_path / "final-1.npz") as a, np.load(tmp_path / "resumed-2.npz") as b:
         assert set(a.files) == set(b.files)
         differ = [k for k in a.files if not np.array_equal(a[k], b[k])]

@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import test_checkpoint
 import test_dynamic
 import test_optim
 from conftest import ROOT, horovod_env, launch_command, needs_horovod_env, run_mpi
@@ -42,10 +43,9 @@ def test_dynamic_tables_and_checkpoints_across_launchers(tmp_path):
     """Dynamic tables against the dict reference; a checkpoint saved under MPICH at 3 ranks,
     resumed under horovodrun at 2, ends where an uninterrupted one-rank run (Open MPI) ends."""
     on_ranks(test_dynamic.test_training_matches_dict_reference, 2, launcher="mpich", timeout=300, seed=32)
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, timeout=300, launcher="mpich")
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
-    out = run_mpi(2, "checkpoint_worker.py", "resume", tmp_path, 6, 3, timeout=300, launcher="horovodrun")
-    assert out.count("resume ok") == 2, out
+    on_ranks(test_checkpoint.train_job, 3, launcher="mpich", timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
+    on_ranks(test_checkpoint.resume_job, 2, launcher="horovodrun", timeout=300, folder=tmp_path, steps=6, first=3)
     uninterrupted = _npz(tmp_path / "final-1.npz")
     for name in ("final-3.npz", "resumed-2.npz"):
         got = _npz(tmp_path / name)

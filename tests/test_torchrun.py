@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 import pytest
+import test_checkpoint
 import test_dynamic
 import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
@@ -227,14 +228,13 @@ def test_saved_under_torchrun_resumes_under_both_launchers_at_other_world_sizes(
     """Saved by 3 torchrun ranks after 3 steps; loaded by 2 torchrun ranks and by 1 sokrun
     rank (checked inside the jobs against what was saved, bit for bit), and trained on: both
     end exactly where an uninterrupted run at one rank ends."""
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, timeout=300, launcher=TORCHRUN)
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
+    on_ranks(test_checkpoint.train_job, 3, launcher=TORCHRUN, timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
     uninterrupted = npz(tmp_path / "final-1.npz")
     for k, v in npz(tmp_path / "final-3.npz").items():
         assert np.array_equal(v, uninterrupted[k]), f"3 torchrun ranks and 1 rank differ in {k}"
     for nranks, launcher in ((2, TORCHRUN), (1, "sokrun")):
-        out = run_mpi(nranks, "checkpoint_worker.py", "resume", tmp_path, 6, 3, timeout=300, launcher=launcher)
-        assert out.count("resume ok") == nranks
+        on_ranks(test_checkpoint.resume_job, nranks, launcher=launcher, timeout=300, folder=tmp_path, steps=6, first=3)
         resumed = npz(tmp_path / f"resumed-{nranks}.npz")
         for k, v in uninterrupted.items():
             assert np.array_equal(resumed[k], v), f"resumed at {nranks} ranks ({launcher}): {k} differs"
