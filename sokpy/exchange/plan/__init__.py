@@ -51,7 +51,7 @@ rank and several is a strategy object, chosen once per call:
   a lookup (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state``,
   ``gather_state`` and an optimizer's ``load_state_dict``);
 * :mod:`sokpy.exchange.plan.one_rank`: ``OneRank``, the strategy of a call on one rank (no exchange;
-  the backward deduplicates);
+  the backward deduplicates, or on a device the forward, so that its verdict brings the count);
 * :mod:`sokpy.exchange.plan.several_ranks`: ``SeveralRanks``, the requester's stages on several ranks
   (``group_keys``, ``exchange_keys``, ``exchange_rows``, and the gradient rows sent back);
 * :mod:`sokpy.exchange.plan.owner`: the owner's stages (``gather_owned_rows`` in the forward,

@@ -81,18 +81,16 @@ def evicted_since(call: Call) -> str | None:
     return None
 
 
-def sum_gradient_rows(
-    call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None, count=None
-) -> None:
+def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
     no float atomics. A hot key's positions are summed as a tree of pieces
     (cuda_src/embedding.cu): on a backend that sums its nodes in parallel, ``segment_piece_sums``
     first writes them, one launch per level the call's positions could reach (the hot keys are
     not known here), into a slot each. Where the deduplication ran after the
-    forward (one rank), segment_sum reads the bags in sorted order (``dedup.kbag``), else
-    ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite and ``count`` is
-    the number of unique keys on the device, where the strategy asks for them."""
+    forward (one rank on the host), segment_sum reads the bags in sorted order
+    (``dedup.kbag``), else ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite, where the
+    strategy asks for them."""
     xp, shape, dev = runtime.xp(), call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
@@ -107,7 +105,7 @@ def sum_gradient_rows(
     levels = kernels.piece_levels(d.n) if parallel else []
     pieces = runtime.scratch(sum(levels) * dim, np.float32) if levels else None
     args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
-    args += (ntab, call.tables.device_tabs, d.nuniq, count, pieces, dim)
+    args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
     for level, slots in enumerate(levels, 1):
         runtime.launch("segment_piece_sums", slots, cols, (*args, level, slots))
     runtime.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), buf, rows.unique_offsets, scale, bad))
