@@ -78,13 +78,13 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 // ---- the requester: where each key goes ----------------------------------------------------
 // For key j of the call (table t: key_start[t] <= j < key_start[t+1]) finds its owner and
 // writes the value whose sort groups the call's keys for the exchange:
-//   packed[j] = (g << (sv_bits + pos_bits)) | (sv << pos_bits) | j,   g = owner * ntables + t
-// sv is the key's row on its owner when that fits in sv_bits (tabs EXACT), else the top
-// sv_bits of a mix of the key: equal keys always get equal values, and the caller compares
+//   packed[j] = (g << (value_bits + pos_bits)) | (sort_value << pos_bits) | j,   g = owner * ntables + t
+// sort_value is the key's row on its owner when that fits in value_bits (tabs EXACT), else the top
+// value_bits of a mix of the key: equal keys always get equal values, and the caller compares
 // the keys themselves where values are equal, so a shared value never merges two keys.
 // A static table's key outside [0, rows) lowers *bad to its position (bad starts at n).
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
-                                      int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
+                                      int world, int pos_bits, int value_bits, i64* packed, i64* bad) {
     const double inv_world = 1.0 / (double)world;
     // The table's fields are read when a thread's run of keys enters a table (keys of one
     // table are contiguous and a thread's keys increase), not once per key.
@@ -114,16 +114,16 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
         } else if (kind == SOKPY_KIND_DYNAMIC) {
             owner = sokpy_dynamic_owner(k, world);
         }
-        u64 sv = (u64)local;
-        if (!exact) sv = sv_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - sv_bits) : 0;
+        u64 sort_value = (u64)local;
+        if (!exact) sort_value = value_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - value_bits) : 0;
         const u64 g = (u64)owner * (u64)ntables + group_bits;
-        packed[j] = (i64)((g << (sv_bits + pos_bits)) | (sv << pos_bits) | (u64)j);
+        packed[j] = (i64)((g << (value_bits + pos_bits)) | (sort_value << pos_bits) | (u64)j);
     }
 }
 
 // ---- the requester: unique keys ------------------------------------------------------------
 // The call's packed values after one sort (s, route_keys' layout): pos[k] is the position
-// value k came from, and brk[k] = 1 where a unique key starts: its (group, sort value)
+// value k came from, and starts_unique[k] = 1 where a unique key starts: its (group, sort value)
 // differs from the previous value's or, where sort values are not exact (the top bits of a
 // hash), its key does. Two keys that share a hashed sort value and interleave by position
 // give more than one unique entry each (never a merge of two keys); *collided becomes 1 where
@@ -131,7 +131,7 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // appear more than once. When bag_of (each position's bag) is not null, kbag[k] = bag_of[pos[k]]
 // too, the bags in the order segment_sum reads them.
 extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact,
-                                            const i64* bag_of, i64* pos, i64* kbag, unsigned char* brk,
+                                            const i64* bag_of, i64* pos, i64* kbag, unsigned char* starts_unique,
                                             int* collided) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     SOKPY_FOR_KEYS(k, n) {
@@ -149,25 +149,25 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
                 atomicMax(collided, 1);
             }
         }
-        brk[k] = (unsigned char)b;
+        starts_unique[k] = (unsigned char)b;
     }
 }
 
 // Lays out the unique keys. Unique key u starts at sorted position k = starts[u] (given
 // starts: one thread per unique key, count = nuniq), or, without starts, at each k where
-// brk[k] = 1, and is then number u = before[k], the unique keys before k (one thread per
+// starts_unique[k] = 1, and is then number u = before[k], the unique keys before k (one thread per
 // sorted position, count = n: the number of unique keys need not be known at launch, which
 // saves a read on several ranks). It writes the start seg[u] = k, the position of the key's
 // first use, the key and its group (owner * ntables + table). The key of a static table whose
 // sort value is its exact stored row (tabs EXACT) comes back from that row and the owner
 // (sokpy_static_key), not from a read of keys at a random position: on the host that read is a
 // cache miss per unique key.
-extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* brk,
-                                            const i64* before, i64 count, const i64* keys, int pos_bits, int sv_bits,
+extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* starts_unique,
+                                            const i64* before, i64 count, const i64* keys, int pos_bits, int value_bits,
                                             int ntables, const i64* tabs, int world, i64* seg, i64* first, i64* ukeys,
                                             i64* group) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
-    const i64 sv_mask = ((i64)1 << sv_bits) - 1;
+    const i64 value_mask = ((i64)1 << value_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
     // keys come group by group), not once per key.
     i64 cur = -1, owner = 0, kind = 0;
@@ -177,12 +177,12 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
         if (starts) {
             k = starts[i];
         } else {
-            if (!brk[i]) continue;
+            if (!starts_unique[i]) continue;
             u = before[i];
         }
         const i64 v = s[k];
         const i64 p = v & mask;
-        const i64 g = v >> (pos_bits + sv_bits);
+        const i64 g = v >> (pos_bits + value_bits);
         if (g != cur) {
             cur = g;
             const int t = (int)(g % ntables);
@@ -191,7 +191,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
             from_row = is_static && SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
             owner = g / ntables;
         }
-        const i64 row = (v >> pos_bits) & sv_mask;
+        const i64 row = (v >> pos_bits) & value_mask;
         seg[u] = k;
         first[u] = p;
         ukeys[u] = from_row ? sokpy_static_key(kind, row, owner, world) : keys[p];
@@ -310,14 +310,14 @@ struct sokpy_pool_table {
 // order of the keys and written once: o = sum_j w_j * row_j, divided by denom when `divide` (0
 // where denom is 0). DT: the rows' SRC_DTYPE.
 template <int DIM, int DT>
-__device__ __forceinline__ void sokpy_pool_bag_t(float* __restrict__ o, const sokpy_pool_table& tb,
+__device__ __forceinline__ void sokpy_pool_bag_t(float* __restrict__ o, const sokpy_pool_table& table,
                                                  const i64* __restrict__ val_off, i64 begin, i64 end, float denom,
                                                  bool divide) {
     constexpr int C = SOKPY_CHUNK(DIM);
-    const int cols = SOKPY_DIM(DIM, tb.dim);
-    const float* __restrict__ rows = tb.rows;
-    const float* __restrict__ w = tb.w;
-    const i64 stride = tb.stride;
+    const int cols = SOKPY_DIM(DIM, table.dim);
+    const float* __restrict__ rows = table.rows;
+    const float* __restrict__ w = table.w;
+    const i64 stride = table.stride;
     SOKPY_FOR_CHUNKS(c, C, cols) {
         const int n = min(C, cols - c);
         float acc[C];
@@ -328,26 +328,26 @@ __device__ __forceinline__ void sokpy_pool_bag_t(float* __restrict__ o, const so
             const float wj = w ? w[j] : 1.0f;
             const float* __restrict__ r = rows + off * stride;
             if (DT == SOKPY_DTYPE_FLOAT32) {
-                sokpy_chunk_add<C, false>(acc, r, wj, 1.0f, c, n, tb.vec_in);
+                sokpy_chunk_add<C, false>(acc, r, wj, 1.0f, c, n, table.vec_in);
             } else {
-                sokpy_chunk_add_half<C, DT>(acc, (const sokpy_half*)r, wj, c, n, tb.vec_in);
+                sokpy_chunk_add_half<C, DT>(acc, (const sokpy_half*)r, wj, c, n, table.vec_in);
             }
         }
         if (divide) {
             for (int i = 0; i < C; ++i) acc[i] = denom != 0.0f ? acc[i] / denom : 0.0f;
         }
-        sokpy_chunk_store<C>(o, acc, c, n, tb.vec_out);
+        sokpy_chunk_store<C>(o, acc, c, n, table.vec_out);
     }
 }
 template <int DIM>
-__device__ __forceinline__ void sokpy_pool_bag(float* o, const sokpy_pool_table& tb, const i64* val_off, i64 begin,
+__device__ __forceinline__ void sokpy_pool_bag(float* o, const sokpy_pool_table& table, const i64* val_off, i64 begin,
                                                i64 end, float denom, bool divide) {
-    if (tb.dtype == SOKPY_DTYPE_FLOAT16) {
-        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT16>(o, tb, val_off, begin, end, denom, divide);
-    } else if (tb.dtype == SOKPY_DTYPE_BFLOAT16) {
-        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_BFLOAT16>(o, tb, val_off, begin, end, denom, divide);
+    if (table.dtype == SOKPY_DTYPE_FLOAT16) {
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT16>(o, table, val_off, begin, end, denom, divide);
+    } else if (table.dtype == SOKPY_DTYPE_BFLOAT16) {
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_BFLOAT16>(o, table, val_off, begin, end, denom, divide);
     } else {
-        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT32>(o, tb, val_off, begin, end, denom, divide);
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT32>(o, table, val_off, begin, end, denom, divide);
     }
 }
 
@@ -369,7 +369,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
     // table are contiguous and a thread's bags increase), not once per bag.
     int t = -1, combiner = SOKPY_SUM, vcols = 0;
     i64 tab_first = 0, tab_end = -1, out_stride = 0;
-    sokpy_pool_table tb;
+    sokpy_pool_table table;
     float* out_t = out;
     i64 key_end = 0, next_hint = 0;  // the table's last key + 1; the next key whose row to hint
     SOKPY_FOR_ROWS(b, nbags) {
@@ -377,18 +377,19 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             t = sokpy_segment_near(bag_start, ntables, b, t);
             tab_first = bag_start[t];
             tab_end = bag_start[t + 1];
-            tb.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            table.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
             combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
-            tb.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-            tb.rows = (const float*)src[t];
-            tb.stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
-            tb.dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
-            vcols = sokpy_value_cols(tb.dim, tb.dtype);
+            table.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+            table.rows = (const float*)src[t];
+            table.stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+            table.dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
+            vcols = sokpy_value_cols(table.dim, table.dtype);
             out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
             out_t = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START);
             key_end = offsets[tab_end];
-            tb.vec_in = sokpy_vectors(tb.rows, tb.stride, tb.dim, tb.dtype == SOKPY_DTYPE_FLOAT32 ? 16 : 8);
-            tb.vec_out = sokpy_vectors(out_t, out_stride, tb.dim, 16);
+            const int in_bytes = table.dtype == SOKPY_DTYPE_FLOAT32 ? 16 : 8;
+            table.vec_in = sokpy_vectors(table.rows, table.stride, table.dim, in_bytes);
+            table.vec_out = sokpy_vectors(out_t, out_stride, table.dim, 16);
         }
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
@@ -397,7 +398,7 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
         } else if (combiner != SOKPY_SUM) {
             float acc = 0.0f;
             for (i64 j = begin; j < end; ++j) {
-                const float wj = tb.w ? tb.w[j] : 1.0f;
+                const float wj = table.w ? table.w[j] : 1.0f;
                 acc += combiner == SOKPY_MEAN ? wj : wj * wj;
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
@@ -408,14 +409,14 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
         if (next_hint < end) next_hint = end;
         const i64 hint_end = end + SOKPY_PREFETCH_KEYS < key_end ? end + SOKPY_PREFETCH_KEYS : key_end;
         for (; next_hint < hint_end; ++next_hint) {
-            if (val_off[next_hint] >= 0) sokpy_prefetch_row(tb.rows + val_off[next_hint] * tb.stride, vcols);
+            if (val_off[next_hint] >= 0) sokpy_prefetch_row(table.rows + val_off[next_hint] * table.stride, vcols);
         }
         if (b + SOKPY_PREFETCH_OUT_BAGS < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
-            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, tb.dim);
+            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, table.dim);
         }
         // Each column is summed from 0 in registers (0 + x, so a -0 row gives +0) and written
         // once: an empty bag gives a zero row.
-        SOKPY_WITH_DIM(sokpy_pool_bag, tb.dim, o, tb, val_off, begin, end, denom, combiner != SOKPY_SUM)
+        SOKPY_WITH_DIM(sokpy_pool_bag, table.dim, o, table, val_off, begin, end, denom, combiner != SOKPY_SUM)
         if (threadIdx.x == 0) {
             den[b] = denom;
             if (bag_of) {
@@ -497,15 +498,15 @@ struct sokpy_grad_table {
 __device__ __forceinline__ sokpy_grad_table sokpy_grad_table_of(const u64* grad, const i64* bag_start,
                                                                 const float* weights, const i64* tabs, int ntables,
                                                                 int t) {
-    sokpy_grad_table tb;
-    tb.g = (const float*)grad[t];
-    tb.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-    tb.stride = (i64)grad[ntables + t];
-    tb.first_bag = bag_start[t];
-    tb.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-    tb.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
-    tb.vec = sokpy_vectors(tb.g, tb.stride, tb.dim, 16);
-    return tb;
+    sokpy_grad_table table;
+    table.g = (const float*)grad[t];
+    table.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+    table.stride = (i64)grad[ntables + t];
+    table.first_bag = bag_start[t];
+    table.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+    table.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
+    table.vec = sokpy_vectors(table.g, table.stride, table.dim, 16);
+    return table;
 }
 
 // The sorted positions of a call's keys as the gradient sums read them (segment_sum's arguments
@@ -532,7 +533,7 @@ __device__ __forceinline__ i64 sokpy_positions_ahead(const i64* kbag) {
 // division). Where den is 1 otherwise, the division gives the same bits; it is not skipped per
 // position, which would make g++ load the row once for both ways, one column at a time.
 template <int C, bool DIV>
-__device__ __forceinline__ void sokpy_add_positions_t(float* __restrict__ acc, const sokpy_grad_table& tb,
+__device__ __forceinline__ void sokpy_add_positions_t(float* __restrict__ acc, const sokpy_grad_table& table,
                                                       const sokpy_positions& ps, i64 k0, i64 k1, int c, int n) {
     for (i64 k = k0; k < k1; ++k) {
         // Look ahead over the next keys' positions too (most keys have one or two): the bag
@@ -545,22 +546,22 @@ __device__ __forceinline__ void sokpy_add_positions_t(float* __restrict__ acc, c
         }
         if (ka < ps.n) {
             const i64 ba = sokpy_sorted_bag(ps.kbag, ps.bag_of, ps.perm, ka);
-            sokpy_prefetch_row(tb.g + (ba - tb.first_bag) * tb.stride, tb.dim);
+            sokpy_prefetch_row(table.g + (ba - table.first_bag) * table.stride, table.dim);
         }
         const i64 b = sokpy_sorted_bag(ps.kbag, ps.bag_of, ps.perm, k);
         const float dn = DIV ? ps.den[b] : 1.0f;
         if (DIV && dn == 0.0f) continue;
-        const float wj = tb.w ? tb.w[ps.perm[k]] : 1.0f;
-        sokpy_chunk_add<C, DIV>(acc, tb.g + (b - tb.first_bag) * tb.stride, wj, dn, c, n, tb.vec);
+        const float wj = table.w ? table.w[ps.perm[k]] : 1.0f;
+        sokpy_chunk_add<C, DIV>(acc, table.g + (b - table.first_bag) * table.stride, wj, dn, c, n, table.vec);
     }
 }
 template <int C>
-__device__ __forceinline__ void sokpy_add_positions(float* __restrict__ acc, const sokpy_grad_table& tb,
+__device__ __forceinline__ void sokpy_add_positions(float* __restrict__ acc, const sokpy_grad_table& table,
                                                     const sokpy_positions& ps, i64 k0, i64 k1, int c, int n) {
-    if (tb.sum) {
-        sokpy_add_positions_t<C, false>(acc, tb, ps, k0, k1, c, n);
+    if (table.sum) {
+        sokpy_add_positions_t<C, false>(acc, table, ps, k0, k1, c, n);
     } else {
-        sokpy_add_positions_t<C, true>(acc, tb, ps, k0, k1, c, n);
+        sokpy_add_positions_t<C, true>(acc, table, ps, k0, k1, c, n);
     }
 }
 
@@ -569,12 +570,12 @@ __device__ __forceinline__ void sokpy_add_positions(float* __restrict__ acc, con
 // the other nodes under it from their slots (the GPU's way: segment_piece_sums wrote them).
 // Adding a node to the sum of its parent's first is adding it to 0 + that sum: the same bits.
 template <int C>
-__device__ __forceinline__ void sokpy_node_from_slots(float* __restrict__ acc, const sokpy_grad_table& tb,
+__device__ __forceinline__ void sokpy_node_from_slots(float* __restrict__ acc, const sokpy_grad_table& table,
                                                       const sokpy_positions& ps, i64 s, i64 b, int level, int c,
                                                       int n) {
     sokpy_chunk_zero<C>(acc);
-    sokpy_add_positions<C>(acc, tb, ps, s, min(s + (i64)SOKPY_SEGMENT_PIECE, b), c, n);
-    const bool vec = sokpy_vectors(ps.pieces, ps.piece_stride, tb.dim, 16);
+    sokpy_add_positions<C>(acc, table, ps, s, min(s + (i64)SOKPY_SEGMENT_PIECE, b), c, n);
+    const bool vec = sokpy_vectors(ps.pieces, ps.piece_stride, table.dim, 16);
     i64 span = 1, first = 0;
     for (int k = 1; k < level; ++k) {  // acc: the node of level k at s; the rest of its parent's
         span *= SOKPY_SEGMENT_PIECE;
@@ -592,7 +593,7 @@ __device__ __forceinline__ void sokpy_node_from_slots(float* __restrict__ acc, c
 // parent, which, once it has all its nodes, is added to its own parent, and so on. Not inlined:
 // its open nodes would crowd the registers of the common way (a key of one piece).
 template <int C>
-__device__ __noinline__ void sokpy_node_walk(float* __restrict__ acc, const sokpy_grad_table& tb,
+__device__ __noinline__ void sokpy_node_walk(float* __restrict__ acc, const sokpy_grad_table& table,
                                              const sokpy_positions& ps, i64 s, i64 b, int level, int c, int n) {
     float open[SOKPY_TREE_LEVELS][C];  // open[k]: the node of level k + 1 being summed (k >= 1)
     for (int k = 1; k < level; ++k) sokpy_chunk_zero<C>(open[k]);
@@ -601,7 +602,7 @@ __device__ __noinline__ void sokpy_node_walk(float* __restrict__ acc, const sokp
     for (i64 p = s; p < end; p += SOKPY_SEGMENT_PIECE) {
         float piece[C];
         sokpy_chunk_zero<C>(piece);
-        sokpy_add_positions<C>(piece, tb, ps, p, min(p + (i64)SOKPY_SEGMENT_PIECE, end), c, n);
+        sokpy_add_positions<C>(piece, table, ps, p, min(p + (i64)SOKPY_SEGMENT_PIECE, end), c, n);
         for (int i = 0; i < C; ++i) open[1][i] += piece[i];
         ++pieces;
         const bool last = p + SOKPY_SEGMENT_PIECE >= end;
@@ -617,15 +618,15 @@ __device__ __noinline__ void sokpy_node_walk(float* __restrict__ acc, const sokp
 
 // Slot row o of segment_piece_sums: the node of level `level` at s of a key ending before b.
 template <int DIM>
-__device__ __forceinline__ void sokpy_node_row(float* __restrict__ o, const sokpy_grad_table& tb,
+__device__ __forceinline__ void sokpy_node_row(float* __restrict__ o, const sokpy_grad_table& table,
                                                const sokpy_positions& ps, i64 s, i64 b, int level) {
     constexpr int C = SOKPY_CHUNK(DIM);
-    const int cols = SOKPY_DIM(DIM, tb.dim);
+    const int cols = SOKPY_DIM(DIM, table.dim);
     const bool vec = sokpy_vectors(ps.pieces, ps.piece_stride, cols, 16);
     SOKPY_FOR_CHUNKS(c, C, cols) {
         const int n = min(C, cols - c);
         float acc[C];
-        sokpy_node_from_slots<C>(acc, tb, ps, s, b, level, c, n);
+        sokpy_node_from_slots<C>(acc, table, ps, s, b, level, c, n);
         sokpy_chunk_store<C>(o, acc, c, n, vec);
     }
 }
@@ -648,7 +649,7 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
     const i64 span = sokpy_node_span(level);
     float* slots = pieces + sokpy_level_slots(level, ps.n) * piece_stride;
     i64 u = -1, cur = -1;  // u: the key of the thread's previous chunk
-    sokpy_grad_table tb;
+    sokpy_grad_table table;
     SOKPY_FOR_ROWS(i, nslots) {
         const i64 q0 = (i + 1) * span;
         // The key that holds q0, the last u with seg[u] <= q0: a thread's chunks come in
@@ -673,10 +674,10 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
         if (s >= b || (s - a) / span % SOKPY_SEGMENT_PIECE == 0) continue;  // none, or its parent's first
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
+            table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
-        if (!tb.g) continue;  // segment_sum writes a zero row without reading the slots
-        SOKPY_WITH_DIM(sokpy_node_row, tb.dim, slots + i * piece_stride, tb, ps, s, b, level)
+        if (!table.g) continue;  // segment_sum writes a zero row without reading the slots
+        SOKPY_WITH_DIM(sokpy_node_row, table.dim, slots + i * piece_stride, table, ps, s, b, level)
     }
 }
 
@@ -699,27 +700,27 @@ __device__ __forceinline__ void sokpy_finish_row(float* __restrict__ o, float* _
 // finite. Each way has its own accumulator, so that the common one (a key of one piece) keeps
 // its sums in registers.
 template <int DIM>
-__device__ __forceinline__ void sokpy_key_row(float* __restrict__ o, const sokpy_grad_table& tb,
+__device__ __forceinline__ void sokpy_key_row(float* __restrict__ o, const sokpy_grad_table& table,
                                               const sokpy_positions& ps, i64 a, i64 b, int parallel, float scale,
                                               int* bad) {
     constexpr int C = SOKPY_CHUNK(DIM);
-    const int cols = SOKPY_DIM(DIM, tb.dim);
+    const int cols = SOKPY_DIM(DIM, table.dim);
     const int level = sokpy_top_level(b - a);
     const bool vec = sokpy_vectors(o, 0, cols, 16);
     SOKPY_FOR_CHUNKS(c, C, cols) {
         const int n = min(C, cols - c);
-        if (!tb.g || level == 1) {  // no gradient: a zero row; else one piece
+        if (!table.g || level == 1) {  // no gradient: a zero row; else one piece
             float acc[C];
             sokpy_chunk_zero<C>(acc);
-            if (tb.g) sokpy_add_positions<C>(acc, tb, ps, a, b, c, n);
+            if (table.g) sokpy_add_positions<C>(acc, table, ps, a, b, c, n);
             sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
         } else if (parallel) {
             float acc[C];
-            sokpy_node_from_slots<C>(acc, tb, ps, a, b, level, c, n);
+            sokpy_node_from_slots<C>(acc, table, ps, a, b, level, c, n);
             sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
         } else {
             float acc[C];
-            sokpy_node_walk<C>(acc, tb, ps, a, b, level, c, n);
+            sokpy_node_walk<C>(acc, table, ps, a, b, level, c, n);
             sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
         }
     }
@@ -751,13 +752,13 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
     i64 cur = -1;
-    sokpy_grad_table tb;
+    sokpy_grad_table table;
     SOKPY_FOR_ROWS(u, nuniq) {
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
+            table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
-        SOKPY_WITH_DIM(sokpy_key_row, tb.dim, dst + dst_off[u], tb, ps, seg[u], seg[u + 1], parallel, scale,
+        SOKPY_WITH_DIM(sokpy_key_row, table.dim, dst + dst_off[u], table, ps, seg[u], seg[u + 1], parallel, scale,
                        bad ? bad + u : 0)
     }
 }
