@@ -62,10 +62,9 @@ def _check_range(batch: Batch, tables: list, bad: int) -> None:
 
 def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
     """``(pos_bits, value_bits)`` of a packed sort value ``(group, value, position)``
-    (``route_keys``' layout, where ``value_bits`` is ``sv_bits``): the position of a key in
-    the call takes the low ``pos_bits``, its sort value (its stored row, or the top bits of
-    a mix of the key) the ``value_bits`` above them, and the (owner, table) group the bits
-    above those (63 bits in all at most)."""
+    (``route_keys``' layout): the position of a key in the call takes the low ``pos_bits``,
+    its sort value (its stored row, or the top bits of a mix of the key) the ``value_bits``
+    above them, and the (owner, table) group the bits above those (63 bits in all at most)."""
     pos_bits = max(1, bits(n))
     value_bits = 63 - pos_bits - bits(ngroups)
     if value_bits < 0:
