@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...backends import kernels, runtime
-from ..sparse import segment_starts
+from ..batch import segment_starts
 from .call import Call
 from .dedup import Dedup
 from .pooling import Pooled
