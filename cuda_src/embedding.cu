@@ -78,13 +78,13 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 // ---- the requester: where each key goes ----------------------------------------------------
 // For key j of the call (table t: key_start[t] <= j < key_start[t+1]) finds its owner and
 // writes the value whose sort groups the call's keys for the exchange:
-//   packed[j] = (g << (sv_bits + pos_bits)) | (sv << pos_bits) | j,   g = owner * ntables + t
-// sv is the key's row on its owner when that fits in sv_bits (tabs EXACT), else the top
-// sv_bits of a mix of the key: equal keys always get equal values, and the caller compares
+//   packed[j] = (g << (value_bits + pos_bits)) | (sort_value << pos_bits) | j,   g = owner * ntables + t
+// sort_value is the key's row on its owner when that fits in value_bits (tabs EXACT), else the top
+// value_bits of a mix of the key: equal keys always get equal values, and the caller compares
 // the keys themselves where values are equal, so a shared value never merges two keys.
 // A static table's key outside [0, rows) lowers *bad to its position (bad starts at n).
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
-                                      int world, int pos_bits, int sv_bits, i64* packed, i64* bad) {
+                                      int world, int pos_bits, int value_bits, i64* packed, i64* bad) {
     const double inv_world = 1.0 / (double)world;
     // The table's fields are read when a thread's run of keys enters a table (keys of one
     // table are contiguous and a thread's keys increase), not once per key.
@@ -114,16 +114,16 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
         } else if (kind == SOKPY_KIND_DYNAMIC) {
             owner = sokpy_dynamic_owner(k, world);
         }
-        u64 sv = (u64)local;
-        if (!exact) sv = sv_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - sv_bits) : 0;
+        u64 sort_value = (u64)local;
+        if (!exact) sort_value = value_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - value_bits) : 0;
         const u64 g = (u64)owner * (u64)ntables + group_bits;
-        packed[j] = (i64)((g << (sv_bits + pos_bits)) | (sv << pos_bits) | (u64)j);
+        packed[j] = (i64)((g << (value_bits + pos_bits)) | (sort_value << pos_bits) | (u64)j);
     }
 }
 
 // ---- the requester: unique keys ------------------------------------------------------------
 // The call's packed values after one sort (s, route_keys' layout): pos[k] is the position
-// value k came from, and brk[k] = 1 where a unique key starts: its (group, sort value)
+// value k came from, and starts_unique[k] = 1 where a unique key starts: its (group, sort value)
 // differs from the previous value's or, where sort values are not exact (the top bits of a
 // hash), its key does. Two keys that share a hashed sort value and interleave by position
 // give more than one unique entry each (never a merge of two keys); *collided becomes 1 where
@@ -131,7 +131,7 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
 // appear more than once. When bag_of (each position's bag) is not null, kbag[k] = bag_of[pos[k]]
 // too, the bags in the order segment_sum reads them.
 extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact,
-                                            const i64* bag_of, i64* pos, i64* kbag, unsigned char* brk,
+                                            const i64* bag_of, i64* pos, i64* kbag, unsigned char* starts_unique,
                                             int* collided) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     SOKPY_FOR_KEYS(k, n) {
@@ -149,25 +149,25 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
                 atomicMax(collided, 1);
             }
         }
-        brk[k] = (unsigned char)b;
+        starts_unique[k] = (unsigned char)b;
     }
 }
 
 // Lays out the unique keys. Unique key u starts at sorted position k = starts[u] (given
 // starts: one thread per unique key, count = nuniq), or, without starts, at each k where
-// brk[k] = 1, and is then number u = before[k], the unique keys before k (one thread per
+// starts_unique[k] = 1, and is then number u = before[k], the unique keys before k (one thread per
 // sorted position, count = n: the number of unique keys need not be known at launch, which
 // saves a read on several ranks). It writes the start seg[u] = k, the position of the key's
 // first use, the key and its group (owner * ntables + table). The key of a static table whose
 // sort value is its exact stored row (tabs EXACT) comes back from that row and the owner
 // (sokpy_static_key), not from a read of keys at a random position: on the host that read is a
 // cache miss per unique key.
-extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* brk,
-                                            const i64* before, i64 count, const i64* keys, int pos_bits, int sv_bits,
+extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* starts_unique,
+                                            const i64* before, i64 count, const i64* keys, int pos_bits, int value_bits,
                                             int ntables, const i64* tabs, int world, i64* seg, i64* first, i64* ukeys,
                                             i64* group) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
-    const i64 sv_mask = ((i64)1 << sv_bits) - 1;
+    const i64 value_mask = ((i64)1 << value_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
     // keys come group by group), not once per key.
     i64 cur = -1, owner = 0, kind = 0;
@@ -177,12 +177,12 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
         if (starts) {
             k = starts[i];
         } else {
-            if (!brk[i]) continue;
+            if (!starts_unique[i]) continue;
             u = before[i];
         }
         const i64 v = s[k];
         const i64 p = v & mask;
-        const i64 g = v >> (pos_bits + sv_bits);
+        const i64 g = v >> (pos_bits + value_bits);
         if (g != cur) {
             cur = g;
             const int t = (int)(g % ntables);
@@ -191,7 +191,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
             from_row = is_static && SOKPY_TAB(tabs, t, SOKPY_TAB_EXACT);
             owner = g / ntables;
         }
-        const i64 row = (v >> pos_bits) & sv_mask;
+        const i64 row = (v >> pos_bits) & value_mask;
         seg[u] = k;
         first[u] = p;
         ukeys[u] = from_row ? sokpy_static_key(kind, row, owner, world) : keys[p];
@@ -297,6 +297,60 @@ extern "C" __global__ void widen_values(const float* src, i64 src_stride, i64 n,
 }
 
 // ---- the requester: pooling ----------------------------------------------------------------
+// What combine_forward reads of the table its walk is in.
+struct sokpy_pool_table {
+    const float* rows;  // src[t]
+    const float* w;     // the keys' weights (0: unweighted)
+    i64 stride;         // SRC_STRIDE
+    int dim, dtype;     // the dimension and SRC_DTYPE
+    bool vec_in, vec_out;  // the rows' and the outputs' chunks are aligned vectors (sokpy_vectors)
+};
+
+// Keys [begin, end) pooled into the output row o, each column summed in registers from 0 in the
+// order of the keys and written once: o = sum_j w_j * row_j, divided by denom when `divide` (0
+// where denom is 0). DT: the rows' SRC_DTYPE.
+template <int DIM, int DT>
+__device__ __forceinline__ void sokpy_pool_bag_t(float* __restrict__ o, const sokpy_pool_table& table,
+                                                 const i64* __restrict__ val_off, i64 begin, i64 end, float denom,
+                                                 bool divide) {
+    constexpr int C = SOKPY_CHUNK(DIM);
+    const int cols = SOKPY_DIM(DIM, table.dim);
+    const float* __restrict__ rows = table.rows;
+    const float* __restrict__ w = table.w;
+    const i64 stride = table.stride;
+    SOKPY_FOR_CHUNKS(c, C, cols) {
+        const int n = min(C, cols - c);
+        float acc[C];
+        sokpy_chunk_zero<C>(acc);
+        for (i64 j = begin; j < end; ++j) {
+            const i64 off = val_off[j];
+            if (off < 0) continue;  // a key the table does not hold: a zero row
+            const float wj = w ? w[j] : 1.0f;
+            const float* __restrict__ r = rows + off * stride;
+            if (DT == SOKPY_DTYPE_FLOAT32) {
+                sokpy_chunk_add<C, false>(acc, r, wj, 1.0f, c, n, table.vec_in);
+            } else {
+                sokpy_chunk_add_half<C, DT>(acc, (const sokpy_half*)r, wj, c, n, table.vec_in);
+            }
+        }
+        if (divide) {
+            for (int i = 0; i < C; ++i) acc[i] = denom != 0.0f ? acc[i] / denom : 0.0f;
+        }
+        sokpy_chunk_store<C>(o, acc, c, n, table.vec_out);
+    }
+}
+template <int DIM>
+__device__ __forceinline__ void sokpy_pool_bag(float* o, const sokpy_pool_table& table, const i64* val_off, i64 begin,
+                                               i64 end, float denom, bool divide) {
+    if (table.dtype == SOKPY_DTYPE_FLOAT16) {
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT16>(o, table, val_off, begin, end, denom, divide);
+    } else if (table.dtype == SOKPY_DTYPE_BFLOAT16) {
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_BFLOAT16>(o, table, val_off, begin, end, denom, divide);
+    } else {
+        sokpy_pool_bag_t<DIM, SOKPY_DTYPE_FLOAT32>(o, table, val_off, begin, end, denom, divide);
+    }
+}
+
 // Pools each bag of every table: bag b of table t (bag_start[t] <= b < bag_start[t+1]) holds
 // keys [offsets[b], offsets[b+1]); key j's row starts at element val_off[j] * SRC_STRIDE of
 // src[t], of type SRC_DTYPE (a half table's own rows are widened as they are read); a negative
@@ -306,16 +360,16 @@ extern "C" __global__ void widen_values(const float* src, i64 src_stride, i64 n,
 // w_j = weights[j] for tables with WEIGHTED, else 1. A bag
 // whose den is 0 (an empty bag) gives a zero row. Output row b of table t starts at element
 // OUT_START + (b - bag_start[t]) * OUT_STRIDE of out. Writes den[b], and bag_of[j] = b for
-// the backward.
+// the backward. Each output row is summed in registers and written once (sokpy_common.cuh):
+// launched with kernels.vector_cols(dim) columns.
 extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, const i64* offsets,
                                            const float* weights, const i64* bag_start, int ntables, const i64* tabs,
                                            i64 nbags, float* out, float* den, i64* bag_of) {
     // The table's fields are read when a thread's run of bags enters a table (bags of one
     // table are contiguous and a thread's bags increase), not once per bag.
-    int t = -1, dim = 0, combiner = SOKPY_SUM, dtype = 0, vcols = 0;
-    i64 tab_first = 0, tab_end = -1, stride = 1, out_stride = 0;
-    const float* w = 0;
-    const float* rows = 0;
+    int t = -1, combiner = SOKPY_SUM, vcols = 0;
+    i64 tab_first = 0, tab_end = -1, out_stride = 0;
+    sokpy_pool_table table;
     float* out_t = out;
     i64 key_end = 0, next_hint = 0;  // the table's last key + 1; the next key whose row to hint
     SOKPY_FOR_ROWS(b, nbags) {
@@ -323,16 +377,19 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
             t = sokpy_segment_near(bag_start, ntables, b, t);
             tab_first = bag_start[t];
             tab_end = bag_start[t + 1];
-            dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            table.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
             combiner = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER);
-            w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-            rows = (const float*)src[t];
-            stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
-            dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
-            vcols = sokpy_value_cols(dim, dtype);
+            table.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+            table.rows = (const float*)src[t];
+            table.stride = SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_STRIDE);
+            table.dtype = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_SRC_DTYPE);
+            vcols = sokpy_value_cols(table.dim, table.dtype);
             out_stride = SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_STRIDE);
             out_t = out + SOKPY_TAB(tabs, t, SOKPY_TAB_OUT_START);
             key_end = offsets[tab_end];
+            const int in_bytes = table.dtype == SOKPY_DTYPE_FLOAT32 ? 16 : 8;
+            table.vec_in = sokpy_vectors(table.rows, table.stride, table.dim, in_bytes);
+            table.vec_out = sokpy_vectors(out_t, out_stride, table.dim, 16);
         }
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
@@ -341,39 +398,25 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
         } else if (combiner != SOKPY_SUM) {
             float acc = 0.0f;
             for (i64 j = begin; j < end; ++j) {
-                const float wj = w ? w[j] : 1.0f;
+                const float wj = table.w ? table.w[j] : 1.0f;
                 acc += combiner == SOKPY_MEAN ? wj : wj * wj;
             }
             denom = combiner == SOKPY_MEAN ? acc : sqrtf(acc);
         }
         // The rows of the keys up to SOKPY_PREFETCH_KEYS past this bag (same table), each hinted
         // once, and the output row of the bag SOKPY_PREFETCH_OUT_BAGS ahead.
-        float* __restrict__ o = out_t + (b - tab_first) * out_stride;
+        float* o = out_t + (b - tab_first) * out_stride;
         if (next_hint < end) next_hint = end;
         const i64 hint_end = end + SOKPY_PREFETCH_KEYS < key_end ? end + SOKPY_PREFETCH_KEYS : key_end;
         for (; next_hint < hint_end; ++next_hint) {
-            if (val_off[next_hint] >= 0) sokpy_prefetch_row(rows + val_off[next_hint] * stride, vcols);
+            if (val_off[next_hint] >= 0) sokpy_prefetch_row(table.rows + val_off[next_hint] * table.stride, vcols);
         }
         if (b + SOKPY_PREFETCH_OUT_BAGS < tab_end && out_stride >= SOKPY_FAR_STRIDE) {
-            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, dim);
+            sokpy_prefetch_row_for_write(o + SOKPY_PREFETCH_OUT_BAGS * out_stride, table.dim);
         }
-        // The sum starts from 0 as a segment sum does (0 + x, so a -0 row gives +0), but the
-        // first row initialises the output instead of a pass of zeros before it: on the host a
-        // zeroing pass is a memset call and a read-modify-write of a line not yet in cache.
-        bool empty = true;
-        for (i64 j = begin; j < end; ++j) {
-            if (val_off[j] < 0) continue;
-            const float wj = w ? w[j] : 1.0f;
-            const float* __restrict__ r = rows + val_off[j] * stride;
-            sokpy_values_axpy(o, r, wj, dim, empty, dtype);
-            empty = false;
-        }
-        if (empty) {
-            SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
-        }
-        if (combiner != SOKPY_SUM) {
-            SOKPY_FOR_COLS(d, dim) o[d] = denom != 0.0f ? o[d] / denom : 0.0f;
-        }
+        // Each column is summed from 0 in registers (0 + x, so a -0 row gives +0) and written
+        // once: an empty bag gives a zero row.
+        SOKPY_WITH_DIM(sokpy_pool_bag, table.dim, o, table, val_off, begin, end, denom, combiner != SOKPY_SUM)
         if (threadIdx.x == 0) {
             den[b] = denom;
             if (bag_of) {
@@ -390,40 +433,93 @@ __device__ __forceinline__ i64 sokpy_sorted_bag(const i64* kbag, const i64* bag_
     return kbag ? kbag[k] : bag_of[perm[k]];
 }
 
-// A unique key with more than SOKPY_SEGMENT_PIECE positions (a hot key) has its gradient
-// summed in pieces of that many positions, counted from its first: piece j is its sorted
-// positions [seg[u] + j * PIECE, seg[u] + (j + 1) * PIECE), summed from 0 in order, and the
-// row is ((p0 + p1) + p2) + ... . The thread that writes the row (segment_sum) sums the first
-// `own` pieces itself; segment_piece_sums sums the others before it, one thread-row per piece,
-// so that on a GPU (own = 1) no thread walks a hot key's thousands of positions alone. The
-// bits are the same for every `own`, every launch shape and whatever the other keys of the
-// call: the pieces follow from the key's own positions. A key with at most PIECE positions is
-// one piece, summed as it always was. A thread walks at most `own` pieces and adds L / PIECE
-// partial sums for a key of L positions: 64 keeps both short for the hottest keys of a batch
-// of some 10^5 positions (thousands of positions each).
+// A unique key's gradient row sums one term per position of the key (segment_sum, below) as a
+// tree whose nodes have up to SOKPY_SEGMENT_PIECE children, counted from the key's first sorted
+// position a = seg[u]: a node of level 1 (a piece) sums up to PIECE consecutive positions, a node
+// of level l + 1 up to PIECE consecutive nodes of level l, each from 0 in their order. The node
+// of level l that starts at sorted position s = a + i * PIECE^l covers the key's positions
+// [s, min(s + PIECE^l, end of the key)), and the row is the node of the lowest level that covers
+// all of them: a key of at most PIECE positions is one piece (summed as it always was), one of
+// at most PIECE^2 the sum of its pieces in order, and so on. The bits follow from the key's own
+// positions alone: the same whoever sums which node, for every launch shape and whatever the
+// other keys of the call.
+//
+// On the host, the thread that writes a key's row walks all of its positions and closes the
+// nodes as it goes (segment_sum with parallel = 0): each of its few threads walks a contiguous
+// run of keys, in which a hot key's rows arrive while the keys around it wait on theirs. On a
+// GPU (parallel = 1) segment_piece_sums first writes the nodes, one thread per node, in one
+// launch per level (1, 2, ...): the thread of a node of level l sums its first piece's positions,
+// then adds the other nodes of level 1 under the node's first node of level 2, then the other
+// nodes of level 2 under its first of level 3, ..., up to level l, which the launches before
+// wrote; segment_sum does the same for the key's top node. So no thread walks more than PIECE
+// positions and PIECE - 1 nodes per level (a key of 10^5 positions has three levels), and only
+// the nodes that are not their parent's first are written. Level l has a slot in `pieces` for
+// each chunk [q * PIECE^l, (q + 1) * PIECE^l) of sorted positions, q >= 1: at most one node of
+// level l that is not a key's first starts in such a chunk (that of the key that holds
+// position q * PIECE^l), and it takes slot q - 1, piece_stride floats; level l's (n - 1) / PIECE^l
+// slots follow those of the levels below it (n sorted positions).
 #define SOKPY_SEGMENT_PIECE 64
+// The levels of a tree at most: PIECE^7 = 2^42 positions.
+#define SOKPY_TREE_LEVELS 7
+
+// PIECE^level: the positions a node of that level covers at most.
+__device__ __forceinline__ i64 sokpy_node_span(int level) {
+    i64 span = 1;
+    for (int k = 0; k < level; ++k) span *= SOKPY_SEGMENT_PIECE;
+    return span;
+}
+// The level of a key's top node: the lowest that covers its `len` positions (1 for up to PIECE).
+__device__ __forceinline__ int sokpy_top_level(i64 len) {
+    int level = 1;
+    for (i64 span = SOKPY_SEGMENT_PIECE; span < len; span *= SOKPY_SEGMENT_PIECE) ++level;
+    return level;
+}
+// The first slot of a level in `pieces`, for n sorted positions.
+__device__ __forceinline__ i64 sokpy_level_slots(int level, i64 n) {
+    i64 first = 0, span = 1;
+    for (int k = 1; k < level; ++k) {
+        span *= SOKPY_SEGMENT_PIECE;
+        first += (n - 1) / span;
+    }
+    return first;
+}
 
 // What the gradient sums read of table t: the output's gradient (0: it got none), the keys'
-// weights (0: unweighted), where bag rows lie, and whether den is 1 (sum: not read).
+// weights (0: unweighted), where bag rows lie, whether den is 1 (sum: not read), and whether the
+// gradient's rows are read as vectors (sokpy_vectors).
 struct sokpy_grad_table {
     const float* g;
     const float* w;
     i64 stride, first_bag;
     int dim, sum;
+    bool vec;
 };
 // grad holds 2 * ntables words: the gradients' addresses, then their row strides in elements.
 __device__ __forceinline__ sokpy_grad_table sokpy_grad_table_of(const u64* grad, const i64* bag_start,
                                                                 const float* weights, const i64* tabs, int ntables,
                                                                 int t) {
-    sokpy_grad_table tb;
-    tb.g = (const float*)grad[t];
-    tb.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
-    tb.stride = (i64)grad[ntables + t];
-    tb.first_bag = bag_start[t];
-    tb.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
-    tb.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
-    return tb;
+    sokpy_grad_table table;
+    table.g = (const float*)grad[t];
+    table.w = SOKPY_TAB(tabs, t, SOKPY_TAB_WEIGHTED) ? weights : 0;
+    table.stride = (i64)grad[ntables + t];
+    table.first_bag = bag_start[t];
+    table.dim = (int)SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+    table.sum = SOKPY_TAB(tabs, t, SOKPY_TAB_COMBINER) == SOKPY_SUM;
+    table.vec = sokpy_vectors(table.g, table.stride, table.dim, 16);
+    return table;
 }
+
+// The sorted positions of a call's keys as the gradient sums read them (segment_sum's arguments
+// of the same names), n of them, and the slots of the tree's nodes.
+struct sokpy_positions {
+    const i64* bag_of;
+    const i64* kbag;
+    const float* den;
+    const i64* perm;
+    i64 n;
+    float* pieces;
+    i64 piece_stride;
+};
 
 // How many positions ahead the gradient sums hint a gradient row: further with the bags in
 // sorted order (kbag), where the look-ahead is one read, not a chain of two.
@@ -431,71 +527,131 @@ __device__ __forceinline__ i64 sokpy_positions_ahead(const i64* kbag) {
     return kbag ? SOKPY_PREFETCH_SORTED_POSITIONS : SOKPY_PREFETCH_POSITIONS;
 }
 
-// Hints the gradient rows of sorted positions [k0, k1) (host only, as sokpy_prefetch_row):
-// where a thread's walk over positions jumps, the rows its look-ahead did not reach.
-__device__ __forceinline__ void sokpy_prefetch_positions(const sokpy_grad_table& tb, const i64* bag_of,
-                                                         const i64* kbag, const i64* perm, i64 k0, i64 k1) {
-#ifdef SOKPY_HOST
-    for (i64 k = k0; k < k1; ++k) {
-        sokpy_prefetch_row(tb.g + (sokpy_sorted_bag(kbag, bag_of, perm, k) - tb.first_bag) * tb.stride, tb.dim);
-    }
-#endif
-}
-
-// o += (grad_t[bag b_j] / den[b_j]) * w_j for sorted positions k in [k0, k1) in the order of
-// k (j = perm[k], b_j its bag; den 0 -> no term). n: the number of sorted positions, which
-// bounds the look-ahead.
-__device__ __forceinline__ void sokpy_add_positions(float* __restrict__ o, const sokpy_grad_table& tb,
-                                                    const i64* bag_of, const i64* kbag, const float* den,
-                                                    const i64* perm, i64 k0, i64 k1, i64 n) {
-    const int dim = tb.dim;
+// acc += (grad_t[bag b_j] / den[b_j]) * w_j for sorted positions k in [k0, k1) in the order of
+// k (j = perm[k], b_j its bag; den 0 -> no term), the n <= C columns from column c. DIV: the
+// table's combiner is not sum (a sum's den is 1, and (x / 1) * w == w * x: it skips the
+// division). Where den is 1 otherwise, the division gives the same bits; it is not skipped per
+// position, which would make g++ load the row once for both ways, one column at a time.
+template <int C, bool DIV>
+__device__ __forceinline__ void sokpy_add_positions_t(float* __restrict__ acc, const sokpy_grad_table& table,
+                                                      const sokpy_positions& ps, i64 k0, i64 k1, int c, int n) {
     for (i64 k = k0; k < k1; ++k) {
         // Look ahead over the next keys' positions too (most keys have one or two): the bag
         // of a position twice the distance ahead (without kbag), the gradient row of one
         // the distance ahead (across a table boundary this hints a wrong address, which is
         // harmless).
-        const i64 ka = k + sokpy_positions_ahead(kbag);
-        if (!kbag && ka + SOKPY_PREFETCH_POSITIONS < n) {
-            sokpy_prefetch_word(bag_of + perm[ka + SOKPY_PREFETCH_POSITIONS]);
+        const i64 ka = k + sokpy_positions_ahead(ps.kbag);
+        if (!ps.kbag && ka + SOKPY_PREFETCH_POSITIONS < ps.n) {
+            sokpy_prefetch_word(ps.bag_of + ps.perm[ka + SOKPY_PREFETCH_POSITIONS]);
         }
-        if (ka < n) {
-            sokpy_prefetch_row(tb.g + (sokpy_sorted_bag(kbag, bag_of, perm, ka) - tb.first_bag) * tb.stride, dim);
+        if (ka < ps.n) {
+            const i64 ba = sokpy_sorted_bag(ps.kbag, ps.bag_of, ps.perm, ka);
+            sokpy_prefetch_row(table.g + (ba - table.first_bag) * table.stride, table.dim);
         }
-        const i64 b = sokpy_sorted_bag(kbag, bag_of, perm, k);
-        const float dn = tb.sum ? 1.0f : den[b];
-        if (dn == 0.0f) continue;
-        const float wj = tb.w ? tb.w[perm[k]] : 1.0f;
-        const float* __restrict__ s = tb.g + (b - tb.first_bag) * tb.stride;
-        if (dn == 1.0f) {  // (x / 1) * w == x * w: skip the division
-            sokpy_row_axpy(o, s, wj, dim, false);
-        } else {
-            SOKPY_FOR_COLS(d, dim) o[d] += (s[d] / dn) * wj;
-        }
+        const i64 b = sokpy_sorted_bag(ps.kbag, ps.bag_of, ps.perm, k);
+        const float dn = DIV ? ps.den[b] : 1.0f;
+        if (DIV && dn == 0.0f) continue;
+        const float wj = table.w ? table.w[ps.perm[k]] : 1.0f;
+        sokpy_chunk_add<C, DIV>(acc, table.g + (b - table.first_bag) * table.stride, wj, dn, c, n, table.vec);
+    }
+}
+template <int C>
+__device__ __forceinline__ void sokpy_add_positions(float* __restrict__ acc, const sokpy_grad_table& table,
+                                                    const sokpy_positions& ps, i64 k0, i64 k1, int c, int n) {
+    if (table.sum) {
+        sokpy_add_positions_t<C, false>(acc, table, ps, k0, k1, c, n);
+    } else {
+        sokpy_add_positions_t<C, true>(acc, table, ps, k0, k1, c, n);
     }
 }
 
-// The partial sums of the hot keys' pieces numbered `own` and up, for segment_sum (the same
-// arguments up to own). Piece j >= 1 of key u starts at a sorted position s in chunk
-// q = s / PIECE (positions [q * PIECE, (q + 1) * PIECE)), and key u also holds position
-// q * PIECE (it holds s - PIECE < q * PIECE <= s), so a chunk holds the start of at most one
-// such piece: the one of the key that holds the chunk's first position. Entry i covers chunk
-// q = i + 1 (chunk 0 starts no later piece) and writes that piece's sum, from 0 in the order
-// of its positions, at element i * piece_stride of pieces, or nothing. npieces =
-// (n - 1) / PIECE for n sorted positions (seg[nuniq] = n: a bound of the pieces the host
-// knows without a read); piece_stride >= every table's dim. With count, the unique keys are
-// the first *count, as in segment_sum.
+// acc = the node of level `level` that starts at sorted position s, of a key whose positions
+// end before b (the n <= C columns from c): its first piece's positions, then, level by level,
+// the other nodes under it from their slots (the GPU's way: segment_piece_sums wrote them).
+// Adding a node to the sum of its parent's first is adding it to 0 + that sum: the same bits.
+template <int C>
+__device__ __forceinline__ void sokpy_node_from_slots(float* __restrict__ acc, const sokpy_grad_table& table,
+                                                      const sokpy_positions& ps, i64 s, i64 b, int level, int c,
+                                                      int n) {
+    sokpy_chunk_zero<C>(acc);
+    sokpy_add_positions<C>(acc, table, ps, s, min(s + (i64)SOKPY_SEGMENT_PIECE, b), c, n);
+    const bool vec = sokpy_vectors(ps.pieces, ps.piece_stride, table.dim, 16);
+    i64 span = 1, first = 0;
+    for (int k = 1; k < level; ++k) {  // acc: the node of level k at s; the rest of its parent's
+        span *= SOKPY_SEGMENT_PIECE;
+        const float* slots = ps.pieces + first * ps.piece_stride;
+        const i64 end = min(s + span * SOKPY_SEGMENT_PIECE, b);
+        for (i64 cs = s + span; cs < end; cs += span) {
+            sokpy_chunk_add<C, false>(acc, slots + (cs / span - 1) * ps.piece_stride, 1.0f, 1.0f, c, n, vec);
+        }
+        first += (ps.n - 1) / span;
+    }
+}
+
+// acc = the node of level `level` >= 2 at s of a key whose positions end before b, from its
+// positions alone (the host's way): each piece is summed in registers, then added to its open
+// parent, which, once it has all its nodes, is added to its own parent, and so on. Not inlined:
+// its open nodes would crowd the registers of the common way (a key of one piece).
+template <int C>
+__device__ __noinline__ void sokpy_node_walk(float* __restrict__ acc, const sokpy_grad_table& table,
+                                             const sokpy_positions& ps, i64 s, i64 b, int level, int c, int n) {
+    float open[SOKPY_TREE_LEVELS][C];  // open[k]: the node of level k + 1 being summed (k >= 1)
+    for (int k = 1; k < level; ++k) sokpy_chunk_zero<C>(open[k]);
+    const i64 end = min(s + sokpy_node_span(level), b);
+    i64 pieces = 0;
+    for (i64 p = s; p < end; p += SOKPY_SEGMENT_PIECE) {
+        float piece[C];
+        sokpy_chunk_zero<C>(piece);
+        sokpy_add_positions<C>(piece, table, ps, p, min(p + (i64)SOKPY_SEGMENT_PIECE, end), c, n);
+        for (int i = 0; i < C; ++i) open[1][i] += piece[i];
+        ++pieces;
+        const bool last = p + SOKPY_SEGMENT_PIECE >= end;
+        i64 span = SOKPY_SEGMENT_PIECE;  // pieces under a node of level k
+        for (int k = 2; k < level && (last || pieces % span == 0); ++k) {  // a node of level k is complete
+            for (int i = 0; i < C; ++i) open[k][i] += open[k - 1][i];
+            sokpy_chunk_zero<C>(open[k - 1]);
+            span *= SOKPY_SEGMENT_PIECE;
+        }
+    }
+    for (int i = 0; i < C; ++i) acc[i] = open[level - 1][i];
+}
+
+// Slot row o of segment_piece_sums: the node of level `level` at s of a key ending before b.
+template <int DIM>
+__device__ __forceinline__ void sokpy_node_row(float* __restrict__ o, const sokpy_grad_table& table,
+                                               const sokpy_positions& ps, i64 s, i64 b, int level) {
+    constexpr int C = SOKPY_CHUNK(DIM);
+    const int cols = SOKPY_DIM(DIM, table.dim);
+    const bool vec = sokpy_vectors(ps.pieces, ps.piece_stride, cols, 16);
+    SOKPY_FOR_CHUNKS(c, C, cols) {
+        const int n = min(C, cols - c);
+        float acc[C];
+        sokpy_node_from_slots<C>(acc, table, ps, s, b, level, c, n);
+        sokpy_chunk_store<C>(o, acc, c, n, vec);
+    }
+}
+
+// The nodes of level `level` (>= 1) of the hot keys' trees that are not their parent's first,
+// each in its slot of pieces (see SOKPY_SEGMENT_PIECE), for segment_sum (the same arguments up to
+// pieces): launched for levels 1, 2, ... in turn, each over nslots = (n - 1) / PIECE^level
+// entries (n sorted positions: seg[nuniq]), only where some key could have nodes of that level
+// (n > PIECE^level, a bound the host knows without a read). Entry i covers the chunk of sorted
+// positions that starts at q0 = (i + 1) * PIECE^level and writes slot i of its level, or
+// nothing. piece_stride >= every table's dim. With count, the unique keys are the first *count,
+// as in segment_sum.
 extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of, const i64* kbag,
                                               const i64* bag_start, const float* den, const float* weights,
                                               const i64* perm, const i64* seg, const i64* group, int ntables,
                                               const i64* tabs, i64 nuniq, const i64* count, float* pieces,
-                                              i64 piece_stride, i64 own, i64 npieces) {
+                                              i64 piece_stride, int level, i64 nslots) {
     if (count) nuniq = *count;
-    const i64 n = seg[nuniq];
-    // u: the key of the thread's previous chunk; done: where its previous piece ended.
-    i64 u = -1, cur = -1, done = -1;
-    sokpy_grad_table tb;
-    SOKPY_FOR_ROWS(i, npieces) {
-        const i64 q0 = (i + 1) * SOKPY_SEGMENT_PIECE;
+    const sokpy_positions ps = {bag_of, kbag, den, perm, seg[nuniq], pieces, piece_stride};
+    const i64 span = sokpy_node_span(level);
+    float* slots = pieces + sokpy_level_slots(level, ps.n) * piece_stride;
+    i64 u = -1, cur = -1;  // u: the key of the thread's previous chunk
+    sokpy_grad_table table;
+    SOKPY_FOR_ROWS(i, nslots) {
+        const i64 q0 = (i + 1) * span;
         // The key that holds q0, the last u with seg[u] <= q0: a thread's chunks come in
         // increasing order, so the search gallops forward from its previous chunk's key.
         i64 lo = 0, hi = nuniq;  // seg[lo] <= q0 < seg[hi]
@@ -514,19 +670,59 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
         }
         u = lo;
         const i64 a = seg[u], b = seg[u + 1];
-        const i64 s = a + (q0 - a + SOKPY_SEGMENT_PIECE - 1) / SOKPY_SEGMENT_PIECE * SOKPY_SEGMENT_PIECE;
-        if ((s - a) / SOKPY_SEGMENT_PIECE < own || s >= b) continue;  // segment_sum's piece, or none here
+        const i64 s = a + (q0 - a + span - 1) / span * span;  // the key's node of this level in the chunk
+        if (s >= b || (s - a) / span % SOKPY_SEGMENT_PIECE == 0) continue;  // none, or its parent's first
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
+            table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
-        if (!tb.g) continue;  // segment_sum writes a zero row without reading the pieces
-        const i64 end = min(s + (i64)SOKPY_SEGMENT_PIECE, b);
-        if (s != done) sokpy_prefetch_positions(tb, bag_of, kbag, perm, s, min(s + sokpy_positions_ahead(kbag), end));
-        done = end;
-        float* __restrict__ o = pieces + i * piece_stride;
-        SOKPY_FOR_COLS(d, tb.dim) o[d] = 0.0f;
-        sokpy_add_positions(o, tb, bag_of, kbag, den, perm, s, end, n);
+        if (!table.g) continue;  // segment_sum writes a zero row without reading the slots
+        SOKPY_WITH_DIM(sokpy_node_row, table.dim, slots + i * piece_stride, table, ps, s, b, level)
+    }
+}
+
+// Writes row o's n <= C columns from c: acc times scale; *bad = 1 where one is not finite.
+template <int C>
+__device__ __forceinline__ void sokpy_finish_row(float* __restrict__ o, float* __restrict__ acc, int c, int n,
+                                                 float scale, int* bad, bool vec) {
+    if (scale != 1.0f) {
+        for (int i = 0; i < C; ++i) acc[i] *= scale;
+    }
+    if (bad) {
+        int ok = 1;
+        for (int i = 0; i < C; ++i) ok &= (n == C || i < n) ? sokpy_finite(acc[i]) : 1;
+        if (!ok) *bad = 1;
+    }
+    sokpy_chunk_store<C>(o, acc, c, n, vec);
+}
+
+// Row o of segment_sum: unique key [a, b)'s top node, times scale; *bad = 1 where it is not
+// finite. Each way has its own accumulator, so that the common one (a key of one piece) keeps
+// its sums in registers.
+template <int DIM>
+__device__ __forceinline__ void sokpy_key_row(float* __restrict__ o, const sokpy_grad_table& table,
+                                              const sokpy_positions& ps, i64 a, i64 b, int parallel, float scale,
+                                              int* bad) {
+    constexpr int C = SOKPY_CHUNK(DIM);
+    const int cols = SOKPY_DIM(DIM, table.dim);
+    const int level = sokpy_top_level(b - a);
+    const bool vec = sokpy_vectors(o, 0, cols, 16);
+    SOKPY_FOR_CHUNKS(c, C, cols) {
+        const int n = min(C, cols - c);
+        if (!table.g || level == 1) {  // no gradient: a zero row; else one piece
+            float acc[C];
+            sokpy_chunk_zero<C>(acc);
+            if (table.g) sokpy_add_positions<C>(acc, table, ps, a, b, c, n);
+            sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
+        } else if (parallel) {
+            float acc[C];
+            sokpy_node_from_slots<C>(acc, table, ps, a, b, level, c, n);
+            sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
+        } else {
+            float acc[C];
+            sokpy_node_walk<C>(acc, table, ps, a, b, level, c, n);
+            sokpy_finish_row<C>(o, acc, c, n, scale, bad, vec);
+        }
     }
 }
 
@@ -535,59 +731,35 @@ extern "C" __global__ void segment_piece_sums(const u64* grad, const i64* bag_of
 // order; u belongs to table t = group[u] % ntables. Its gradient row, written at element
 // dst_off[u] of dst, is
 //   sum_k (grad_t[bag b_j] / den[b_j]) * w_j     (j = perm[k], b_j = bag_of[j]; den 0 -> term 0)
-// in the order of k, times scale; a key with more than SOKPY_SEGMENT_PIECE positions is summed
-// in pieces (above): this kernel sums the first `own` of them, each piece after the first in
-// its slot of pieces, where segment_piece_sums (launched first, with the same arguments up to
-// own) left the others. kbag, when not null, holds the same bags in the order of k (kbag[k] =
+// summed in the order of k as a tree (above: parallel = 1 where segment_piece_sums wrote the
+// nodes first, with the same arguments up to pieces), times scale, each column in registers and
+// written once. kbag, when not null, holds the same bags in the order of k (kbag[k] =
 // bag_of[perm[k]], from mark_unique_keys), which takes a random read out of the chain from a
 // position to its gradient row. grad[t] is the address of dL/d(output of table t), its bag
 // rows grad[ntables + t] elements apart (columns adjacent; a stride of 0 repeats one row);
 // grad[t] = 0 means the output got no gradient: a zero row. When bad is
 // not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite. The unique keys
 // are the first nuniq, or, when count is not null, the first *count (a number the device knows
-// and the host does not: the launch covers nuniq, an upper bound).
+// and the host does not: the launch covers nuniq, an upper bound). Launched with
+// kernels.vector_cols(dim) columns, as combine_forward.
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
                                        const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,
-                                       float* pieces, i64 piece_stride, i64 own, float* dst, const i64* dst_off,
+                                       float* pieces, i64 piece_stride, int parallel, float* dst, const i64* dst_off,
                                        float scale, int* bad) {
     if (count) nuniq = *count;
-    const i64 n = seg[nuniq];
+    const sokpy_positions ps = {bag_of, kbag, den, perm, seg[nuniq], pieces, piece_stride};
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
     i64 cur = -1;
-    sokpy_grad_table tb;
+    sokpy_grad_table table;
     SOKPY_FOR_ROWS(u, nuniq) {
         if (group[u] != cur) {
             cur = group[u];
-            tb = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
+            table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
-        const int dim = tb.dim;
-        float* __restrict__ o = dst + dst_off[u];
-        SOKPY_FOR_COLS(d, dim) o[d] = 0.0f;
-        if (!tb.g) continue;
-        const i64 a = seg[u], b = seg[u + 1];
-        const i64 head = b - a > SOKPY_SEGMENT_PIECE ? a + SOKPY_SEGMENT_PIECE : b;
-        sokpy_add_positions(o, tb, bag_of, kbag, den, perm, a, head, n);
-        i64 j = 1;  // the piece that starts at s
-        for (i64 s = head; s < b; s += SOKPY_SEGMENT_PIECE, ++j) {
-            float* __restrict__ p = pieces + (s / SOKPY_SEGMENT_PIECE - 1) * piece_stride;
-            if (j < own) {  // as segment_piece_sums would
-                SOKPY_FOR_COLS(d, dim) p[d] = 0.0f;
-                sokpy_add_positions(p, tb, bag_of, kbag, den, perm, s, min(s + (i64)SOKPY_SEGMENT_PIECE, b), n);
-            } else if (j == own) {  // the walk jumps over the other pieces to the next key's positions
-                sokpy_prefetch_positions(tb, bag_of, kbag, perm, b, min(b + sokpy_positions_ahead(kbag), n));
-            }
-            sokpy_row_axpy(o, p, 1.0f, dim, false);
-        }
-        if (scale != 1.0f) {
-            SOKPY_FOR_COLS(d, dim) o[d] *= scale;
-        }
-        if (bad) {
-            int ok = 1;
-            SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(o[d]);
-            if (!ok) bad[u] = 1;
-        }
+        SOKPY_WITH_DIM(sokpy_key_row, table.dim, dst + dst_off[u], table, ps, seg[u], seg[u + 1], parallel, scale,
+                       bad ? bad + u : 0)
     }
 }
 

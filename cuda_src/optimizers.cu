@@ -9,7 +9,7 @@
 //
 // Shared arguments of the update kernels, for unique row u < n:
 //   otab[u]   the table (index into tabs / ptrs / hyper), rows[u] its stored row
-//   grad      gradient rows; row u's summed gradient starts at element goff[u]
+//   grad      gradient rows; row u's summed gradient starts at element grad_offsets[u]
 //   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
 // A stored row holds the values (dim floats, or ceil(dim / 2) columns of 16-bit values: a half
 // table, sokpy_half.cuh), then each optimizer slot (dim floats each, or one float for a row-wise
@@ -21,11 +21,11 @@
 
 // For unique row u, the gradient rows that arrived for it start at elements off[perm[k]] of
 // grad, k in [seg[u], seg[u+1]) (arrival order). Adds them, in that order, into the first,
-// writes that row's offset to goff[u] and sets bad[u] = 1 when the sum is not finite (bad
+// writes that row's offset to grad_offsets[u] and sets bad[u] = 1 when the sum is not finite (bad
 // starts zeroed). The row's table otab[u] gives its dimension. The unique rows are the first
 // n, or, when count is not null, the first *count (counted on the device; n bounds it).
 extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* perm, const i64* seg, const i64* otab,
-                                       const i64* tabs, i64 n, const i64* count, i64* goff, int* bad) {
+                                       const i64* tabs, i64 n, const i64* count, i64* grad_offsets, int* bad) {
     if (count) n = *count;
     SOKPY_FOR_ROWS(u, n) {
         const int dim = (int)SOKPY_TAB(tabs, otab[u], SOKPY_TAB_DIM);
@@ -37,7 +37,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
         int ok = 1;
         SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(g[d]);
         if (!ok) bad[u] = 1;
-        if (threadIdx.x == 0) goff[u] = first;
+        if (threadIdx.x == 0) grad_offsets[u] = first;
     }
 }
 
@@ -75,7 +75,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     }                                                                                            \
     float* w = data + rows[u] * width;                                                           \
     float* slots = w + vcols;                                                                    \
-    const float* g = grad + goff[u];                                                             \
+    const float* g = grad + grad_offsets[u];                                                             \
     if (rc.stochastic) rc.row_bits = sokpy_round_row_hash(seed, step, sokpy_key_of_row(tabs, ptrs, t, rows[u])); \
     if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == t) {               \
         sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
@@ -118,8 +118,8 @@ __device__ __forceinline__ void sgd_row(V* __restrict__ w, const float* __restri
                                         const sokpy_rounding& rc) {
     SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d], rc);
 }
-extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
-                                      const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
+                                      i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -137,8 +137,8 @@ __device__ __forceinline__ void adagrad_row(V* __restrict__ w, float* __restrict
         sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d] / (sqrtf(acc) + eps), rc);
     }
 }
-extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
-                                          const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
+                                          i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -166,8 +166,9 @@ __device__ __forceinline__ void rowwise_adagrad_row(V* __restrict__ w, float* __
     const float multiplier = lr / (sqrtf(a) + eps);
     for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) sokpy_put(w, d, sokpy_get(w, d, rc) - g[d] * multiplier, rc);
 }
-extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* goff,
-                                                  i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, const float* grad,
+                                                  const i64* grad_offsets, i64 n, const i64* tabs, const u64* ptrs,
+                                                  const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_KEYS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -202,8 +203,8 @@ __device__ __forceinline__ void ftrl_row(V* __restrict__ w, float* __restrict__ 
         sokpy_put(w, d, (clipped - zd) / (pow_new / lr + 2.0f * l2), rc);
     }
 }
-extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
-                                       const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
+                                       i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -227,8 +228,8 @@ __device__ __forceinline__ void adam_row(V* __restrict__ w, float* __restrict__ 
         sokpy_put(w, d, sokpy_get(w, d, rc) - step_size * md / (sqrtf(vd) + eps), rc);
     }
 }
-extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* goff, i64 n,
-                                       const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
+                                       i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)

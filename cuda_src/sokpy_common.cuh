@@ -44,7 +44,90 @@ __device__ __forceinline__ i64 sokpy_first_row(i64 n, int next) {
         default: fn<0>(__VA_ARGS__); break;            \
     }
 
-// o = 0 + w * r (first) or o += w * r: pooling (combine_forward) and its transpose.
+// ---- rows summed in registers ------------------------------------------------------------------
+// The pooling (combine_forward) and the gradient sums (segment_sum, segment_piece_sums) add rows
+// into an accumulator of SOKPY_CHUNK(DIM) columns that one thread holds, and write each output
+// element once. On a GPU (and in the host build that runs the device's launch shapes) a chunk is
+// SOKPY_VECTOR_COLS columns, one 16-byte vector of float32 (8 bytes of 16-bit values) loaded and
+// stored as one where the rows allow it (sokpy_vectors), and a row's chunks go over threadIdx.x:
+// such kernels are launched with block.x covering ceil(dim / 4) (kernels.vector_cols). On the
+// host one thread takes a whole row, and a chunk is the whole row of a common size (a fixed count,
+// which g++ turns into vector code that keeps the sum in registers), 16 columns of any other.
+// Per column the arithmetic is the same whatever the chunk: the same sums in the same order.
+#define SOKPY_VECTOR_COLS 4
+#if defined(SOKPY_HOST) && !defined(SOKPY_EMULATE_BLOCKS)
+#define SOKPY_CHUNK(DIM) ((DIM) > 0 ? (DIM) : 16)
+#else
+#define SOKPY_CHUNK(DIM) SOKPY_VECTOR_COLS
+#endif
+#define SOKPY_FOR_CHUNKS(c, C, dim) for (int c = (int)threadIdx.x * (C); c < (dim); c += (int)blockDim.x * (C))
+
+// Whether the 4-column chunks of rows at p, p + stride, p + 2 * stride, ... (stride in floats)
+// are aligned vectors of `bytes` (16: float32 values, 8: 16-bit ones).
+__device__ __forceinline__ bool sokpy_vectors(const void* p, i64 stride, int dim, int bytes) {
+    return dim % SOKPY_VECTOR_COLS == 0 && (u64)p % (u64)bytes == 0 && (stride * 4) % bytes == 0;
+}
+// The host build of the device's launch shapes checks every vector access a GPU would make (a
+// misaligned one would fault there): it stops the process where sokpy_vectors was wrong.
+__device__ __forceinline__ void sokpy_check_vector(const void* p, int bytes) {
+#ifdef SOKPY_EMULATE_BLOCKS
+    if ((u64)p % (u64)bytes != 0) __builtin_trap();
+#endif
+}
+
+template <int C>
+__device__ __forceinline__ void sokpy_chunk_zero(float* acc) {
+    for (int i = 0; i < C; ++i) acc[i] = 0.0f;
+}
+
+// acc[i] += w * r[c + i] or, with DIV, acc[i] += (r[c + i] / dn) * w, for the n <= C columns
+// of a float32 row r from column c (one vector load where vec).
+template <int C, bool DIV>
+__device__ __forceinline__ void sokpy_chunk_add(float* __restrict__ acc, const float* __restrict__ r, float w, float dn,
+                                                int c, int n, bool vec) {
+    r += c;
+#ifndef SOKPY_HOST
+    if (C == SOKPY_VECTOR_COLS && vec) {
+        const float4 v = __ldg((const float4*)r);  // read-only in the kernel: through the read-only cache
+        const float x[4] = {v.x, v.y, v.z, v.w};
+        for (int i = 0; i < 4; ++i) acc[i] += DIV ? (x[i] / dn) * w : w * x[i];
+        return;
+    }
+#else
+    if (vec) sokpy_check_vector(r, 16);
+#endif
+    if (n == C) {
+        for (int i = 0; i < C; ++i) acc[i] += DIV ? (r[i] / dn) * w : w * r[i];
+    } else {
+        for (int i = 0; i < C; ++i) {
+            if (i < n) acc[i] += DIV ? (r[i] / dn) * w : w * r[i];
+        }
+    }
+}
+
+// o[c + i] = acc[i] for the n <= C columns from column c (one vector store where vec).
+template <int C>
+__device__ __forceinline__ void sokpy_chunk_store(float* __restrict__ o, const float* __restrict__ acc, int c, int n,
+                                                  bool vec) {
+    o += c;
+#ifndef SOKPY_HOST
+    if (C == SOKPY_VECTOR_COLS && vec) {
+        __stwb((float4*)o, make_float4(acc[0], acc[1], acc[2], acc[3]));  // (a plain store: one vector)
+        return;
+    }
+#else
+    if (vec) sokpy_check_vector(o, 16);
+#endif
+    if (n == C) {
+        for (int i = 0; i < C; ++i) o[i] = acc[i];
+    } else {
+        for (int i = 0; i < C; ++i) {
+            if (i < n) o[i] = acc[i];
+        }
+    }
+}
+
+// o = 0 + w * r (first) or o += w * r (merge_grads).
 template <int DIM>
 __device__ __forceinline__ void sokpy_row_axpy_n(float* __restrict__ o, const float* __restrict__ r, float w, int dim,
                                                  bool first) {

@@ -261,34 +261,35 @@ static inline void sokpy_f16c_narrow(sokpy_f16<SR>* __restrict__ o, const float*
 }
 #endif
 
-// o = 0 + w * r (first) or o += w * r over a half row r: sokpy_row_axpy of the widened values.
-template <int DIM>
-__device__ __forceinline__ void sokpy_half_axpy_n(float* __restrict__ o, const sokpy_half* __restrict__ r, float w,
-                                                  int dim, bool first, int dtype) {
-    if (dtype == SOKPY_DTYPE_FLOAT16) {
+// acc[i] += w * (column c + i of the 16-bit row r, widened) for the n <= C columns from column c
+// (sokpy_chunk_add of the widened values; DT: SOKPY_DTYPE_FLOAT16 or SOKPY_DTYPE_BFLOAT16; one
+// 8-byte load where vec).
+template <int C, int DT>
+__device__ __forceinline__ void sokpy_chunk_add_half(float* __restrict__ acc, const sokpy_half* __restrict__ r, float w,
+                                                     int c, int n, bool vec) {
+    r += c;
 #ifdef SOKPY_F16C
-        sokpy_f16c_axpy(o, r, w, SOKPY_DIM(DIM, dim), first);
-#else
-        if (first) {
-            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_half_to_float(r[d]);
-        } else {
-            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * sokpy_half_to_float(r[d]);
-        }
-#endif
-    } else {
-        if (first) {
-            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * sokpy_bfloat16_to_float(r[d]);
-        } else {
-            SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * sokpy_bfloat16_to_float(r[d]);
-        }
+    if (DT == SOKPY_DTYPE_FLOAT16) {
+        sokpy_f16c_axpy(acc, r, w, n, false);
+        return;
     }
-}
-// A row of values of type dtype at r: pooled into o (sokpy_row_axpy).
-__device__ __forceinline__ void sokpy_values_axpy(float* o, const float* r, float w, int dim, bool first, int dtype) {
-    if (dtype == SOKPY_DTYPE_FLOAT32) {
-        SOKPY_WITH_DIM(sokpy_row_axpy_n, dim, o, r, w, dim, first)
-    } else {
-        SOKPY_WITH_DIM(sokpy_half_axpy_n, dim, o, (const sokpy_half*)r, w, dim, first, dtype)
+#endif
+#ifndef SOKPY_HOST
+    if (C == SOKPY_VECTOR_COLS && vec) {
+        const uint2 v = __ldg((const uint2*)r);  // value 2k is the low half of word k (little-endian)
+        const sokpy_u32 h[4] = {v.x & 0xffffu, v.x >> 16, v.y & 0xffffu, v.y >> 16};
+        for (int i = 0; i < 4; ++i) {
+            acc[i] += w * (DT == SOKPY_DTYPE_FLOAT16 ? sokpy_half_to_float(h[i]) : sokpy_bfloat16_to_float(h[i]));
+        }
+        return;
+    }
+#else
+    if (vec) sokpy_check_vector(r, 8);
+#endif
+    for (int i = 0; i < C; ++i) {
+        if (n == C || i < n) {
+            acc[i] += w * (DT == SOKPY_DTYPE_FLOAT16 ? sokpy_half_to_float(r[i]) : sokpy_bfloat16_to_float(r[i]));
+        }
     }
 }
 

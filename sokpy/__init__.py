@@ -29,7 +29,7 @@ from .backends.runtime import (
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .exchange.gradients import SparseGrad
-from .exchange.sparse import Ragged
+from .inputs import Ragged
 from .lookup import lookup_sequence, lookup_sparse
 from .tables.access import assign, export
 from .tables.dynamic import DynamicVariable, TableStatistics

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from .backends import runtime
+from .exchange.batch import BatchError
 from .exchange.plan import COMBINERS, LookupPlan
-from .exchange.sparse import BatchError, one_bag_per_key, to_batch
 from .exchange.wire import check_wire_dtype
+from .inputs.batch import to_batch
 from .tables.table import Table
 
 __all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
@@ -111,12 +112,10 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
             raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean', 'sqrtn' or 'length_mean')")
         batch = to_batch(sp_ids, sp_weights, len(params))
         if not pooled:
-            batch = one_bag_per_key(batch)
+            batch = batch.one_bag_per_key()
         return batch, np.array(codes, np.int64), None
     except BatchError as e:
-        if e.table is None:  # the input as a whole (a KeyedJaggedTensor's bags)
-            return None, None, str(e)
-        return None, None, f"table {params[e.table].name!r} (index {e.table}): {e}"
+        return None, None, e.named(params)
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         return None, None, f"{type(e).__name__}: {e}"
 

@@ -56,6 +56,7 @@ LAYERS = {
     "tables": ["sokpy.storage"],
     "agreement": ["sokpy.exchange.collective"],
     "exchange": ["sokpy.exchange"],
+    "inputs": ["sokpy.inputs"],
     "public API": [
         "sokpy.lookup",
         "sokpy.optim",
@@ -90,7 +91,14 @@ def test_the_layers_below_the_api_are_folders():
     exchange, the launchers and the test doubles each in a folder of their own."""
     top = {name for name, path in MODULES.items() if name.count(".") == 1 and path.name != "__init__.py"}
     assert top == {"sokpy.lookup", "sokpy.errors", "sokpy.timing", "sokpy.initializers"}, sorted(top)
-    for folder in ("sokpy.backends", "sokpy.storage", "sokpy.exchange", "sokpy.launch", "sokpy.testing"):
+    for folder in (
+        "sokpy.backends",
+        "sokpy.storage",
+        "sokpy.exchange",
+        "sokpy.inputs",
+        "sokpy.launch",
+        "sokpy.testing",
+    ):
         assert MODULES[folder].name == "__init__.py", f"{folder} is not a folder"
     # Each of those folders is one layer: LAYERS names no module inside them on its own, but
     # the two that sit one layer lower than their folder.

@@ -208,6 +208,37 @@ def test_host_synchronisations_per_step_do_not_grow_with_tables(nranks):
         assert all(g <= m for g, m in zip(got, most)), f"rank {rank}, {case}, {ntab} tables: {got} > {most}"
 
 
+# The same budget for sokpy.nn's modules, whatever form their input takes on the device
+# (tests/workers/nn_syncs_worker.py): a KeyedJaggedTensor parsed once, its features put in the
+# module's order by a gather where they live, so keys in another order, lengths-only or
+# offsets-only, weighted or not, cost no read of their own. Two forms need one read more in
+# the forward, merged with the check of the KJT's offsets: a subset of a wider KJT (the size
+# of the picked features, which the gather allocates) and any KJT of an EmbeddingCollection
+# (each feature's key count on the host, which the sequence lookup's outputs are cut by).
+NN_SYNCS = {"subset": (2, 1, 0), "subset-lengths": (2, 1, 0)}
+NN_FORMS = ["order", "order-lengths", "other_order", "other_order-lengths", "subset", "subset-lengths", "dict"]
+
+
+def nn_budget(module: str, form: str) -> tuple[int, int, int]:
+    if module == "ec" and form != "dict":
+        return (2, 1, 0)
+    return NN_SYNCS.get(form, (1, 1, 0))
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
+    out = run_mpi(nranks, "nn_syncs_worker.py", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("nnsyncs "):
+            _, rank, module, form, *phases = line.split()
+            counts[int(rank), module, form] = tuple(map(int, phases))
+    modules = ["ebc", "ebc_weighted", "ec"]
+    assert sorted(counts) == sorted((r, m, f) for r in range(nranks) for m in modules for f in NN_FORMS), out
+    for (rank, module, form), got in counts.items():
+        assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
+
+
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------
 
 

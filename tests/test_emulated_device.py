@@ -11,7 +11,7 @@ import test_dynamic
 import test_evict
 import test_optim
 import test_optim_state
-from conftest import run_mpi
+from conftest import run_mpi, run_python
 from multirank import on_ranks
 
 ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
@@ -78,3 +78,47 @@ def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):
         assert set(a.files) == set(b.files)
         differ = [k for k in a.files if not np.array_equal(a[k], b[k])]
         assert not differ, f"resumed on the emulated device differs from the host's uninterrupted run: {differ}"
+
+
+def test_one_rank_backward_is_sized_by_the_unique_keys():
+    """At one rank on the device path, the forward counts the unique keys with its verdict, so
+    the backward's gradient buffer holds one row per unique key (after the block's header of
+    16 slots) and segment_sum runs one row per unique key; the gradients are the float32 sums
+    of each key's terms in order of position, 64 at a time, then those pieces in order
+    (docs/numerics.md)."""
+    code = """
+import numpy as np, torch, sokpy
+from sokpy.backends import runtime
+sokpy.init()
+launched = {}
+real = runtime.launch
+def spy(name, n, dim, args):
+    launched.setdefault(name, []).append(n)
+    return real(name, n, dim, args)
+runtime.launch = spy
+rng = np.random.default_rng(5)
+a, b = sokpy.Variable(1000, 8, seed=1, name="a"), sokpy.Variable(50, 16, seed=2, name="b")
+keys = [rng.choice(rng.permutation(1000)[:40], 3000), rng.choice(rng.permutation(50)[:20], 600)]
+ids = [torch.from_numpy(k.reshape(-1, 4)) for k in keys]
+outs = sokpy.lookup_sparse([a, b], ids, combiners=["sum", "sum"])
+grads = [torch.from_numpy(rng.standard_normal(o.shape).astype(np.float32)) for o in outs]
+launched.clear()
+torch.autograd.backward(outs, grads)
+assert launched["segment_sum"] == [60], launched
+buffer = a.grad_refs[-1].buffer
+assert int(buffer.size) == 16 + 60 * 16, int(buffer.size)  # header, then 60 rows of the widest dim
+def in_order(terms):  # float32, one term after another (cumsum is sequential)
+    return np.cumsum(terms, axis=0, dtype=np.float32)[-1]
+for table, k, g in zip([a, b], keys, grads):
+    want_keys = np.unique(k)
+    terms = g.numpy().repeat(4, axis=0)
+    # each key's terms in order of position, in pieces of 64, then the pieces in order
+    want = [in_order([in_order(p) for p in np.split(terms[k == u], range(64, int((k == u).sum()), 64))])
+            for u in want_keys]
+    got = table.grad
+    np.testing.assert_array_equal(got.keys.cpu().numpy(), want_keys)
+    np.testing.assert_array_equal(got.values.cpu().numpy(), np.stack(want))
+print("sized by unique keys")
+"""
+    res = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    assert res.returncode == 0 and "sized by unique keys" in res.stdout, res.stdout + res.stderr

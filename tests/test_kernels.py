@@ -386,16 +386,12 @@ def test_shim_rejects_cooperating_threads(kernel_dir, construct):
 # ---- a hot key's gradient in pieces ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("sorted_bags", [True, False], ids=["kbag", "bag_of"])
-def test_segment_sum_gives_the_same_bits_whoever_sums_a_hot_keys_pieces(sorted_bags):
-    """segment_sum sums a hot key's first `own` pieces itself and segment_piece_sums the others
-    in parallel before it: every split, in both launch shapes, gives the same bits, within a
-    pieced sum's rounding of the float64 sum."""
+def _hot_key_case(counts, nbags, dim, seed):
+    """Arguments of segment_sum for keys of ``counts`` positions each (one table, mean, weighted,
+    the first three bags' den 0) and the float64 reference: the sum of each key's terms and of
+    their magnitudes."""
     c = kernels.constants()
-    piece = c["SOKPY_SEGMENT_PIECE"]
-    rng = np.random.default_rng(3)
-    nbags, dim = 400, 5  # 5: the dimension loops' runtime count
-    counts = np.array([1, 3, 10 * piece + 7, 2, piece, piece + 1, 1, 4 * piece])  # hot keys among short
+    rng = np.random.default_rng(seed)
     key = np.repeat(np.arange(counts.size), counts)
     n = key.size
     bag_of = rng.integers(0, nbags, n)  # position j's bag; positions of a key in increasing order
@@ -409,34 +405,110 @@ def test_segment_sum_gives_the_same_bits_whoever_sums_a_hot_keys_pieces(sorted_b
     tabs = np.zeros((1, c["SOKPY_TAB_FIELDS"]), np.int64)
     tabs[0, [c["SOKPY_TAB_DIM"], c["SOKPY_TAB_OUT_STRIDE"]]] = dim
     tabs[0, c["SOKPY_TAB_COMBINER"]], tabs[0, c["SOKPY_TAB_WEIGHTED"]] = c["SOKPY_MEAN"], 1
-    nuniq, npieces = counts.size, (n - 1) // piece
-    kbag = bag_of[perm] if sorted_bags else None
-    common = [np.array([grad.ctypes.data, dim], np.uint64), bag_of, kbag, np.array([0, nbags]), den, weights, perm, seg]
-    common += [np.zeros(nuniq, np.int64), 1, tabs, nuniq, None]
-    rows = {}
-    for shapes in ("host", "device"):
-        for own in (1, 2, 3, 1 << 62):
-            pieces = np.full(npieces * dim, np.nan, np.float32)
-            dst = np.full(nuniq * dim, np.nan, np.float32)
-            args = [*common, pieces, dim, own]
-            backend = "host" if shapes == "host" else "device_shapes"
-            if npieces >= own:
-                grid, block = kernels.launch_shape(npieces, dim, shapes)
-                kernels.get("segment_piece_sums", backend)(grid, block, [*args, npieces])
-            grid, block = kernels.launch_shape(nuniq, dim, shapes)
-            args += [dst, np.arange(0, nuniq * dim, dim), 1.0, np.zeros(nuniq, np.int32)]
-            kernels.get("segment_sum", backend)(grid, block, args)
-            rows[shapes, own] = dst.reshape(nuniq, dim)
-    first = rows["host", 1 << 62]
-    for k, r in rows.items():
-        assert np.array_equal(r, first), k
     safe = np.where(den == 0, 1.0, den.astype(np.float64))[bag_of, None]
     terms = np.where(den[bag_of, None] == 0, 0.0, grad[bag_of].astype(np.float64) / safe * weights[:, None])
-    want, mag = np.zeros((nuniq, dim)), np.zeros((nuniq, dim))
+    want, mag = np.zeros((counts.size, dim)), np.zeros((counts.size, dim))
     np.add.at(want, key, terms)
     np.add.at(mag, key, np.abs(terms))
+    ptrs = np.array([grad.ctypes.data, dim], np.uint64)
+    args = [ptrs, bag_of, perm, np.array([0, nbags]), den, weights, perm, seg, np.zeros(counts.size, np.int64)]
+    return dict(args=args, grad=grad, bag_of=bag_of, key=key, n=n, want=want, mag=mag, terms=terms, tabs=tabs)
+
+
+def _segment_rows(case, dim, shapes, parallel, sorted_bags=True):
+    """The rows segment_sum writes for a case of _hot_key_case, the tree's nodes summed by
+    segment_piece_sums level by level first (``parallel``) or by segment_sum's own thread, in the
+    host's or the device's launch shapes."""
+    nuniq = case["want"].shape[0]
+    ptrs, bag_of, perm, bag_start, den, weights, _, seg, group = case["args"]
+    kbag = bag_of[perm] if sorted_bags else None
+    common = [ptrs, bag_of, kbag, bag_start, den, weights, perm, seg, group, 1, case["tabs"], nuniq, None]
+    levels = kernels.piece_levels(case["n"]) if parallel else []
+    pieces = np.full(max(sum(levels), 1) * dim, np.nan, np.float32)
+    backend = "host" if shapes == "host" else "device_shapes"
+    cols = kernels.vector_cols(dim)
+    for level, slots in enumerate(levels, 1):
+        grid, block = kernels.launch_shape(slots, cols, shapes)
+        kernels.get("segment_piece_sums", backend)(grid, block, [*common, pieces, dim, level, slots])
+    dst = np.full(nuniq * dim, np.nan, np.float32)
+    grid, block = kernels.launch_shape(nuniq, cols, shapes)
+    args = [*common, pieces, dim, int(parallel), dst, np.arange(0, nuniq * dim, dim), 1.0, np.zeros(nuniq, np.int32)]
+    kernels.get("segment_sum", backend)(grid, block, args)
+    return dst.reshape(nuniq, dim)
+
+
+@pytest.mark.parametrize("sorted_bags", [True, False], ids=["kbag", "bag_of"])
+def test_segment_sum_gives_the_same_bits_whoever_sums_a_hot_keys_pieces(sorted_bags):
+    """segment_sum sums a hot key's tree of pieces itself, or segment_piece_sums writes its
+    nodes in parallel first: both ways, in both launch shapes, give the same bits, within a
+    pieced sum's rounding of the float64 sum."""
+    piece = kernels.constants()["SOKPY_SEGMENT_PIECE"]
+    dim = 5  # the dimension loops' runtime count, and no 16-byte vectors
+    counts = np.array([1, 3, 10 * piece + 7, 2, piece, piece + 1, 1, 4 * piece])  # hot keys among short
+    case = _hot_key_case(counts, 400, dim, 3)
+    rows = {}
+    for shapes in ("host", "device"):
+        for parallel in (False, True):
+            rows[shapes, parallel] = _segment_rows(case, dim, shapes, parallel, sorted_bags)
+    first = rows["host", False]
+    for k, r in rows.items():
+        assert np.array_equal(r, first), k
     roundings = piece + -(-counts // piece)[:, None] + 2
-    assert np.all(np.abs(first - want) <= 1.01 * roundings * 2.0**-24 * mag)
+    assert np.all(np.abs(first - case["want"]) <= 1.01 * roundings * 2.0**-24 * case["mag"])
+
+
+def _tree_sum(terms: np.ndarray) -> np.ndarray:
+    """A key's row as a tree of pieces sums its float32 terms, written with numpy: pieces of 64
+    terms, each summed from 0 in order (a float32 cumsum is a serial sum), then groups of 64
+    consecutive sums of the level below, the same way, up to one."""
+    level = terms
+    while True:
+        sums = []
+        for i in range(0, max(level.shape[0], 1), 64):
+            items = np.vstack([np.zeros((1, terms.shape[1]), np.float32), level[i : i + 64]])
+            sums.append(np.cumsum(items, axis=0, dtype=np.float32)[-1])
+        if len(sums) == 1:
+            return sums[0]
+        level = np.array(sums)
+
+
+def _float32_terms(case) -> np.ndarray:
+    """Each position's term as the kernels compute it in float32: (g / den) * w, 0 where den is 0."""
+    ptrs, bag_of, perm, bag_start, den, weights, *_ = case["args"]
+    g, dn = case["grad"][bag_of], den[bag_of][:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (g / np.where(dn == 0, np.float32(1), dn)) * weights[:, None]
+    return np.where(dn == 0, np.float32(0), t).astype(np.float32)
+
+
+@pytest.mark.parametrize("hot", [64, 65, 1000, 4096, 4097, 100_000])
+def test_a_hot_keys_pieces_are_summed_as_a_tree(hot):
+    """A key of 64, 1000, ... 100,000 positions among short keys: its row is, bit for bit, the
+    tree's sum (pieces of 64 positions, then groups of 64 nodes of the level below, each summed
+    from 0 in order), whether segment_sum's thread walks the whole tree (the host's way) or
+    segment_piece_sums writes its nodes level by level first (the device's), in both launch
+    shapes, with 16-byte vectors (dim 16) and without (dim 6)."""
+    counts = np.array([2, 1, hot, 3, 1])
+    for dim in (16, 6):
+        case = _hot_key_case(counts, 3000, dim, hot + dim)
+        host = _segment_rows(case, dim, "host", False)
+        for shapes, parallel in (("host", True), ("device", False), ("device", True)):
+            assert np.array_equal(_segment_rows(case, dim, shapes, parallel), host), (shapes, parallel)
+        terms = _float32_terms(case)
+        for k, (lo, hi) in enumerate(zip(case["args"][7][:-1], case["args"][7][1:])):
+            assert np.array_equal(host[k], _tree_sum(terms[lo:hi])), (dim, k)
+
+
+def test_piece_levels_are_the_levels_a_key_of_the_calls_positions_could_reach():
+    assert [kernels.piece_levels(n) for n in (0, 1, 64, 65, 4096, 4097, 100_000)] == [
+        [],
+        [],
+        [],
+        [1],
+        [63],
+        [64, 1],
+        [1562, 24],
+    ]
 
 
 # ---- NVRTC for the GPUs CI does not have ------------------------------------------------------

@@ -368,7 +368,7 @@ def test_a_table_twice_in_one_call_gets_one_update(sokpy_host, optimizer):
     torch.testing.assert_close(sokpy.export(v)[1][touched], w.detach()[touched], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["count read", "count on the device", "compacted"])
+@pytest.mark.parametrize("layout", ["counts read", "unique count read", "compacted"])
 @pytest.mark.parametrize("n", [200, 5000])  # numpy's sort below 4,096 values, the radix sort from there
 @pytest.mark.parametrize("exact", [True, False])
 def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokpy_host, exact, n, layout):
@@ -376,20 +376,20 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     one by one. Not exact: sort values of one bit, so that different keys share them (as the
     hashed sort values of a dynamic table can). Exact: the sort value is the key's own row (one
     rank; static tables, spread and placed), runs split by value alone, and the unique keys are
-    taken from the sort values, not read from the keys. Laid out with the count of unique keys
-    read (several ranks), sized for every key with the count left on the device (one rank on
-    a device) or from the compacted marks (one rank on the host)."""
+    taken from the sort values, not read from the keys. Laid out with the counts of unique keys
+    per group read (several ranks), with their total read (one rank on a device, in the
+    forward) or from the compacted marks (one rank on the host)."""
     from sokpy.backends import kernels
     from sokpy.exchange.plan import _Dedup
 
     c = kernels.constants()
     rng = np.random.default_rng(5)
-    pos_bits, sv_bits = (n - 1).bit_length(), 3 if exact else 1
+    pos_bits, value_bits = (n - 1).bit_length(), 3 if exact else 1
     index = rng.integers(0, 6, n)  # few distinct keys, many repeats
     keys = index.astype(np.int64) if exact else index.astype(np.int64) * 1_000_003
     group = rng.integers(0, 3, n)  # one rank: the group is the table
-    sv = index if exact else rng.integers(0, 2, 6)[index]
-    packed = (group << (sv_bits + pos_bits)) | (sv << pos_bits) | np.arange(n)
+    sort_value = index if exact else rng.integers(0, 2, 6)[index]
+    packed = (group << (value_bits + pos_bits)) | (sort_value << pos_bits) | np.arange(n)
     tabs = np.zeros((3, c["SOKPY_TAB_FIELDS"]), np.int64)
     if exact:
         tabs[:, c["SOKPY_TAB_KIND"]] = [c["SOKPY_KIND_STATIC"], c["SOKPY_KIND_STATIC_AT"], c["SOKPY_KIND_STATIC"]]
@@ -399,27 +399,30 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     bag_of = rng.integers(0, n, n) if exact else None  # each position's bag, as combine_forward writes it
     # Exact values hold everything the deduplication needs: it must not read the keys then.
     given = np.full(n, -7, np.int64) if exact else keys
-    d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
+    hi = pos_bits + value_bits + 2
+    d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, value_bits, hi, exact, bag_of=bag_of)
+    total = int(d.unique_count()[0]) if layout == "unique count read" else None
     per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
-    if layout == "count read":
+    if layout == "counts read":
         d.finish(sum(per_group), bool(d.collided_flag[0]))
     elif layout == "compacted":
         d.finish_compacted()
     else:
-        d.finish(None)
-    nuniq = d.nuniq if d.count is None else int(d.count[0])
+        assert total == sum(per_group)
+        d.finish(total, bool(d.collided_flag[0]))
+    nuniq = d.nuniq
 
     order = np.sort(packed)
-    runs = []  # (group, first position, key, positions) of each run of equal (group, sv[, key])
+    runs = []  # (group, first position, key, positions) of each run of equal (group, sort value[, key])
     for v in order.tolist():
         p, head = v & (2**pos_bits - 1), v >> pos_bits
         if runs and runs[-1][0] == head and (exact or keys[runs[-1][1]] == keys[p]):
             runs[-1][3].append(p)
         else:
             runs.append((head, p, keys[p], [p]))
-    assert nuniq == len(runs) and d.nuniq == (n if layout == "count on the device" else nuniq)  # an upper bound
-    assert per_group == [sum(r[0] >> sv_bits == g for r in runs) for g in range(3)]
-    assert d.group[:nuniq].tolist() == [r[0] >> sv_bits for r in runs]
+    assert nuniq == len(runs) and int(d.seg.shape[0]) == nuniq + 1  # sized by the unique keys
+    assert per_group == [sum(r[0] >> value_bits == g for r in runs) for g in range(3)]
+    assert d.group[:nuniq].tolist() == [r[0] >> value_bits for r in runs]
     assert d.first[:nuniq].tolist() == [r[1] for r in runs] and d.ukeys[:nuniq].tolist() == [r[2] for r in runs]
     assert [d.pos[d.seg[u] : d.seg[u + 1]].tolist() for u in range(nuniq)] == [r[3] for r in runs]
     # the bag of each sorted position, for segment_sum (only when the bags are given)

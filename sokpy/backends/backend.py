@@ -98,8 +98,8 @@ class Backend:
     def chunk_count(self, n: int) -> int:
         return kernels.chunk_count(n, self.shapes)
 
-    def own_pieces(self) -> int:
-        return kernels.own_pieces(self.shapes)
+    def pieces_in_parallel(self) -> bool:
+        return kernels.pieces_in_parallel(self.shapes)
 
     # ---- streams ----------------------------------------------------------------------------
     def stream_scope(self):

@@ -10,7 +10,11 @@ comparison sort takes log2(n) (on a 2-core x86 VM, 2,048,000 values: about 110 m
 sort, about 18 ms for two radix passes).
 
 The passes are the flat kernels of ``cuda_src/sort.cu`` (one launch to count digits, the scan
-by the array module, one launch to scatter), the same on both backends. Where the values
+by the array module, one launch to scatter), over bits ``[lo, hi)`` only. A backend with a
+library sort (a GPU: CuPy's sort, CUB's radix sort) takes it instead; CuPy passes CUB no bit
+range, and CUB sorts every bit of its words, so the values are sorted as the narrowest
+unsigned words that hold bits ``[0, hi)`` (:func:`sort_words`: 32-bit words halve CUB's
+passes over 64-bit ones). Where the values
 already come in runs of equal high bits (one rank: a lookup's keys come table by table), each
 run is sorted in its own place by the bits below those. Two ascending runs (an owner's
 gradient entries at 2 ranks) are merged by the array module's stable sort instead.
@@ -30,7 +34,7 @@ import numpy as np
 
 from . import runtime
 
-__all__ = ["sort_by_bits"]
+__all__ = ["sort_by_bits", "sort_words"]
 
 # Digit width: 2^11 counters stay in L1 and two passes cover 22 bits, the usual width of a
 # lookup's values, while the data is cache-sized; above that the scatter's 2^11 write streams
@@ -51,6 +55,27 @@ def _digit_bits(per_chunk: int) -> int:
     if per_chunk > _WIDE_UP_TO:
         return _NARROW_DIGITS
     return max(4, min(_WIDE_DIGITS, int(per_chunk).bit_length() - 3))
+
+
+def sort_words(hi: int) -> np.dtype:
+    """The narrowest word a library sort sorts values below ``2**hi`` (non-negative int64) as:
+    uint16, uint32 or int64 (the values themselves)."""
+    for word in (np.uint16, np.uint32):
+        if hi <= np.iinfo(word).bits:
+            return np.dtype(word)
+    return np.dtype(np.int64)
+
+
+def _library_sort(values, hi: int):
+    """``values`` sorted in place by the array module's sort, as :func:`sort_words`' words."""
+    word = sort_words(hi)
+    if word == values.dtype:
+        values.sort()
+        return values
+    narrow = values.astype(word)
+    narrow.sort()
+    values[...] = narrow
+    return values
 
 
 def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
@@ -75,7 +100,9 @@ def sort_by_bits(values, lo: int, hi: int, runs=None, ascending_runs: int = 0):
     n = int(values.shape[0])
     if hi <= lo or n < 2:
         return values
-    if be.library_sort or n < _RADIX_FROM:  # the device's own (CUB's radix sort), or few values
+    if be.library_sort:  # the device's own (CUB's radix sort)
+        return _library_sort(values, hi)
+    if n < _RADIX_FROM:  # few values: numpy's sort
         values.sort()
         return values
     if ascending_runs == _MERGED_RUNS:

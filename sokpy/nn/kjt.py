@@ -134,7 +134,9 @@ class KeyedJaggedTensor:
         self._keys = list(keys)
         self._values = values
         self._weights = None if weights is None else torch.as_tensor(weights)
-        self._offsets = _offsets(lengths) if offsets is None else torch.as_tensor(offsets, dtype=torch.int64)
+        # As TorchRec's: the form it was given is kept, the other made when asked for.
+        self._lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.int64)
+        self._offsets = None if offsets is None else torch.as_tensor(offsets, dtype=torch.int64)
         self._stride = stride
 
     # ---- TorchRec's constructors -----------------------------------------------------------------
@@ -183,23 +185,26 @@ class KeyedJaggedTensor:
         return self._weights
 
     def offsets(self) -> torch.Tensor:
+        if self._offsets is None:
+            self._offsets = _offsets(self._lengths)
         return self._offsets
 
     def offsets_or_none(self) -> torch.Tensor | None:
         return self._offsets
 
     def lengths(self) -> torch.Tensor:
-        return self._offsets.diff()
+        return self._lengths if self._lengths is not None else self.offsets().diff()
 
     def lengths_or_none(self) -> torch.Tensor | None:
-        return self.lengths()
+        return self._lengths
 
     def device(self) -> torch.device:
         return self._values.device
 
     def stride(self) -> int:
         if self._stride is None:
-            self._stride = (self._offsets.numel() - 1) // len(self._keys) if self._keys else 0
+            bags = self._lengths.numel() if self._lengths is not None else self.offsets().numel() - 1
+            self._stride = bags // len(self._keys) if self._keys else 0
         return self._stride
 
     def stride_per_key(self) -> list[int]:
@@ -213,8 +218,8 @@ class KeyedJaggedTensor:
 
     def offset_per_key(self) -> list[int]:
         """Where each feature's values start in ``values()``, and the end (``len(keys) + 1``)."""
-        s = self.stride()
-        return [int(self._offsets[i * s]) for i in range(len(self._keys) + 1)]
+        s, offsets = self.stride(), self.offsets()
+        return [int(offsets[i * s]) for i in range(len(self._keys) + 1)]
 
     def length_per_key(self) -> list[int]:
         o = self.offset_per_key()
@@ -265,11 +270,13 @@ class KeyedJaggedTensor:
         w = self._weights
         if w is not None:
             w = w.to(device, dtype=dtype or w.dtype, non_blocking=non_blocking)
+        lengths, offsets = self._lengths, self._offsets
         return KeyedJaggedTensor(
             self._keys,
             self._values.to(device, non_blocking=non_blocking),
             w,
-            offsets=self._offsets.to(device, non_blocking=non_blocking),
+            lengths=None if lengths is None else lengths.to(device, non_blocking=non_blocking),
+            offsets=None if offsets is None else offsets.to(device, non_blocking=non_blocking),
             stride=self._stride,
         )
 

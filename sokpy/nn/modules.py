@@ -68,7 +68,7 @@ from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
 from .config import apply_init_fn, table_spec
-from .jagged import feature_inputs, torchrec_types
+from .jagged import module_batch, torchrec_types
 from .kjt import KeyedTensor
 from .state import TableState, load_tables, save_tables
 
@@ -185,18 +185,19 @@ class EmbeddingCollectionBase(torch.nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------
     def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
-        """One lookup call over every feature; a fault in this rank's input is raised by the
-        lookup on every rank alike."""
-        try:
-            ids, ws = feature_inputs(features, weights, self.feature_names(), type(self).__name__, self._weighted)
-            fault = None
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
-            text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
-            ids, ws, fault = None, None, f"{type(self).__name__} input: {text}"
+        """One lookup call over every feature, and the batch it took (the input parsed once,
+        :mod:`sokpy.inputs`); a fault in this rank's input is raised by the lookup on every
+        rank alike."""
+        tables = [var for _, var, _ in self.feature_tables]
+        name = type(self).__name__
+        # A sequence module's outputs need each feature's size on the host (one read on the device).
+        batch, fault = module_batch(
+            features, weights, self.feature_names(), tables, name, self._weighted, not self._pooled
+        )
         outs = lookup(
-            [var for _, var, _ in self.feature_tables],
-            ids,
-            ws,
+            tables,
+            batch,
+            None,
             [_COMBINER.get(p, p) if p else "sum" for _, _, p in self.feature_tables],
             insert=self.inserts(),
             grad_reduction=self.grad_reduction,
@@ -207,7 +208,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
         node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
         if self._step_in_backward is not None and node is not None:  # as FBGEMM: the step inside backward
             node.register_hook(functools.partial(_step, self._step_in_backward))
-        return outs, ids
+        return outs, batch
 
     # ---- dtype and device --------------------------------------------------------------------------
     def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> EmbeddingCollectionBase:

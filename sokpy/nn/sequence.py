@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..exchange.sparse import table_input
+from ..inputs.features import feature_ids, feature_offsets
 from .jagged import JaggedTensor, torchrec_types
 from .modules import EmbeddingCollectionBase
 
@@ -97,49 +96,12 @@ class EmbeddingCollection(EmbeddingCollectionBase):
         """Rows of every id: ``features`` is a KeyedJaggedTensor (its weights are not read, as
         TorchRec's) or a dict feature -> ids (any input ``lookup_sequence`` takes for one
         table, or a ``(values, offsets)`` pair). Returns a dict feature -> JaggedTensor."""
-        rows, ids = self._lookup(features, None, pooled=False)
-        offsets = _offsets_of(features, ids, self.feature_names())
+        rows, batch = self._lookup(features, None, pooled=False)
+        offsets = feature_offsets(batch)  # the bags the lookup took: the input is not read again
         jt = torchrec_types()
         make = JaggedTensor if jt is None else jt.JaggedTensor
         out = {}
-        indices = _ids_of(features, ids, offsets) if self._need_indices else [None] * len(rows)
+        indices = feature_ids(batch) if self._need_indices else [None] * len(rows)
         for f, r, o, x in zip(self.feature_names(), rows, offsets, indices):
             out[f] = make(values=r, offsets=o, weights=x)
         return out
-
-
-def _offsets_of(features: Any, ids: Any, names: list[str]) -> list[torch.Tensor]:
-    """Each feature's bag offsets (into its own rows), from the input the lookup took."""
-    if not isinstance(ids, list):  # one KeyedJaggedTensor in the module's order
-        off = features.offsets() if callable(getattr(features, "offsets", None)) else None
-        if off is None:
-            off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(features.lengths(), 0)])
-        off = torch.as_tensor(off, dtype=torch.int64)
-        stride = (off.numel() - 1) // max(1, len(names))
-        return [off[k * stride : (k + 1) * stride + 1] - off[k * stride] for k in range(len(names))]
-    out = []
-    for x in ids:
-        offsets = getattr(x, "offsets", None)
-        if isinstance(offsets, torch.Tensor):  # a Ragged
-            out.append(offsets.to(torch.int64))
-        else:
-            out.append(torch.from_numpy(_bag_offsets(x)))
-    return out
-
-
-def _ids_of(features: Any, ids: Any, offsets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each feature's ids as an int64 tensor, in input order (for ``need_indices``)."""
-    if not isinstance(ids, list):  # one KeyedJaggedTensor in the module's order
-        values = torch.as_tensor(features.values(), dtype=torch.int64)
-        out, start = [], 0
-        for off in offsets:
-            n = int(off[-1])
-            out.append(values[start : start + n])
-            start += n
-        return out
-    return [torch.as_tensor(table_input(x, None)[0], dtype=torch.int64) for x in ids]
-
-
-def _bag_offsets(x: Any) -> np.ndarray:
-    """The bag offsets of one table's input in any form the lookup takes."""
-    return table_input(x, None)[1]

@@ -47,7 +47,7 @@ import torch.utils._pytree as pytree
 
 from .. import checkpoint
 from ..backends import runtime
-from ..exchange.sparse import Ragged, table_input
+from ..inputs.forms import Ragged, host_ragged
 from .config import table_spec
 from .jagged import JaggedTensor, torchrec_types
 from .kjt import KeyedTensor
@@ -72,7 +72,7 @@ def _feature_input(x: Any, w: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         x = Ragged(x[0], x[1], x[2] if len(x) == 3 else None)
     if isinstance(x, Ragged) and w is None:
         return x.values, x.offsets, x.weights
-    values, offsets, weights, _, _ = table_input(x, w)  # any other form lookup_sparse takes (eager)
+    values, offsets, weights = host_ragged(x, w)  # any other form lookup_sparse takes (eager)
     return torch.from_numpy(values), torch.from_numpy(offsets), None if weights is None else torch.from_numpy(weights)
 
 

@@ -5,8 +5,11 @@ few tables and for many, with ids on the host, ids on the device (one tensor per
 one KeyedJaggedTensor on the device. Prints one line per case:
 "syncs RANK CASE TABLES FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
 
+import functools
+
 import numpy as np
 import torch
+from read_counts import step_reads
 
 import sokpy
 from sokpy.nn import KeyedJaggedTensor
@@ -40,6 +43,11 @@ def inputs(case: str, ntab: int, rng):
     return ids
 
 
+def loss(vs, ids) -> torch.Tensor:
+    outs = sokpy.lookup_sparse(vs, ids, combiners=["sum", "mean"] * (len(vs) // 2))
+    return sum(o.sum() for o in outs)
+
+
 CASES = [("one_dim", 2), ("one_dim", 40), ("mixed_dims", 2), ("mixed_dims", 40), ("dynamic", 2), ("dynamic", 40)]
 CASES += [("device_ids", 2), ("device_ids", 100), ("kjt", 2), ("kjt", 100)]
 for case, ntab in CASES:
@@ -47,15 +55,5 @@ for case, ntab in CASES:
     opt = sokpy.optim.Adagrad(vs, lr=0.1)
     rng = np.random.default_rng(rank)
     for _ in range(3):  # the last step's counts: steady state (the first calls create state)
-        ids = inputs(case, ntab, rng)
-        r0 = device_double.host_reads()
-        outs = sokpy.lookup_sparse(vs, ids, combiners=["sum", "mean"] * (ntab // 2))
-        r1 = device_double.host_reads()
-        loss = sum(o.sum() for o in outs)
-        r2 = device_double.host_reads()
-        loss.backward()
-        r3 = device_double.host_reads()
-        opt.step()
-        opt.zero_grad()
-        r4 = device_double.host_reads()
-    print(f"syncs {rank} {case} {ntab} {r1 - r0} {r3 - r2} {r4 - r3}", flush=True)
+        reads = step_reads(functools.partial(loss, vs, inputs(case, ntab, rng)), opt)
+    print(f"syncs {rank} {case} {ntab} {' '.join(map(str, reads))}", flush=True)

@@ -44,13 +44,13 @@ The package's parts, one concern each:
 * :mod:`sokpy.backends.kernels.device`: the device build: NVRTC with :data:`DEVICE_OPTIONS`
   (:func:`nvrtc_compile`, :func:`device_binary`) and :class:`DeviceKernels`;
 * :mod:`sokpy.backends.kernels.shapes`: the launch shapes (:func:`launch_shape`,
-  :func:`chunk_count`, :func:`own_pieces`).
+  :func:`chunk_count`, :func:`pieces_in_parallel`, :func:`piece_levels`, :func:`vector_cols`).
 """
 
 from .cache import UnsafeCacheError
 from .device import DEVICE_OPTIONS, DeviceKernels, device_binary, nvrtc_compile
 from .host import HostKernels, HostModule, get
-from .shapes import chunk_count, launch_shape, own_pieces
+from .shapes import chunk_count, launch_shape, piece_levels, pieces_in_parallel, vector_cols
 from .sources import KernelError, constants, kernel_sources, signatures, source_dir
 
 __all__ = [
@@ -63,7 +63,9 @@ __all__ = [
     "get",
     "launch_shape",
     "chunk_count",
-    "own_pieces",
+    "pieces_in_parallel",
+    "piece_levels",
+    "vector_cols",
     "source_dir",
     "kernel_sources",
     "signatures",

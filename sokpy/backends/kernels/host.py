@@ -23,7 +23,9 @@ from .sources import KernelError, KernelSet, Param, check_array, read_headers, s
 __all__ = ["HostModule", "HostKernels", "get"]
 
 # host_shim.h makes every kernel always_inline, so its body runs inside the launcher's
-# block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT.
+# block loop; -fno-semantic-interposition keeps the remaining global functions off the PLT;
+# -fno-tree-loop-distribute-patterns keeps a row summed in registers there (sokpy_common.cuh):
+# g++ would zero it and copy it out with memset and memcpy calls through memory.
 _HOST_FLAGS = [
     "-O3",
     "-std=c++17",
@@ -32,6 +34,7 @@ _HOST_FLAGS = [
     "-fPIC",
     "-march=native",
     "-fno-semantic-interposition",
+    "-fno-tree-loop-distribute-patterns",
     "-fno-math-errno",
     "-ffp-contract=off",
     "-w",

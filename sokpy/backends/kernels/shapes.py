@@ -1,11 +1,14 @@
 """Launch shapes: the grid and block of a flat kernel over rows of a dimension
 (:func:`launch_shape`), how many chunks a kernel that walks each chunk on one thread cuts its
-items into (:func:`chunk_count`), and how much of a hot key's positions ``segment_sum``'s own
-thread sums (:func:`own_pieces`), each in the host's or the device's shapes."""
+items into (:func:`chunk_count`), who sums a hot key's tree of pieces (:func:`pieces_in_parallel`,
+:func:`piece_levels`) and the columns of a kernel that sums rows in registers
+(:func:`vector_cols`), each in the host's or the device's shapes."""
 
 from __future__ import annotations
 
-__all__ = ["launch_shape", "chunk_count", "own_pieces"]
+from .sources import constants
+
+__all__ = ["launch_shape", "chunk_count", "pieces_in_parallel", "piece_levels", "vector_cols"]
 
 # Host launches: each block (one emulated thread) takes a contiguous run of rows; a few hundred
 # blocks keep every OpenMP thread busy and spread uneven rows, while the set-up of a block is
@@ -23,16 +26,36 @@ def chunk_count(n: int, shapes: str = "host") -> int:
     return max(1, -(-int(n) // 512))
 
 
-def own_pieces(shapes: str = "host") -> int:
-    """How many pieces of a hot key's positions (``SOKPY_SEGMENT_PIECE`` each,
-    ``cuda_src/embedding.cu``) ``segment_sum``'s thread for that key sums itself;
-    ``segment_piece_sums`` sums the others in parallel before it, with the same bits. The
-    device's shapes: the first only, so that thousands of threads share a hot key's work
-    instead of one walking it. The host's: all of them: each of its few threads walks a
-    contiguous run of keys, in which a hot key's rows arrive while the keys around it wait on
-    theirs; summed in a pass of their own they lose that overlap, which costs more than a few
-    cores gain by sharing them."""
-    return 1 if shapes == "device" else 1 << 62
+def pieces_in_parallel(shapes: str = "host") -> bool:
+    """Whether a hot key's tree of pieces (``SOKPY_SEGMENT_PIECE`` positions each,
+    ``cuda_src/embedding.cu``) is summed by ``segment_piece_sums``, one thread per node and one
+    launch per level, before ``segment_sum`` sums each key's top node (the device's shapes:
+    thousands of threads share a hot key's work instead of one walking it), or by the thread of
+    ``segment_sum`` that writes the key's row, as it walks the positions (the host's: each of
+    its few threads walks a contiguous run of keys, in which a hot key's rows arrive while the
+    keys around it wait on theirs; summed in passes of their own they lose that overlap, which
+    costs more than a few cores gain by sharing them). The same bits either way."""
+    return shapes == "device"
+
+
+def piece_levels(n: int) -> list[int]:
+    """The slots of each level of the hot keys' trees of pieces a call of ``n`` sorted positions
+    may have (level 1 first): ``(n - 1) // 64**level`` for each level that some key could reach,
+    a bound the host knows without reading the keys (``segment_piece_sums``)."""
+    piece = constants()["SOKPY_SEGMENT_PIECE"]
+    out, span = [], piece
+    while n - 1 >= span:
+        out.append((n - 1) // span)
+        span *= piece
+    return out
+
+
+def vector_cols(dim: int) -> int:
+    """The columns a kernel that sums a row in registers (``combine_forward``, ``segment_sum``,
+    ``segment_piece_sums``) is launched with for rows of ``dim``: one thread per 16-byte vector
+    of 4 float32 (``SOKPY_VECTOR_COLS``) on a GPU."""
+    vec = constants()["SOKPY_VECTOR_COLS"]
+    return -(-int(dim) // vec)
 
 
 def launch_shape(n: int, dim: int, shapes: str = "host"):

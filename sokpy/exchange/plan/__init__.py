@@ -20,8 +20,9 @@ Forward (``LookupPlan.forward``):
 On one rank there is nothing to exchange: ``find_rows`` runs on the keys of dynamic tables
 (a static table's key is its stored row there) and the pooling reads the tables' own rows.
 Backward is the transpose: ``segment_sum`` (one gradient row per unique key, in a fixed
-order, no float atomics; a hot key's positions in pieces, which ``segment_piece_sums`` sums in
-parallel first with the device's launch shapes), the same exchange in reverse, and the owners
+order, no float atomics; a hot key's positions as a tree of pieces, whose nodes
+``segment_piece_sums`` sums in parallel first with the device's launch shapes), the same
+exchange in reverse, and the owners
 keep the buffer as a :class:`~sokpy.exchange.gradients.GradChunk`.
 
 Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
@@ -50,7 +51,7 @@ rank and several is a strategy object, chosen once per call:
   a lookup (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state``,
   ``gather_state`` and an optimizer's ``load_state_dict``);
 * :mod:`sokpy.exchange.plan.one_rank`: ``OneRank``, the strategy of a call on one rank (no exchange;
-  the backward deduplicates);
+  the backward deduplicates, or on a device the forward, so that its verdict brings the count);
 * :mod:`sokpy.exchange.plan.several_ranks`: ``SeveralRanks``, the requester's stages on several ranks
   (``group_keys``, ``exchange_keys``, ``exchange_rows``, and the gradient rows sent back);
 * :mod:`sokpy.exchange.plan.owner`: the owner's stages (``gather_owned_rows`` in the forward,

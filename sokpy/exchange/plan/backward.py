@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...backends import kernels, runtime
-from ..sparse import segment_starts
+from ..batch import segment_starts
 from .call import Call
 from .dedup import Dedup
 from .pooling import Pooled
@@ -81,18 +81,16 @@ def evicted_since(call: Call) -> str | None:
     return None
 
 
-def sum_gradient_rows(
-    call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None, count=None
-) -> None:
+def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
-    no float atomics. A hot key's positions are summed in pieces (cuda_src/embedding.cu): a
-    slot for each piece the call's positions could make (the hot keys are not known here);
-    those segment_sum's thread does not sum itself (``own_pieces``) are summed in parallel
-    first, where the call has positions enough for one. Where the deduplication ran after the
-    forward (one rank), segment_sum reads the bags in sorted order (``dedup.kbag``), else
-    ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite and ``count`` is
-    the number of unique keys on the device, where the strategy asks for them."""
+    no float atomics. A hot key's positions are summed as a tree of pieces
+    (cuda_src/embedding.cu): on a backend that sums its nodes in parallel, ``segment_piece_sums``
+    first writes them, one launch per level the call's positions could reach (the hot keys are
+    not known here), into a slot each. Where the deduplication ran after the
+    forward (one rank on the host), segment_sum reads the bags in sorted order
+    (``dedup.kbag``), else ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite, where the
+    strategy asks for them."""
     xp, shape, dev = runtime.xp(), call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
@@ -102,11 +100,12 @@ def sum_gradient_rows(
     buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
     dim = int(shape.dims.max(initial=1))
-    npieces = max(d.n - 1, 0) // kernels.constants()["SOKPY_SEGMENT_PIECE"]
-    pieces = runtime.scratch(npieces * dim, np.float32) if npieces else None
-    own = runtime.current().own_pieces()
+    cols = kernels.vector_cols(dim)
+    parallel = runtime.current().pieces_in_parallel()
+    levels = kernels.piece_levels(d.n) if parallel else []
+    pieces = runtime.scratch(sum(levels) * dim, np.float32) if levels else None
     args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
-    args += (ntab, call.tables.device_tabs, d.nuniq, count, pieces, dim, own)
-    if npieces >= own:
-        runtime.launch("segment_piece_sums", npieces, dim, (*args, npieces))
-    runtime.launch("segment_sum", d.nuniq, dim, (*args, buf, rows.unique_offsets, scale, bad))
+    args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
+    for level, slots in enumerate(levels, 1):
+        runtime.launch("segment_piece_sums", slots, cols, (*args, level, slots))
+    runtime.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), buf, rows.unique_offsets, scale, bad))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...backends import kernels, runtime
-from ..sparse import Batch, segment_starts
+from ..batch import Batch, segment_starts
 from .call_tables import CallTables
 from .layout import row_header
 from .routing import sort_bits

@@ -27,8 +27,8 @@ class Dedup:
     Built in two steps: the constructor sorts and marks where unique keys start, then
     :meth:`finish` lays them out. Several ranks first need the unique keys per (owner, table)
     (:meth:`counts`, from a running count, on the device), and read them with the rest of the
-    call's header; ``finish`` then takes their total. One rank reads nothing here: its
-    layout is sized by the key count and the unique keys' number stays on the device."""
+    call's header; one rank on a device reads :meth:`unique_count` with its forward's verdict.
+    ``finish`` then takes the total: the layout is sized by the unique keys."""
 
     def __init__(
         self, packed, keys, tabs, pos_bits: int, value_bits: int, hi: int, exact: bool, runs=None, bag_of=None
@@ -48,48 +48,42 @@ class Dedup:
         runtime.launch("mark_unique_keys", n, 1, args)
         self.before: Any = None  # a device array once counted
 
+    def unique_count(self):
+        """The number of unique keys, a device array ``[1]``: the last entry of the running
+        count ``before``, where ``before[k]`` is the number of unique keys at sorted positions
+        below k (and so the number of the unique key that starts at k)."""
+        if self.before is None:
+            self.before = runtime.scratch(self.n + 1, np.int64)
+            self.before[:1] = 0
+            runtime.xp().cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+        return self.before[self.n :]
+
     def counts(self, ngroups: int):
         """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
-        Groups are contiguous in sorted order (a binary search finds where each starts), and
-        ``before[k]``, the unique keys at sorted positions below k, is also the number of the
-        unique key that starts at k."""
+        Groups are contiguous in sorted order (a binary search finds where each starts)."""
         xp = runtime.xp()
-        self.before = runtime.scratch(self.n + 1, np.int64)
-        self.before[:1] = 0
-        xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+        self.unique_count()
         edges = runtime.scratch(ngroups + 1, np.int64)
         edges[:1], edges[ngroups:] = 0, self.n
         shift = self.pos_bits + self.value_bits
         edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
         return xp.diff(self.before[edges])
 
-    def finish(self, nuniq: int | None, collided: bool = False, starts=None) -> None:
-        """Lays out the unique keys, numbering each from the running count (the layout kernel
-        walks all sorted positions) or, given ``starts`` (their sorted positions), one thread
-        per unique key. Several ranks pass ``nuniq`` (read with the call's header, after
-        :meth:`counts`) and ``collided`` (the read of the flag ``mark_unique_keys`` set). One
-        rank on a device passes None: nothing is read, the layout is sized for every key (an
-        upper bound; the entries past the unique keys are table 0) and ``count`` (int64
-        ``[1]``) holds the number of unique keys on the device, for the backward's one read
-        together with its verdict."""
-        xp = runtime.xp()
+    def finish(self, nuniq: int, collided: bool = False, starts=None) -> None:
+        """Lays out the ``nuniq`` unique keys (read after :meth:`counts` or
+        :meth:`unique_count`), numbering each from the running count (the layout kernel walks
+        all sorted positions) or, given ``starts`` (their sorted positions), one thread per
+        unique key. ``collided``: the read of the flag ``mark_unique_keys`` set."""
         n = self.n
-        if starts is None and self.before is None:  # the running count (several ranks made it in counts())
-            self.before = runtime.scratch(n + 1, np.int64)
-            self.before[:1] = 0
-            xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
-        self.count = self.before[n:] if nuniq is None else None
+        if starts is None:
+            self.unique_count()  # the running count (made already where the count was read)
         self.collided = bool(collided)
-        size = n if nuniq is None else nuniq
-        self.nuniq = size
+        self.nuniq = size = int(nuniq)
         self.seg = runtime.scratch(size + 1, np.int64)
-        if nuniq is None:
-            self.seg[self.count] = n
-        else:
-            self.seg[size:] = n
+        self.seg[size:] = n
         self.first = runtime.scratch(size, np.int64)  # position of each unique key's first use
         self.ukeys = runtime.scratch(size, np.int64)
-        self.group = runtime.scratch(size, np.int64) if nuniq is not None else xp.zeros(size, np.int64)
+        self.group = runtime.scratch(size, np.int64)
         ntab, world = int(self.tabs.shape[0]), runtime.world_size()
         count = n if starts is None else size
         args = (

@@ -11,7 +11,7 @@ import numpy as np
 from ...backends import runtime
 from ...storage import admission, finish_inserts, plan_room
 from .. import collective
-from ..sparse import segment_starts
+from ..batch import segment_starts
 from .call_tables import CallTables
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ...backends import runtime
 from .. import collective
-from ..sparse import Batch, BatchError
+from ..batch import Batch, BatchError
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, to_device
 from .call_tables import CallTables
@@ -94,7 +94,7 @@ class LookupPlan:
                 self.strategy = OneRank(call) if world == 1 else SeveralRanks(call)
                 header = self.strategy.group(packed, bad)
             except BatchError as e:  # a fault the device found in ids that arrived there
-                error = f"table {self.tables[e.table].name!r} (index {e.table}): {e}"
+                error = e.named(self.tables)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = f"{type(e).__name__}: {e}"
         uids = ts.key if error is None and ts is not None else None

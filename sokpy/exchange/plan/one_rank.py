@@ -1,6 +1,9 @@
 """A lookup call on one rank (:class:`OneRank`): nothing to exchange. The forward reads its
 verdict, finds the rows of dynamic tables and pools straight from the tables; the backward
-deduplicates (the forward did not need to) and keeps the gradient rows it summed."""
+keeps the gradient rows it summed, one per unique key. The pooling needs no deduplication;
+the backward does: on the host it deduplicates itself, on a device the forward of a call
+that may get a backward deduplicates before its read, so that the number of unique keys
+comes with the verdict and the backward's buffers and launches are sized by it."""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from ...backends import handoff, runtime
+from ...backends import runtime
+from ..batch import segment_starts
 from ..collective import Agreement
 from ..gradients import GradChunk, nonfinite_message
-from ..sparse import segment_starts
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
 from .dedup import Dedup
@@ -26,14 +29,33 @@ class OneRank:
     def __init__(self, call: Call):
         self.call = call
         self.packed: Any = None  # route_keys' sort values, kept for the backward's deduplication
+        # the forward's deduplication (a device), its number of unique keys and collision flag
+        self.counted: tuple[Dedup, int, bool] | None = None
         self.rows: Any = None  # each key's stored row (a static table's key is its row)
 
     def group(self, packed, bad) -> Header:
         """The call's one read from the device before the header: its verdict on the ids (the
-        range check and the faults the device found in ids that arrived there)."""
-        read_verdict(self.call.batch, self.call.tables.tables, bad)
-        self.packed = packed
+        range check and the faults the device found in ids that arrived there), and on a
+        device, for a call that may get a backward, the number of its unique keys and whether
+        hashed keys shared a sort value."""
+        call = self.call
+        if call.grad_mode and not runtime.current().free_reads:
+            d = self._deduplicate(packed)
+            more = (d.unique_count(), d.collided_flag.astype(np.int64))
+            nuniq, collided = read_verdict(call.batch, call.tables.tables, bad, *more).tolist()
+            self.counted = (d, nuniq, not call.shape.exact and bool(collided))
+        else:
+            read_verdict(call.batch, call.tables.tables, bad)
+            self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
+
+    def _deduplicate(self, packed, bag_of=None) -> Dedup:
+        """The call's keys sorted and their unique keys marked (a key's group is its table, so
+        tables are runs of groups)."""
+        shape, dev = self.call.shape, self.call.device
+        runs = (dev.key_start, shape.pos_bits + shape.value_bits)
+        args = (packed, dev.keys, self.call.tables.device_tabs, shape.pos_bits, shape.value_bits)
+        return Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
 
     def fetch(self, agreement: Agreement) -> Source:
         """Rows by key, no exchange: a dynamic table's found (and grown), a static table's key
@@ -53,19 +75,18 @@ class OneRank:
         return 0
 
     def backward(self, gptr, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
-        """Deduplicates (a key's group is its table, so tables are runs of groups), sums each
-        unique key's gradient row and keeps them: no other rank adds to them, so the kernel
-        checks them as it writes them and the optimizer step needs no merge pass."""
+        """Sums each unique key's gradient row and keeps them: no other rank adds to them, so
+        the kernel checks them as it writes them and the optimizer step needs no merge pass.
+        Every buffer and launch is sized by the unique keys."""
         call, xp = self.call, runtime.xp()
         shape = call.shape
-        runs = (call.device.key_start, shape.pos_bits + shape.value_bits)
-        args = (self.packed, call.device.keys, call.tables.device_tabs, shape.pos_bits, shape.value_bits)
-        d = Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=pooled.bag_of)
-        self.packed = None
-        if runtime.current().free_reads:  # the host: the count is known at no cost
+        if self.counted is not None:  # deduplicated and counted in the forward (a device)
+            d, nuniq, collided = self.counted
+            d.finish(nuniq, collided)
+        else:  # the host: the count is known at no cost
+            d = self._deduplicate(self.packed, pooled.bag_of)
             d.finish_compacted()
-        else:  # a device: sized for every key, nothing is read before the verdict below
-            d.finish(None)
+        self.packed = self.counted = None
         header_slots = shape.header_slots
         if shape.one_dim:  # row u at header_slots + u * dim
             dim = shape.one_dim
@@ -76,21 +97,15 @@ class OneRank:
         rows = GradientRows(d, offsets, elems)
         buf = runtime.scratch(int(elems.sum()), np.float32)
         bad = xp.zeros(max(d.nuniq, 1), np.int32)
-        sum_gradient_rows(call, rows, gptr, pooled, buf, used, bad, d.count)
+        sum_gradient_rows(call, rows, gptr, pooled, buf, used, bad)
         return self._chunk(rows, buf, bad, used)
 
     def _chunk(self, rows: GradientRows, buf, bad, used: np.ndarray) -> GradChunk:
-        """The rows segment_sum wrote are the whole gradients. The backward's one read: the
-        number of unique keys, whether any row is not finite, and whether hashed keys shared a
-        sort value."""
+        """The rows segment_sum wrote are the whole gradients. The backward's one read: whether
+        any row is not finite."""
         xp, call, d = runtime.xp(), self.call, rows.dedup
-        if d.count is None:  # the count is known already (finish_compacted, on the host)
-            any_bad = bool(bad[: d.nuniq].any())
-        else:
-            head = xp.concatenate([d.count, bad.any().astype(np.int64).reshape(1), d.collided_flag.astype(np.int64)])
-            count, any_bad, collided = handoff.to_host(head).tolist()
-            d.nuniq, d.collided = count, not call.shape.exact and bool(collided)
         nuniq = d.nuniq
+        any_bad = bool(bad[:nuniq].any())
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
         rows_are_keys = self.rows is call.device.keys  # static tables: row k is key k
         stored = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]

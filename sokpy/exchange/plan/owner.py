@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from ...backends import handoff, runtime
+from ..batch import segment_starts
 from ..gradients import GradChunk, merge_rows
-from ..sparse import segment_starts
 from .call import Call
 from .dynamic_rows import find_rows
 from .layout import rows_after_headers

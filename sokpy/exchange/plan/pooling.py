@@ -45,9 +45,8 @@ def pool(call: Call, source: Source) -> Pooled:
     den = runtime.scratch(max(nbags, 1), np.float32)
     bag_of = runtime.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
     args = (source.table_rows, source.offsets, dev.offsets, dev.weights, dev.bag_start, call.shape.ntables)
-    runtime.launch(
-        "combine_forward", nbags, int(call.shape.dims.max(initial=1)), (*args, t.device_tabs, nbags, out, den, bag_of)
-    )
+    cols = kernels.vector_cols(int(call.shape.dims.max(initial=1)))
+    runtime.launch("combine_forward", nbags, cols, (*args, t.device_tabs, nbags, out, den, bag_of))
     return Pooled(out, den, bag_of)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...backends import handoff, kernels, runtime
-from ..sparse import N_FAULTS, Batch, raise_fault
+from ..batch import Batch
 from .table_sets import bits, table_set
 
 if TYPE_CHECKING:
@@ -39,11 +39,12 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
     whose host values it returns, concatenated. Raises the first fault's BatchError, or a
     ValueError naming the table, key and position of a key out of range."""
     faults = [] if batch.faults is None else [batch.faults.vector]
+    nfaults = sum(int(f.shape[0]) for f in faults)
     head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *more]))
-    if faults:
-        raise_fault(batch, head[1 : 1 + N_FAULTS])
+    if batch.faults is not None:
+        batch.faults.explain(head[1 : 1 + nfaults])
     _check_range(batch, tables, int(head[0]))
-    return head[1 + len(faults) * N_FAULTS :]
+    return head[1 + nfaults :]
 
 
 def _check_range(batch: Batch, tables: list, bad: int) -> None:
@@ -62,10 +63,9 @@ def _check_range(batch: Batch, tables: list, bad: int) -> None:
 
 def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
     """``(pos_bits, value_bits)`` of a packed sort value ``(group, value, position)``
-    (``route_keys``' layout, where ``value_bits`` is ``sv_bits``): the position of a key in
-    the call takes the low ``pos_bits``, its sort value (its stored row, or the top bits of
-    a mix of the key) the ``value_bits`` above them, and the (owner, table) group the bits
-    above those (63 bits in all at most)."""
+    (``route_keys``' layout): the position of a key in the call takes the low ``pos_bits``,
+    its sort value (its stored row, or the top bits of a mix of the key) the ``value_bits``
+    above them, and the (owner, table) group the bits above those (63 bits in all at most)."""
     pos_bits = max(1, bits(n))
     value_bits = 63 - pos_bits - bits(ngroups)
     if value_bits < 0:

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from ...backends import runtime
+from ..batch import segment_starts
 from ..collective import Agreement
 from ..gradients import GradChunk
-from ..sparse import segment_starts
 from ..wire import from_wire, to_wire
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header

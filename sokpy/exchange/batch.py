@@ -1,0 +1,92 @@
+"""A lookup call's input as the plan reads it: :class:`Batch` (every table's keys, bags and
+weights of one call, in one set of arrays), :class:`BatchError` (a fault that names its
+table), :class:`Faults` (what a parse on the device found, for the plan's one read) and
+:func:`segment_starts`, the array helper the plan and the input parsers share. The parsers
+that make a Batch are :mod:`sokpy.inputs`, one layer up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..backends import handoff, runtime
+
+
+class BatchError(ValueError):
+    """A fault in the input of table ``table`` (an index into the call's tables; None: of the
+    call's input as a whole, a KeyedJaggedTensor's)."""
+
+    def __init__(self, table: int | None, message: str):
+        super().__init__(message)
+        self.table = table
+
+    def named(self, tables: Sequence[Any]) -> str:
+        """The message with its table's name and index (``tables``: the call's), as every
+        rank raises it."""
+        if self.table is None:
+            return str(self)
+        return f"table {tables[self.table].name!r} (index {self.table}): {self}"
+
+
+class Faults(NamedTuple):
+    """What a parse on the device found in a batch's values, read by the plan with its
+    verdict: ``vector`` (a device int64 array, where each kind of fault first occurs, -1
+    where there is none) and ``explain(vector)``, which takes that vector read to the host
+    and raises the :class:`BatchError` of the first fault, as the host's check names it (it
+    reads the values it names: the error path)."""
+
+    vector: Any
+    explain: Callable[[np.ndarray], None]
+
+
+class Batch(NamedTuple):
+    """Every table's input of one call, concatenated: host arrays, or, for ids that arrived on
+    the device, arrays of the backend (parsed there, nothing read back).
+
+    Keys of table t are ``keys[key_start[t]:key_start[t+1]]``; its bags are
+    ``bag_start[t] <= b < bag_start[t+1]`` (host), bag b holding keys ``[offsets[b],
+    offsets[b+1])``. ``weights`` covers every key (1 for tables without weights) or is None
+    when no table has weights; ``weighted[t]`` (host) says which tables do.
+    ``weight_grads[t]`` is the caller's weight tensor of table t when it requires a gradient
+    (else None), with ``weight_layouts[t]`` telling how to shape that gradient. ``faults``:
+    for a batch parsed on the device, what the device found in its values (:class:`Faults`),
+    which the lookup reads with its counts; None for a batch whose values were checked."""
+
+    keys: np.ndarray
+    offsets: np.ndarray
+    weights: np.ndarray | None
+    key_start: np.ndarray
+    bag_start: np.ndarray
+    weighted: np.ndarray
+    weight_grads: list
+    weight_layouts: list
+    faults: Faults | None = None
+
+    def any_weight_grad(self) -> bool:
+        """Whether some table's weights require a gradient."""
+        return any(w is not None for w in self.weight_grads)
+
+    def host_key_start(self) -> np.ndarray:
+        """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""
+        return self.key_start if isinstance(self.key_start, np.ndarray) else handoff.to_host(self.key_start)
+
+    def one_bag_per_key(self) -> Batch:
+        """This batch with every key in a bag of its own (a sequence lookup: one row per id, in
+        input order); refuses weights, which a sequence lookup does not take."""
+        if self.weights is not None or self.any_weight_grad():
+            t = int(np.flatnonzero(self.weighted)[0]) if self.weighted.any() else 0
+            raise BatchError(t, "a sequence lookup (one row per id) takes no weights")
+        key_start = self.host_key_start()
+        xp = np if isinstance(self.keys, np.ndarray) else runtime.xp()  # a batch parsed on the device stays there
+        offsets = xp.arange(int(key_start[-1]) + 1, dtype=np.int64)
+        return self._replace(offsets=offsets, key_start=key_start, bag_start=key_start)
+
+
+def segment_starts(counts, xp=np):
+    """Where each of ``len(counts)`` segments of those sizes starts, and the total: int64
+    ``[0, c0, c0 + c1, ...]`` (``xp``: the array module of ``counts``)."""
+    out = xp.zeros(int(counts.shape[0]) + 1, np.int64)
+    xp.cumsum(counts, out=out[1:])
+    return out

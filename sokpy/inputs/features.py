@@ -1,0 +1,127 @@
+"""A ``sokpy.nn`` module's input as the batch of its features: :func:`features_batch` (a dict
+feature -> ids, or a KeyedJaggedTensor parsed once, its features picked in the module's
+order where they lie: on the device by a gather, without a read where the module reads every
+feature), and each feature's part of that batch as tensors (:func:`feature_offsets`,
+:func:`feature_ids`), which a sequence module's outputs take instead of reading the input
+again."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..backends import handoff
+from ..exchange.batch import Batch, segment_starts
+from .batch import check_keyed, keyed_batch, read_structure, to_batch
+from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
+
+
+def _one(x):
+    """A ``(values, offsets)`` pair or ``(values, offsets, weights)`` triple as a Ragged; any
+    other input as it is."""
+    if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
+        return Ragged(x[0], x[1], x[2] if len(x) == 3 else None)
+    return x
+
+
+def features_batch(features, weights, names: list[str], reader: str, weighted: bool, host_sizes: bool = False):
+    """The batch of the features ``names``, in that order, from ``features``: a dict feature
+    -> ids (anything ``lookup_sparse`` takes for one table, a ``(values, offsets)`` pair or a
+    ``(values, offsets, weights)`` triple; ``weights`` an optional dict feature -> weights) or
+    a KeyedJaggedTensor. ``reader`` names who reads them (in messages); ``weighted``: False
+    ignores a KJT's weights and refuses a dict's, True needs a KJT's. ``host_sizes``: each
+    feature's key count on the host (a sequence module's outputs need them; for a KJT on the
+    device, one read). Raises KeyError for a missing feature, BatchError for a fault of the
+    input's values and ValueError or TypeError for any other."""
+    if isinstance(features, Mapping):
+        missing = [f for f in names if f not in features]
+        if missing:
+            raise KeyError(f"the input has no feature {missing[0]!r} (the module reads {names})")
+        ids = [_one(features[f]) for f in names]
+        ws = None if weights is None else [weights.get(f) for f in names]
+        if not weighted:
+            given = [
+                f
+                for f, x, w in zip(names, ids, ws or [None] * len(names))
+                if w is not None or (isinstance(x, Ragged) and x.weights is not None)
+            ]
+            if given:
+                raise ValueError(
+                    f"feature {given[0]!r} has weights, and {reader} was built with is_weighted=False (TorchRec's "
+                    "default: weights are not pooled); build it with is_weighted=True to pool them"
+                )
+        return to_batch(ids, ws, len(names))
+    if weights is not None:
+        raise ValueError("a KeyedJaggedTensor carries its own weights; pass weights=None")
+    if not is_keyed_jagged(features) or not callable(getattr(features, "keys", None)):
+        raise TypeError(f"{reader} takes a KeyedJaggedTensor or a dict feature -> ids, got {type(features).__name__}")
+    if weighted and features.weights_or_none() is None:
+        raise ValueError(f"{reader} was built with is_weighted=True, and the KeyedJaggedTensor carries no weights")
+    place = place_of(features)
+    keyed = keyed_bags(features, place, weights=weighted)
+    keys = keyed.keys or []
+    missing = [f for f in names if f not in keys]
+    if missing:
+        raise KeyError(f"the KeyedJaggedTensor has no feature {missing[0]!r} ({reader} reads {names})")
+    picked = [keys.index(f) for f in names]
+    if picked != list(range(len(keys))):
+        return _picked(keyed, picked, place, host_sizes)
+    batch = keyed_batch(keyed, place)
+    if host_sizes:  # on the device: one read, with the faults of the KJT's offsets, which raise first
+        batch = batch._replace(key_start=read_structure(place, keyed, picked, batch.key_start))
+    return batch
+
+
+def _picked(keyed: Keyed, features: list[int], place: Place, host_sizes: bool) -> Batch:
+    """The KJT's batch with table t reading its feature ``features[t]``: the features put in
+    the tables' order by a gather where they live. Its size needs no read where the tables
+    read every feature; a subset's does (on the device: one read, with the faults of the
+    KJT's offsets, which raise first), as do ``host_sizes``."""
+    xp, stride, nfeat = place.xp, keyed.stride, keyed.nfeatures
+    table_of: list[int | None] = [None] * nfeat
+    for t, f in enumerate(features):
+        table_of[f] = t
+    every = sorted(features) == list(range(nfeat))
+    starts = keyed.offsets[xp.asarray(np.arange(nfeat + 1, dtype=np.int64) * stride)]
+    pick = xp.asarray(np.array(features, np.int64))
+    first = starts[:-1][pick]  # where each table's values start among the KJT's
+    key_start = segment_starts((starts[1:] - starts[:-1])[pick], xp)
+    if host_sizes or not every or not place.device:
+        key_start = read_structure(place, keyed, table_of, key_start)
+    n = int(keyed.values.shape[0]) if every else int(key_start[-1])
+    bag = (np.array(features, np.int64)[:, None] * stride + np.arange(stride, dtype=np.int64)).reshape(-1)
+    offsets = xp.empty(len(bag) + 1, np.int64)
+    offsets[:-1] = keyed.offsets[xp.asarray(bag)] - xp.repeat(first - xp.asarray(key_start[:-1]), stride)
+    offsets[-1:] = xp.asarray(key_start[-1:])
+    pos = xp.arange(n, dtype=np.int64)
+    table = xp.searchsorted(xp.asarray(key_start[1:]), pos, side="right")
+    # Within the values: wrong offsets (their fault is raised first) gather wrong keys, never past them.
+    src = xp.clip(first[table] + pos - xp.asarray(key_start)[table], 0, max(int(keyed.values.shape[0]) - 1, 0))
+    grads: list[torch.Tensor | None] = [None] * len(features)
+    layouts: list[tuple | None] = [None] * len(features)
+    if keyed.grad is not None:  # the gradient finds its way back through torch's gather
+        grad = keyed.grad[_tensor(src)]
+        grads[0], layouts[0] = grad, ("keyed", tuple(grad.shape))
+    weights = None if keyed.weights is None else keyed.weights[src]
+    bag_start = np.arange(len(features) + 1, dtype=np.int64) * stride
+    weighted = np.full(len(features), keyed.weights is not None)
+    batch = Batch(keyed.values[src], offsets, weights, key_start, bag_start, weighted, grads, layouts)
+    return check_keyed(place, batch, keyed, table_of, None if keyed.overflow is None else keyed.overflow[src])
+
+
+def _tensor(a) -> torch.Tensor:
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else handoff.to_torch(a)
+
+
+def feature_offsets(batch: Batch) -> list[torch.Tensor]:
+    """Each table's bag offsets, from 0 (int64 tensors where the batch lives)."""
+    key_start, bags = batch.host_key_start(), batch.bag_start
+    return [_tensor(batch.offsets[lo : hi + 1] - int(k)) for lo, hi, k in zip(bags[:-1], bags[1:], key_start)]
+
+
+def feature_ids(batch: Batch) -> list[torch.Tensor]:
+    """Each table's keys in input order (int64 tensors where the batch lives)."""
+    key_start = batch.host_key_start()
+    return [_tensor(batch.keys[lo:hi]) for lo, hi in zip(key_start[:-1], key_start[1:])]

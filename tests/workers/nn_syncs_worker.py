@@ -1,0 +1,99 @@
+"""Counts the host synchronisations of a ``sokpy.nn`` module's forward, backward and optimizer
+step on the device code path (run with SOKPY_EMULATE_DEVICE=1, as syncs_worker.py), for every
+form a module's input takes on the device: a KeyedJaggedTensor with the module's keys in its
+order, in another order, a subset of a wider KJT, lengths-only or offsets-only, weighted or
+not, and a dict feature -> ids; each step's outputs are those the module gives for the same
+ids on the host, one input per feature. Prints one line per case:
+"nnsyncs RANK MODULE FORM FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
+
+import functools
+
+import numpy as np
+import torch
+from read_counts import step_reads
+
+import sokpy
+from sokpy.nn import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
+from sokpy.testing import device_double
+
+sokpy.init()
+rank, world = sokpy.rank(), sokpy.world_size()
+FEATURES = ["f0", "f1", "f2"]
+dev = device_double.to_device
+
+
+def module(kind: str, weighted: bool):
+    if kind == "ebc":
+        configs = [
+            EmbeddingBagConfig(f"nns_{kind}_{weighted}_{f}", 8, 500, [f], "sum" if i % 2 else "mean", target_gpu=-1)
+            for i, f in enumerate(FEATURES)
+        ]
+        return EmbeddingBagCollection(configs, is_weighted=weighted)
+    configs = [EmbeddingConfig(f"nns_{kind}_{f}", 8, 500, [f], target_gpu=-1) for f in FEATURES]
+    return EmbeddingCollection(configs)
+
+
+def features(form: str, rng, weighted: bool):
+    """The features of one batch on the device in ``form`` (a KJT, or a dict), and the same
+    ids on the host as a dict feature -> (values, offsets[, weights]), the reference."""
+    batch = 6 + rank
+    keys = {"order": FEATURES, "other_order": ["f2", "f0", "f1"], "subset": ["x", "f1", "f2", "y", "f0"]}
+    names = keys.get(form.split("-")[0], FEATURES)
+    lengths = torch.from_numpy(rng.integers(0, 4, len(names) * batch))
+    values = torch.from_numpy(rng.integers(0, 500, int(lengths.sum())))
+    weights = torch.from_numpy(rng.random(values.numel()).astype(np.float32)) if weighted else None
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    host = {}
+    for i, f in enumerate(names):
+        lo, hi = int(offsets[i * batch]), int(offsets[(i + 1) * batch])
+        off = offsets[i * batch : (i + 1) * batch + 1] - lo
+        host[f] = (values[lo:hi], off) + ((weights[lo:hi],) if weights is not None else ())
+    reference = {f: host[f] for f in FEATURES}
+    if form == "dict":
+        return {f: tuple(dev(t) for t in host[f]) for f in FEATURES}, reference
+    w = None if weights is None else dev(weights)
+    if form.endswith("-lengths"):
+        return KeyedJaggedTensor(names, dev(values), w, lengths=dev(lengths)), reference
+    return KeyedJaggedTensor(names, dev(values), w, offsets=dev(offsets)), reference
+
+
+def loss_of(m, x, outs: list) -> torch.Tensor:
+    """The sum of the module's outputs (a KeyedTensor's values, or each JaggedTensor's),
+    which it keeps in ``outs``."""
+    out = m(x)
+    outs.append(out)
+    if not isinstance(out, dict):
+        return out.values().sum()
+    return sum(jt.values().sum() for jt in out.values())
+
+
+def host_parts(out) -> list:
+    """A module's output on the host: a KeyedTensor's values, or each JaggedTensor's values
+    and offsets."""
+    if not isinstance(out, dict):
+        return [out.values().detach().cpu()]
+    return [t.detach().cpu() for f in FEATURES for t in (out[f].values(), out[f].offsets())]
+
+
+FORMS = ["order", "order-lengths", "other_order", "other_order-lengths", "subset", "subset-lengths", "dict"]
+for kind, weighted in (("ebc", False), ("ebc", True), ("ec", False)):
+    m = module(kind, weighted)
+    opt = sokpy.optim.Adagrad(m.tables(), lr=0.1)
+    rng = np.random.default_rng(rank)
+    for form in FORMS:
+        for _ in range(3):  # the last step's counts: steady state (the first calls create state)
+            x, reference = features(form, rng, weighted)
+            with torch.no_grad():
+                want = host_parts(m(reference))  # the same ids, one host input per feature
+            outs: list = []
+            reads = step_reads(functools.partial(loss_of, m, x, outs), opt)
+            for got, expected in zip(host_parts(outs[0]), want, strict=True):
+                assert torch.equal(got, expected), (kind, form, got, expected)
+        name = f"{kind}{'_weighted' if weighted else ''}"
+        print(f"nnsyncs {rank} {name} {form} {' '.join(map(str, reads))}", flush=True)
