@@ -7,6 +7,7 @@ checks itself against the same independent references as on the host backend."""
 import numpy as np
 import pytest
 import test_checkpoint
+import test_contract
 import test_dynamic
 import test_evict
 import test_optim
@@ -22,8 +23,6 @@ JOBS = [
     (3, "lookup_worker.py", ["values", 63], "values ok"),
     (2, "lookup_worker.py", ["errors"], "errors ok"),
     (2, "lookup_worker.py", ["assign"], "assign ok"),
-    (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
-    (3, "contract_worker.py", ["resume", 8], "resume ok"),
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
     (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
@@ -65,6 +64,14 @@ def test_optimizer_state_resharded_or_refused_on_the_emulated_device():
 
 def test_eviction_on_the_emulated_device():
     on_ranks(test_evict._stream_checked, 2, env=ENV, timeout=300, policy="lfu", seed=85)
+
+
+def test_weight_gradients_on_the_emulated_device():
+    on_ranks(test_contract._weight_grad, 2, env=ENV, timeout=300, seed=91)
+
+
+def test_state_dict_resume_on_the_emulated_device():
+    on_ranks(test_contract._resume, 3, env=ENV, timeout=300, steps=8)
 
 
 def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):

@@ -11,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 import test_checkpoint
+import test_contract
 import test_dynamic
 import test_optim
 from conftest import ROOT, horovod_env, launch_command, needs_horovod_env, run_mpi
@@ -30,8 +31,7 @@ def test_lookup_and_optimizers_match_references(launcher):
 def test_every_input_error_on_one_rank_at_3_ranks():
     """Sixteen input faults, each made on one rank only: the same error on every rank, tables
     and optimizer state bitwise unchanged, training then equal to a twin job's."""
-    out = run_mpi(3, "contract_worker.py", "every_error", timeout=180, launcher="mpich")
-    assert out.count("every_error ok") == 3, out
+    on_ranks(test_contract.test_contract, 3, launcher="mpich", timeout=180, mode="every_error")
 
 
 def _npz(path):

@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import pytest
 import test_checkpoint
+import test_contract as contract
 import test_dynamic
 import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
@@ -242,13 +243,11 @@ def test_saved_under_torchrun_resumes_under_both_launchers_at_other_world_sizes(
 
 @pytest.mark.parametrize("mode", CASES)
 def test_contract(mode):
-    out = run_mpi(2, "contract_worker.py", mode, timeout=120, launcher=TORCHRUN)
-    assert out.count(f"{mode} ok") == 2, out
+    on_ranks(contract.test_contract, 2, launcher=TORCHRUN, timeout=120, mode=mode)
 
 
 def test_every_input_error_on_one_rank_of_three():
-    out = run_mpi(3, "contract_worker.py", "every_error", timeout=120, launcher=TORCHRUN)
-    assert out.count("every_error ok") == 3, out
+    on_ranks(contract.test_contract, 3, launcher=TORCHRUN, timeout=120, mode="every_error")
 
 
 def test_runtime_state():
