@@ -27,9 +27,10 @@ uninterrupted training (resume)."""
 
 import numpy as np
 import pytest
+import test_lookup
 import test_optim
 import torch
-from conftest import run_mpi, run_python
+from conftest import run_python
 from multirank import on_ranks, ranks
 from reference import full_table, make_bags
 
@@ -536,29 +537,28 @@ def test_transfers_split_below_the_mpi_count_limit(nranks):
     """With the element limit of one MPI message lowered to 7, every exchange of a lookup, its
     backward, an assign and the optimizer steps goes through the split transfers (pieces of at
     most 7 elements, decided alike on every rank by the call's header), against the same
-    independent references as the ordinary runs. The limit is lowered inside the jobs
-    (with_max_count.py), so they run in the ordinary rank pools at these world sizes."""
-    out = run_mpi(nranks, "with_max_count.py", 7, "lookup_worker.py", "values", 31)
-    assert out.count("values ok") == nranks
-    out = run_mpi(nranks, "with_max_count.py", 7, "lookup_worker.py", "assign")
-    assert out.count("assign ok") == nranks
-    on_ranks(_optimizers_below_the_count_limit, nranks)
+    independent references as the ordinary runs. The limit is lowered inside the ranks of
+    the ordinary rank pools at these world sizes (a monkeypatch, undone after the body)."""
+    on_ranks(_below_the_count_limit, nranks)
 
 
-def _optimizers_below_the_count_limit(rank, world_size, monkeypatch):
-    """The optimizers' test with the limit lowered to 7 in this process of a rank pool (as
-    ``SOKPY_MPI_MAX_COUNT`` lowers it from a job's start): every reader calls ``max_count()``."""
+def _below_the_count_limit(rank, world_size, monkeypatch):
+    """The lookup's, assign's and optimizers' tests with the limit lowered to 7 in this process
+    of a rank pool (as ``SOKPY_MPI_MAX_COUNT`` lowers it from a job's start): every reader
+    calls ``max_count()``."""
     from sokpy.backends import comm
     from sokpy.exchange import collective
 
     monkeypatch.setattr(comm, "_MAX_COUNT", 7)
     assert comm.max_count() == collective.max_count() == 7
+    test_lookup.test_values_and_gradients_match_reference(rank, world_size, seed=31)
+    test_lookup.test_assign_routes_any_keys_to_their_owners(rank, world_size)
     test_optim.test_optimizers_match_numpy_formulas(rank, world_size, kinds=("adagrad", "adam"), seed=3)
 
 
 def test_mpi_count_limit_is_read_from_the_environment_at_import():
     """``SOKPY_MPI_MAX_COUNT`` sets the limit every reader sees (the split-transfer tests lower
-    it inside their jobs instead, with_max_count.py)."""
+    it inside their jobs instead)."""
     code = "from sokpy.exchange import collective; from sokpy.backends.comm import max_count; print(max_count(), collective.max_count())"
     res = run_python(code, env={"SOKPY_MPI_MAX_COUNT": "7"})
     assert res.returncode == 0 and res.stdout.split() == ["7", "7"], res.stdout + res.stderr

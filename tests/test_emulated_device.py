@@ -10,6 +10,7 @@ import test_checkpoint
 import test_contract
 import test_dynamic
 import test_evict
+import test_lookup
 import test_optim
 import test_optim_state
 from conftest import run_mpi, run_python
@@ -19,10 +20,6 @@ ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
 
 JOBS = [
     # (ranks, worker, arguments, the line every rank prints when its checks passed)
-    (1, "lookup_worker.py", ["values", 61], "values ok"),
-    (3, "lookup_worker.py", ["values", 63], "values ok"),
-    (2, "lookup_worker.py", ["errors"], "errors ok"),
-    (2, "lookup_worker.py", ["assign"], "assign ok"),
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
     (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
@@ -37,6 +34,16 @@ JOBS = [
 def test_suite_job_on_the_emulated_device(nranks, worker, args, ok):
     out = run_mpi(nranks, worker, *args, env=ENV, timeout=300)
     assert out.count(ok) >= nranks, out[-3000:]
+
+
+@pytest.mark.parametrize("nranks,seed", [(1, 61), (3, 63)])
+def test_lookup_values_on_the_emulated_device(nranks, seed):
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, nranks, env=ENV, timeout=300, seed=seed)
+
+
+def test_lookup_errors_and_assign_on_the_emulated_device():
+    on_ranks(test_lookup.test_bad_input_raises_on_every_rank_and_changes_nothing, 2, env=ENV, timeout=300)
+    on_ranks(test_lookup.test_assign_routes_any_keys_to_their_owners, 2, env=ENV, timeout=300)
 
 
 @pytest.mark.parametrize("nranks,seed", [(1, 71), (2, 72)])

@@ -6,9 +6,10 @@ import gc
 import numpy as np
 import pytest
 import test_dynamic
+import test_lookup
 import test_optim
 import torch
-from conftest import run_mpi, run_python
+from conftest import run_python
 from multirank import on_ranks
 
 from sokpy.backends import hostpool
@@ -171,5 +172,5 @@ def test_optimizer_jobs_with_every_array_pooled(nranks):
 
 
 def test_lookup_and_dynamic_jobs_with_every_array_pooled():
-    assert run_mpi(2, "lookup_worker.py", "values", 61, env=POOL_ALL).count("values ok") == 2
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, 2, env=POOL_ALL, seed=61)
     on_ranks(test_dynamic.test_training_matches_dict_reference, 2, env=POOL_ALL, timeout=300, seed=62)

@@ -13,8 +13,9 @@ import pytest
 import test_checkpoint
 import test_contract
 import test_dynamic
+import test_lookup
 import test_optim
-from conftest import ROOT, horovod_env, launch_command, needs_horovod_env, run_mpi
+from conftest import ROOT, horovod_env, launch_command, needs_horovod_env
 from multirank import on_ranks
 
 pytestmark = needs_horovod_env
@@ -22,8 +23,7 @@ pytestmark = needs_horovod_env
 
 @pytest.mark.parametrize("launcher", ["mpich", "horovodrun"])
 def test_lookup_and_optimizers_match_references(launcher):
-    out = run_mpi(3, "lookup_worker.py", "values", 203, launcher=launcher)
-    assert out.count("values ok") == 3, out
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, 3, launcher=launcher, seed=203)
     kinds = ("sgd", "adagrad", "ftrl", "adam")
     on_ranks(test_optim.test_optimizers_match_numpy_formulas, 2, launcher=launcher, kinds=kinds, seed=9)
 

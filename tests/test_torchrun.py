@@ -23,6 +23,7 @@ import pytest
 import test_checkpoint
 import test_contract as contract
 import test_dynamic
+import test_lookup
 import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
 from multirank import on_ranks
@@ -199,18 +200,15 @@ def check_comm_job(job, nranks: int) -> None:
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_lookup_values_and_gradients_match_reference(nranks):
-    out = run_mpi(nranks, "lookup_worker.py", "values", 100 + nranks, launcher=TORCHRUN)
-    assert out.count("values ok") == nranks
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, nranks, launcher=TORCHRUN)
 
 
 def test_lookup_bad_input_raises_on_every_rank_and_changes_nothing():
-    out = run_mpi(2, "lookup_worker.py", "errors", launcher=TORCHRUN)
-    assert out.count("errors ok") == 2
+    on_ranks(test_lookup.test_bad_input_raises_on_every_rank_and_changes_nothing, 2, launcher=TORCHRUN)
 
 
 def test_assign_routes_any_keys_to_their_owners():
-    out = run_mpi(3, "lookup_worker.py", "assign", launcher=TORCHRUN)
-    assert out.count("assign ok") == 3
+    on_ranks(test_lookup.test_assign_routes_any_keys_to_their_owners, 3, launcher=TORCHRUN)
 
 
 def test_optimizers_match_numpy_formulas():
