@@ -137,6 +137,20 @@ def test_the_import_graph_has_no_circle():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+def test_the_calls_outside_a_lookup_route_through_the_service():
+    """Checkpoints, tables and optimizers find their keys' owners and send rows to them through
+    the exchange layer's routing service (sokpy.exchange.routing), never through the lookup
+    plan."""
+    users = sorted(
+        f"{name} -> {dep}"
+        for name, deps in GRAPH.items()
+        if name.startswith(("sokpy.checkpoint", "sokpy.tables", "sokpy.optim"))
+        for dep in deps
+        if dep == "sokpy.exchange.plan" or dep.startswith("sokpy.exchange.plan.")
+    )
+    assert not users, "the lookup plan imported outside a lookup:\n" + "\n".join(users)
+
+
 def test_no_private_name_is_imported_from_another_module():
     """A name with a leading underscore stays in its module: what another module needs is
     public (dunder names, such as ``__version__``, are not private)."""

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
-from ..exchange.plan import repeated_key
+from ..exchange.routing import repeated_key
 
 FORMAT = "sokpy-checkpoint"
 VERSION = 1

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, runtime
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from .format import (
     DATA_RE,
     FORMAT,
@@ -122,7 +122,7 @@ def _check_owned(var) -> None:
     """Raises ValueError, naming the table, the key and the ranks, when this rank's shard of
     ``var`` holds a key that another rank owns (the table would hold it twice, or in the wrong
     place, and a checkpoint of it could not be loaded)."""
-    stray = plan.stray_key(var, var.storage.keys())
+    stray = routing.stray_key(var, var.storage.keys())
     if stray is not None:
         key, owner = stray
         raise ValueError(

@@ -4,8 +4,12 @@
   header: the same operation, tables and verdict on every rank, or the same error on all);
 * :mod:`~sokpy.exchange.sparse`: a call's inputs as one ``Batch`` for all its tables;
 * :mod:`~sokpy.exchange.plan`: one ``lookup_sparse`` call as named stages (route, dedup, key
-  exchange, owner fetch, row exchange, pool, and the backward), and the routing service
-  (``send_to_owners``) that assign, load and the checkpoints use;
+  exchange, owner fetch, row exchange, pool, and the backward);
+* :mod:`~sokpy.exchange.routing`: the routing service: the owner of every key (``route_keys``,
+  which the plan's route stage runs too), a shard's own keys (``rows_of``), and the one
+  exchange of rows to their owners (``send_to_owners``) that assign, the checkpoints and the
+  optimizers' states use;
+* :mod:`~sokpy.exchange.table_sets`: tables as the kernels see them (``TableSet``);
 * :mod:`~sokpy.exchange.gradients`: sparse gradients, merged per owner;
 * :mod:`~sokpy.exchange.wire`: the 16-bit formats of rows between ranks.
 

@@ -309,7 +309,7 @@ def collect_entries(
 
 
 def merge_entries(entries: GradEntries, tables: list, ts) -> GradEntries:
-    """The entries of an optimizer's ``tables`` (``ts``: their TableSet, ``plan.table_set``)
+    """The entries of an optimizer's ``tables`` (``ts``: their TableSet, ``table_sets.table_set``)
     with one per unique (table, row), and ``error`` the refusal of a row that is not finite,
     or None. Entries that are ``merged`` already (every step after a single
     backward: its owner merged them) are taken as they are, with their verdict; otherwise

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from ...backends import kernels, runtime
+from ..routing import sort_bits
 from ..sparse import Batch, segment_starts
+from ..table_sets import TableSet, bits
 from .call_tables import CallTables
 from .layout import row_header
-from .routing import sort_bits
-from .table_sets import TableSet, bits
 
 
 @dataclass(frozen=True)
