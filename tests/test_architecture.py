@@ -53,7 +53,7 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 LAYERS = {
     "foundation": ["sokpy.errors", "sokpy.timing", "sokpy.backends.arrays"],
     "backend": ["sokpy.backends"],
-    "tables": ["sokpy.storage"],
+    "storage": ["sokpy.storage"],
     "agreement": ["sokpy.exchange.collective"],
     "exchange": ["sokpy.exchange"],
     "public API": [

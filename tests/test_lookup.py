@@ -401,7 +401,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     read (several ranks), sized for every key with the count left on the device (one rank on
     a device) or from the compacted marks (one rank on the host)."""
     from sokpy.backends import kernels
-    from sokpy.exchange.plan import _Dedup
+    from sokpy.exchange.plan.dedup import Dedup
 
     c = kernels.constants()
     rng = np.random.default_rng(5)
@@ -420,7 +420,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     bag_of = rng.integers(0, n, n) if exact else None  # each position's bag, as combine_forward writes it
     # Exact values hold everything the deduplication needs: it must not read the keys then.
     given = np.full(n, -7, np.int64) if exact else keys
-    d = _Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
+    d = Dedup(packed.astype(np.int64), given, tabs, pos_bits, sv_bits, pos_bits + sv_bits + 2, exact, bag_of=bag_of)
     per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
     if layout == "count read":
         d.finish(sum(per_group), bool(d.collided_flag[0]))

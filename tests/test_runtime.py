@@ -52,7 +52,8 @@ def test_public_comm_after_init(sokpy_host):
     sokpy.backends.comm): in this process, which no launcher started, the one of a world of
     one without MPI."""
     from sokpy.backends import runtime
-    from sokpy.backends.comm import MpiComm, SoloComm
+    from sokpy.backends.comm import MpiComm
+    from sokpy.backends.communicator import SoloComm
 
     assert callable(sokpy_host.comm), f"sokpy.comm is {sokpy_host.comm!r} after sokpy.init()"
     c = sokpy_host.comm()
@@ -304,7 +305,7 @@ NO_MPI_SCRIPT = """
 import sys
 sys.modules["mpi4py"] = None  # as where no MPI library can be loaded
 import json, torch, sokpy
-from sokpy.backends.comm import SoloComm
+from sokpy.backends.communicator import SoloComm
 try:
     sokpy.init()
 except sokpy.LaunchError as e:

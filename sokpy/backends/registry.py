@@ -11,7 +11,7 @@ Example::
 
     import numpy as np
     from sokpy.backends import registry
-    from sokpy.backends.comm import SoloComm
+    from sokpy.backends.communicator import SoloComm
 
     registry.register("registry_example", lambda world: ("a backend", SoloComm(np)))
     backend, comm = registry.build("registry_example", None)

@@ -17,7 +17,8 @@ import numpy as np
 from .. import timing
 from . import launchers, registry, watchdog
 from .backend import DeviceBackend, HostBackend, check_device, device_shapes_requested
-from .comm import MpiUnavailable, SoloComm, mpi_world
+from .comm import MpiUnavailable, mpi_world
+from .communicator import SoloComm
 from .launchers import LaunchError, started_by_launcher
 from .nccl_comm import NcclComm
 from .torch_comm import TorchComm

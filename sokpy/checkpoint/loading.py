@@ -31,7 +31,8 @@ from ..backends import runtime
 from ..errors import CheckpointError
 from ..exchange import collective, routing
 from ..storage import admission, new_epoch
-from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging, values_dtype
+from .format import read_file, read_manifest, read_rank, values_dtype
+from .staging import agree, remove_killed_staging
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer

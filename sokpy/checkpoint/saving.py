@@ -31,14 +31,12 @@ from .format import (
     MANIFEST_TMP_RE,
     VALUE_DTYPES,
     VERSION,
-    agree,
     fsync_dir,
     optimizer_spec,
-    remove_killed_staging,
-    staging_name,
     table_spec,
     write_npy,
 )
+from .staging import agree, remove_killed_staging, staging_name
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer

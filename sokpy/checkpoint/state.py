@@ -24,8 +24,9 @@ from ..backends import handoff, runtime
 from ..errors import CheckpointError
 from ..exchange import collective, routing
 from ..storage import admission, new_epoch
-from .format import agree, decode_values, table_spec
+from .format import decode_values, table_spec
 from .loading import check_filter, dtype_error, new_storage, same_placement
+from .staging import agree
 
 STATE_FORMAT = "sokpy.table/1"
 

@@ -11,6 +11,7 @@
   optimizers' states use;
 * :mod:`~sokpy.exchange.table_sets`: tables as the kernels see them (``TableSet``);
 * :mod:`~sokpy.exchange.gradients`: sparse gradients, merged per owner;
+* :mod:`~sokpy.exchange.grad_merge`: gradient rows of equal (table, row) summed on the device;
 * :mod:`~sokpy.exchange.wire`: the 16-bit formats of rows between ranks.
 
 It uses the tables' storage (``sokpy.storage``) and the backend (``sokpy.backends``), never

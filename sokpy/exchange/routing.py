@@ -37,7 +37,7 @@ from ..backends import handoff, kernels, runtime
 from .table_sets import bits, table_set
 
 if TYPE_CHECKING:
-    from ..backends.comm import Communicator
+    from ..backends.communicator import Communicator
 
 __all__ = ["route", "sort_bits", "owners", "stray_key", "repeated_key", "rows_of", "owner_counts", "send_to_owners"]
 

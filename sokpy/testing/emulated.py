@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from ..backends.backend import Backend
-from ..backends.comm import SoloComm
+from ..backends.communicator import SoloComm
 from ..backends.kernels import HostKernels, KernelError
 from ..backends.launchers import LaunchError
 from ..backends.nccl_comm import NcclComm

@@ -75,10 +75,6 @@ Example::
     out = sokpy.lookup_sparse(v, [[1, 2], [3]], combiners="sum")   # builds and runs a LookupPlan
 """
 
-from .dedup import Dedup as Dedup
-from .layout import row_header as row_header
 from .lookup_plan import COMBINERS, LookupPlan
 
 __all__ = ["LookupPlan", "COMBINERS"]
-
-_Dedup = Dedup  # the name tests/test_lookup.py imports, as before the split

@@ -10,7 +10,8 @@ import numpy as np
 
 from ...backends import handoff, runtime
 from ..collective import Agreement
-from ..gradients import GradChunk, nonfinite_message
+from ..grad_merge import nonfinite_message
+from ..gradients import GradChunk
 from ..sparse import segment_starts
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from ...backends import handoff, runtime
-from ..gradients import GradChunk, merge_rows
+from ..grad_merge import merge_rows
+from ..gradients import GradChunk
 from ..sparse import segment_starts
 from .call import Call
 from .dynamic_rows import find_rows
