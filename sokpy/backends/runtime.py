@@ -307,7 +307,7 @@ def empty_rows(shape, dtype):
 def scratch(shape, dtype):
     """An uninitialised array for one call's work, from the backend's memory pool (not for
     tables: their memory is sized exactly)."""
-    return _state.backend.scratch(shape, dtype)
+    return current().scratch(shape, dtype)
 
 
 def launch(name: str, n: int, dim: int, args) -> None:

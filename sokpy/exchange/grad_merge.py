@@ -24,11 +24,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from ..backends import runtime
+from ..backends.arrays import Array
 from ..backends.sorting import sort_by_bits
 
 __all__ = ["Merge", "merge_rows", "nonfinite_message"]
@@ -47,14 +48,14 @@ class Merge(NamedTuple):
     (table, row), the first ``nunique[0]`` entries of each array (arrays sized by the entries,
     an upper bound, so that nothing is read from the device to size them)."""
 
-    table: Any  # int64: the caller's table index of each unique row
-    rows: Any  # int64: its stored row
-    offsets: Any  # int64: where its summed gradient starts in the buffer
-    keys: Any  # int64: its key
-    nunique: Any  # int64 [1]: how many unique rows (on the device)
-    bad: Any  # int32: 1 where a summed row is not finite (0 elsewhere)
+    table: Array  # int64: the caller's table index of each unique row
+    rows: Array  # int64: its stored row
+    offsets: Array  # int64: where its summed gradient starts in the buffer
+    keys: Array  # int64: its key
+    nunique: Array  # int64 [1]: how many unique rows (on the device)
+    bad: Array  # int32: 1 where a summed row is not finite (0 elsewhere)
 
-    def flags(self):
+    def flags(self) -> Array:
         """``[count, any row not finite]`` as one int64 device array, to read beside others."""
         xp = runtime.xp()
         return xp.concatenate([self.nunique, self.bad.any().astype(np.int64).reshape(1)])
@@ -73,7 +74,19 @@ def _bits(n: int) -> int:
     return max(1, (max(int(n), 1) - 1).bit_length())
 
 
-def merge_rows(table, rows, offsets, keys, buffer, tabs, ntables: int, capacity: int, dim: int, valid=None, runs=0):
+def merge_rows(
+    table: Array,
+    rows: Array,
+    offsets: Array,
+    keys: Array,
+    buffer: Array,
+    tabs: Array,
+    ntables: int,
+    capacity: int,
+    dim: int,
+    valid: Array | None = None,
+    runs: int = 0,
+) -> Merge:
     """Sums the gradient rows of equal (table, row), in arrival order, on the device and checks
     that every sum is finite, without reading anything back: returns a :class:`Merge`, whose
     count and verdict the caller reads with whatever else it reads.

@@ -29,11 +29,12 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..backends import handoff, kernels, runtime
+from ..backends.arrays import Array
 from .table_sets import bits, table_set
 
 if TYPE_CHECKING:
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["route", "sort_bits", "owners", "stray_key", "repeated_key", "rows_of", "owner_counts", "send_to_owners"]
 
 
-def route(tabs, keys, key_start, ntables: int, world: int, pos_bits: int, value_bits: int):
+def route(
+    tabs: Array, keys: Array, key_start: Array, ntables: int, world: int, pos_bits: int, value_bits: int
+) -> tuple[Array, Array]:
     """``(packed, bad)`` of route_keys: ``bad`` is a one-element array of the backend with the
     first position of a key out of range, or n (read it when the caller needs the host to
     know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile)."""
@@ -73,13 +76,13 @@ def sort_bits(n: int, ngroups: int) -> tuple[int, int]:
 # ---- one table's keys: whose they are, and this rank's shard -----------------------------------
 
 
-def owners(var, keys) -> np.ndarray:
+def owners(var, keys: Array) -> np.ndarray:
     """The owning rank of each key of ``var`` (host int64); raises ValueError naming the first
     key a static table does not have."""
     return handoff.to_host(_owners(var, keys))
 
 
-def _owners(var, keys):
+def _owners(var, keys: Array) -> Array:
     """:func:`owners` as an array of the backend (on the device where the keys are)."""
     xp = runtime.xp()
     world = runtime.world_size()
@@ -96,7 +99,7 @@ def _owners(var, keys):
     return packed >> (pos_bits + value_bits)
 
 
-def stray_key(var, keys) -> tuple[int, int] | None:
+def stray_key(var, keys: Array) -> tuple[int, int] | None:
     """``(key, its owner)`` of the first of ``keys`` (an array of the backend) that another rank
     than this one owns under the current world size and ``var``'s placement, or None: all are
     this rank's. Raises ValueError for a key a static table does not have. One routing
@@ -112,7 +115,7 @@ def stray_key(var, keys) -> tuple[int, int] | None:
     return int(handoff.to_host(keys[i : i + 1])[0]), int(handoff.to_host(owner[i : i + 1])[0])
 
 
-def repeated_key(keys) -> int | None:
+def repeated_key(keys: Array) -> int | None:
     """A key that ``keys`` (an array of the backend, or numpy: then without the runtime) holds
     more than once, or None."""
     xp = np if isinstance(keys, np.ndarray) else runtime.xp()
@@ -122,7 +125,7 @@ def repeated_key(keys) -> int | None:
     return int(host[:-1][host[1:] == host[:-1]][0])
 
 
-def rows_of(var, keys, insert: bool, verdict=None):
+def rows_of(var, keys: Array, insert: bool, verdict: Array | None = None) -> Array:
     """The stored rows of ``keys`` on this rank, inserting new keys of a dynamic table when
     ``insert`` (and initialising their rows). ``verdict``: see ``HashStorage.find`` (a capped
     table's agreement that the new keys fit). Raises ValueError, naming the table, a key and
@@ -149,11 +152,11 @@ def owner_counts(owner: np.ndarray, world: int) -> np.ndarray:
 
 def send_to_owners(
     owner: np.ndarray,
-    arrays: Sequence[Any],
+    arrays: Sequence[Array],
     comm: Communicator,
     recv_counts: np.ndarray | None = None,
     large: bool | None = None,
-) -> list[Any]:
+) -> list[Array]:
     """Sends row i of every array of ``arrays`` to rank ``owner[i]`` and returns what this
     rank receives: per array, the rows every rank sent it, as arrays of the backend
     (``runtime.xp()``), by sending rank and, within a rank, in the sender's order (a stable
