@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import sokpy
-from sokpy.exchange import plan
+from sokpy.exchange import routing
 
 sokpy.init()
 RANK, WORLD = sokpy.rank(), sokpy.world_size()
@@ -240,7 +240,7 @@ def check_stray(folder):
     key = torch.tensor(owned[:1])
     if RANK == 1:
         try:
-            plan.rows_of(v, key.numpy(), insert=True)
+            routing.rows_of(v, key.numpy(), insert=True)
         except ValueError as e:
             assert f"key {owned[0]} belongs to rank 0, not to rank 1" in str(e), str(e)
         else:
