@@ -13,6 +13,7 @@ Example (``sokrun -np 2 python this.py``, or ``torchrun --nproc-per-node 2 this.
 
 from . import checkpoint, initializers, nn, optim, timing
 from .backends import hostpool, kernels  # public as sokpy.kernels and sokpy.hostpool (docs/README.md)
+from .backends import registry as _registry
 from .backends.kernels import KernelError, UnsafeCacheError
 from .backends.runtime import (
     LaunchError,
@@ -36,6 +37,17 @@ from .tables.dynamic import DynamicVariable, TableStatistics
 from .tables.static import Variable
 
 __version__ = "0.1.0"
+
+
+def _find_backend(name: str) -> None:
+    """The registry's finder (``sokpy.backends.registry``) of the backends beside the layers:
+    ``sokpy.testing`` registers the emulated device when imported, so it is imported only
+    when ``sokpy.init`` asks for that device (``SOKPY_EMULATE_DEVICE=1``)."""
+    if name == "emulated":
+        from . import testing  # noqa: F401 - registers "emulated"
+
+
+_registry.add_finder(_find_backend)
 
 __all__ = [
     "init",

@@ -56,7 +56,7 @@ def _opaque_to_compile(fn):
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    call._torchdynamo_disable = True
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # torch.compiler.disable's mark on a function
     return call
 
 

@@ -53,7 +53,7 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 LAYERS = {
     "foundation": ["sokpy.errors", "sokpy.timing", "sokpy.backends.arrays"],
     "backend": ["sokpy.backends"],
-    "tables": ["sokpy.storage"],
+    "storage": ["sokpy.storage"],
     "agreement": ["sokpy.exchange.collective"],
     "exchange": ["sokpy.exchange"],
     "inputs": ["sokpy.inputs"],
@@ -119,8 +119,8 @@ def test_no_module_imports_a_higher_layer():
         for dep in deps:
             theirs = _layer(dep)
             if theirs is None:
-                if mine is not None and not dep.startswith("sokpy.testing"):  # the doubles: tested below
-                    upward.append(f"{name} ({names[mine]}) -> {dep} (a launcher)")
+                if mine is not None and mine < len(names) - 1:  # beside the layers: only the package imports them
+                    upward.append(f"{name} ({names[mine]}) -> {dep} (beside the layers)")
             elif mine is not None and theirs > mine:
                 upward.append(f"{name} ({names[mine]}) -> {dep} ({names[theirs]})")
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
@@ -143,6 +143,20 @@ def test_the_import_graph_has_no_circle():
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_calls_outside_a_lookup_route_through_the_service():
+    """Checkpoints, tables and optimizers find their keys' owners and send rows to them through
+    the exchange layer's routing service (sokpy.exchange.routing), never through the lookup
+    plan."""
+    users = sorted(
+        f"{name} -> {dep}"
+        for name, deps in GRAPH.items()
+        if name.startswith(("sokpy.checkpoint", "sokpy.tables", "sokpy.optim"))
+        for dep in deps
+        if dep == "sokpy.exchange.plan" or dep.startswith("sokpy.exchange.plan.")
+    )
+    assert not users, "the lookup plan imported outside a lookup:\n" + "\n".join(users)
 
 
 def test_no_private_name_is_imported_from_another_module():
@@ -189,13 +203,16 @@ def test_torch_distributed_only_in_its_communicator_and_ddps_group():
 
 
 def test_the_test_doubles_are_imported_only_when_asked_for():
+    """No layer imports sokpy.testing: the runtime builds the emulated device through the
+    registry of backends, which sokpy.testing registers itself with. Only the package above
+    every layer imports it, inside the registry's finder (when SOKPY_EMULATE_DEVICE=1 asks)."""
     importers = {name for name, deps in GRAPH.items() if any(d.startswith("sokpy.testing") for d in deps)}
     importers = {m for m in importers if not m.startswith("sokpy.testing")}
-    assert importers <= {"sokpy.backends.runtime", "sokpy.backends.nccl_comm"}, sorted(importers)
-    # runtime builds the emulated device only inside init, when SOKPY_EMULATE_DEVICE=1 asks
-    tree = ast.parse(MODULES["sokpy.backends.runtime"].read_text())
+    assert importers <= {"sokpy"}, sorted(importers)
+    tree = ast.parse(MODULES["sokpy"].read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not any("testing" in (getattr(n, "module", "") or "") for n in top)
+    assert not any("testing" in a.name for n in top for a in n.names)
 
 
 def test_no_module_reads_a_backend_setting_at_import():

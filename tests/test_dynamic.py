@@ -249,7 +249,7 @@ def test_row_wise_and_element_wise_slots_share_a_row(sokpy_host):
     """A slot is ``dim`` floats or (row-wise) one, in the order the slots were added; new rows
     (inserted, or in a grown row store, or in a shard built beside: ``new_like``) start every
     slot at its constant, and existing rows keep theirs through growth."""
-    from sokpy.exchange import plan
+    from sokpy.exchange import routing
 
     sokpy = sokpy_host
     for var in (
@@ -268,9 +268,9 @@ def test_row_wise_and_element_wise_slots_share_a_row(sokpy_host):
         ]
         assert [s.slot_width(n) for n in ("a", "r", "b")] == [3, 1, 3]
         keys = np.arange(40, dtype=np.int64) * (7 if var.dynamic else 1)
-        first = plan.rows_of(var, keys[:10], insert=True)
+        first = routing.rows_of(var, keys[:10], insert=True)
         s.data[first, s.columns("r")] = -1.0  # a trained row-wise value, kept through growth below
-        rows = plan.rows_of(var, keys, insert=True)  # a dynamic table grows (16 rows, 40 keys)
+        rows = routing.rows_of(var, keys, insert=True)  # a dynamic table grows (16 rows, 40 keys)
         want = np.array([0.5] * 3 + [1.0] * 3 + [2.0] + [3.0] * 3, np.float32)
         assert np.array_equal(s.data[rows[10:]], np.tile(want, (30, 1)))
         assert np.array_equal(s.data[rows[:10]], np.tile(np.where(np.arange(10) == 6, -1.0, want), (10, 1)))

@@ -352,7 +352,7 @@ def test_index_stays_consistent_through_many_evictions(sokpy_host):
     row holds it), no evicted key is found, tombstones are counted and rehashed away, and the
     row store never grows past the share."""
     sokpy = sokpy_host
-    from sokpy.exchange import plan
+    from sokpy.exchange import routing
 
     d = sokpy.DynamicVariable(4, name="evict_index", max_rows=50, capacity=8)
     s = d.storage
@@ -363,14 +363,14 @@ def test_index_stays_consistent_through_many_evictions(sokpy_host):
         if step % 3 == 0 and gone:  # some evicted keys come back
             keys = np.concatenate([keys, np.array(sorted(gone)[:5], np.int64)])
         before = set(s.keys().tolist())
-        rows = plan.rows_of(d, keys, insert=True)
+        rows = routing.rows_of(d, keys, insert=True)
         assert np.array_equal(s.row_keys[rows], keys)
         held = s.keys().copy()
         assert s.size <= 50 and s.capacity <= 50 and np.unique(held).size == s.size
-        assert np.array_equal(plan.rows_of(d, held, insert=False), np.arange(s.size))
+        assert np.array_equal(routing.rows_of(d, held, insert=False), np.arange(s.size))
         gone = (gone | before) - set(held.tolist())
         if gone:
-            assert (plan.rows_of(d, np.array(sorted(gone), np.int64), insert=False) == -1).all()
+            assert (routing.rows_of(d, np.array(sorted(gone), np.int64), insert=False) == -1).all()
         tomb = int((s.index_rows == -3).sum())
         assert tomb == s.tombstones and tomb + s.size <= s.MAX_LOAD * s.slots
         assert int((s.index_rows >= 0).sum()) == s.size

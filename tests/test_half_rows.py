@@ -636,13 +636,13 @@ def test_a_load_in_the_saved_type_sends_stored_rows_and_keeps_every_bit(sokpy_ho
     from sokpy.checkpoint import loading
 
     widths = []
-    send = loading.plan.send_to_owners
+    send = loading.routing.send_to_owners
 
     def recording(owner, arrays, comm, *args, **kwargs):
         widths.append(int(arrays[1].shape[1]))
         return send(owner, arrays, comm, *args, **kwargs)
 
-    monkeypatch.setattr(loading.plan, "send_to_owners", recording)
+    monkeypatch.setattr(loading.routing, "send_to_owners", recording)
     dim = 5  # odd: the last float32 column holds one word and a pad
     v = sokpy.DynamicVariable(dim, name=f"packed_{dtype}", dtype=dtype)
     opt = sokpy.optim.Adagrad([v], lr=0.1)

@@ -10,7 +10,7 @@ from conftest import ROOT
 
 SCRIPT = r"""
 import numpy as np, sokpy
-from sokpy.exchange import plan
+from sokpy.exchange import routing
 sokpy.init(backend="host")
 edges = np.array([-(2**63), 2**63 - 1, -1, 0, 1], np.int64)
 for round_ in range(12):
@@ -22,7 +22,7 @@ for round_ in range(12):
         # Every key many times over, shuffled: the same key reaches several threads at once.
         part = distinct[: (phase + 1) * distinct.size // 3]
         keys = rng.permutation(np.repeat(part, 8))
-        rows = plan.rows_of(d, keys, insert=True)
+        rows = routing.rows_of(d, keys, insert=True)
         assert (rows >= 0).all(), "a key got no row"
         storage = d.storage
         assert np.array_equal(storage.row_keys[rows], keys), "a row holds another key"
@@ -31,13 +31,13 @@ for round_ in range(12):
         assert np.unique(rows[first]).size == uk.size, "two keys share a row"
         assert storage.size == uk.size, f"{storage.size} rows for {uk.size} keys"
         assert int((storage.index_rows >= 0).sum()) == uk.size, "the index holds a key twice or lost one"
-        found = plan.rows_of(d, uk, insert=False)
+        found = routing.rows_of(d, uk, insert=False)
         assert np.array_equal(found, rows[first]), "a key moved when the table grew"
         old = np.array(list(seen.items()), np.int64).reshape(-1, 2)
         if old.size:
-            assert np.array_equal(plan.rows_of(d, old[:, 0], insert=False), old[:, 1]), "an earlier key lost its row"
+            assert np.array_equal(routing.rows_of(d, old[:, 0], insert=False), old[:, 1]), "an earlier key lost its row"
         seen.update(zip(uk.tolist(), rows[first].tolist()))
-        missing = plan.rows_of(d, np.array([12345678901, -98765432109], np.int64), insert=False)
+        missing = routing.rows_of(d, np.array([12345678901, -98765432109], np.int64), insert=False)
         assert (missing == -1).all() or set(missing.tolist()) <= set(seen.values())
     assert storage.growths >= 3, storage.growths
 print("hash ok", storage.growths, storage.slots)

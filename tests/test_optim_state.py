@@ -244,7 +244,7 @@ def test_save_refuses_a_shard_holding_another_ranks_key(rank, world_size, tmp_pa
     """A dynamic shard given a key another rank owns (behind sokpy's back): the routing guard
     refuses to insert one, sokpy.save refuses to write the table on every rank, naming table,
     key and rank, and the checkpoint saved before stays as it was."""
-    from sokpy.exchange import plan
+    from sokpy.exchange import routing
 
     folder = tmp_path / "ckpt"
     v = sokpy.DynamicVariable(2, name="os_stray")
@@ -257,7 +257,7 @@ def test_save_refuses_a_shard_holding_another_ranks_key(rank, world_size, tmp_pa
     key = torch.tensor(owned[:1])
     if rank == 1:
         with pytest.raises(ValueError, match=f"key {owned[0]} belongs to rank 0, not to rank 1"):
-            plan.rows_of(v, key.numpy(), insert=True)
+            routing.rows_of(v, key.numpy(), insert=True)
         v.storage.find(key.numpy(), insert=True)  # behind sokpy's back: the shard holds it twice now
     with pytest.raises(sokpy.CheckpointError) as refused:
         sokpy.save(folder, [v])

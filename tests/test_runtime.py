@@ -52,7 +52,8 @@ def test_public_comm_after_init(sokpy_host):
     sokpy.backends.comm): in this process, which no launcher started, the one of a world of
     one without MPI."""
     from sokpy.backends import runtime
-    from sokpy.backends.comm import MpiComm, SoloComm
+    from sokpy.backends.comm import MpiComm
+    from sokpy.backends.communicator import SoloComm
 
     assert callable(sokpy_host.comm), f"sokpy.comm is {sokpy_host.comm!r} after sokpy.init()"
     c = sokpy_host.comm()
@@ -304,7 +305,7 @@ NO_MPI_SCRIPT = """
 import sys
 sys.modules["mpi4py"] = None  # as where no MPI library can be loaded
 import json, torch, sokpy
-from sokpy.backends.comm import SoloComm
+from sokpy.backends.communicator import SoloComm
 try:
     sokpy.init()
 except sokpy.LaunchError as e:
@@ -355,3 +356,49 @@ def test_a_process_no_launcher_started_starts_no_mpi(use_mpi):
         assert out == {"comm": "MpiComm", "world": 1, "mpi_started": True}, out
     else:
         assert out == {"comm": "SoloComm", "world": 1, "mpi_started": False}, out
+
+
+# ---- backends built by name: the registry ------------------------------------------------------
+
+REGISTRY_SCRIPT = """
+import json, sys, sokpy
+before = "sokpy.testing" in sys.modules
+sokpy.init()
+from sokpy.backends import registry, runtime
+print("registry " + json.dumps({"before": before, "after": "sokpy.testing" in sys.modules,
+                                 "backend": type(runtime.current()).__name__, "registered": registry.registered()}))
+"""
+
+
+@pytest.mark.parametrize("emulate", ["0", "1"])
+def test_the_emulated_device_is_found_through_the_registry(emulate):
+    """SOKPY_EMULATE_DEVICE=1: ``sokpy.init`` builds the backend that sokpy.testing registers
+    as "emulated" (the package's finder imports sokpy.testing then); otherwise nothing
+    imports sokpy.testing and nothing is registered."""
+    out = json_from(run_python(REGISTRY_SCRIPT, {"SOKPY_EMULATE_DEVICE": emulate}), "registry")[0]
+    if emulate == "1":
+        assert out == {"before": False, "after": True, "backend": "EmulatedDeviceBackend", "registered": ["emulated"]}
+    else:
+        assert out == {"before": False, "after": False, "backend": "HostBackend", "registered": []}
+
+
+def test_importing_the_test_doubles_registers_the_emulated_device():
+    code = (
+        "import json, sokpy.testing\n"
+        "from sokpy.backends import registry\n"
+        "print('registry ' + json.dumps(registry.registered()))\n"
+    )
+    assert json_from(run_python(code), "registry")[0] == ["emulated"]
+
+
+def test_a_backend_nobody_registered_is_named_with_those_that_are():
+    from sokpy.backends import registry
+
+    asked = []
+    registry.add_finder(asked.append)
+    try:
+        with pytest.raises(LookupError, match=r"no backend called 'no_such_backend' is registered \(registered: "):
+            registry.build("no_such_backend", None)
+        assert asked == ["no_such_backend"]  # the finders were asked first
+    finally:
+        registry._finders.remove(asked.append)

@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
-__all__ = ["info", "address_of", "numpy_dtype_of_torch"]
+__all__ = ["Array", "info", "address_of", "numpy_dtype_of_torch"]
+
+# An array of the backend: a numpy array on the host, a CuPy array (or the device double's) on
+# the device. CuPy has no type information mypy reads, so to mypy it is Any: the name says in a
+# signature which arguments and results are arrays of the backend.
+Array: TypeAlias = Any
 
 _torch_dtypes: dict = {}
 

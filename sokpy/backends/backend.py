@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +50,13 @@ class DeviceUnavailableError(RuntimeError):
     """The device backend cannot start here: what is missing, and the pip line that fixes it."""
 
 
+class KernelSource(Protocol):
+    """Where a backend gets its kernels by name: ``HostKernels``, ``DeviceKernels``, or the
+    emulated device's queue over the host build (``sokpy.testing.emulated``)."""
+
+    def get(self, name: str) -> Any: ...
+
+
 class Backend:
     """What differs between where sokpy runs; see the module's docs. Subclasses set ``name``,
     ``xp``, ``kernels`` and ``shapes`` ("host" or "device" launch shapes)."""
@@ -65,7 +73,7 @@ class Backend:
     #: Whether a call's ids may live on this backend's device (then :meth:`on_device` asks
     #: each tensor); the host takes every input as it comes.
     device_inputs = False
-    kernels: kernels.HostKernels | kernels.DeviceKernels
+    kernels: KernelSource
 
     # ---- memory -----------------------------------------------------------------------------
     def empty_rows(self, shape, dtype):

@@ -1,6 +1,6 @@
 """The device backend's communicator: NCCL for device arrays, MPI for the rest.
 
-``NcclComm`` implements :class:`sokpy.backends.comm.Communicator` with the few NCCL calls CuPy's
+``NcclComm`` implements :class:`sokpy.backends.communicator.Communicator` with the few NCCL calls CuPy's
 ``cupy.cuda.nccl`` wraps: the unique id travels over MPI, ``alltoallv`` is one group of
 ``send``/``recv`` per peer (NCCL's counts are 64-bit, so no transfer needs splitting),
 ``allreduce`` / ``allgather`` / ``bcast`` of device arrays are NCCL's own collectives.
@@ -40,7 +40,8 @@ import numpy as np
 from ..timing import count_traffic, timed
 from . import watchdog
 from .arrays import address_of
-from .comm import Communicator, MpiComm, check_send_counts, receive_buffer
+from .comm import MpiComm
+from .communicator import Communicator, check_send_counts, receive_buffer
 
 __all__ = ["NcclComm", "NCCL_TYPES", "NCCL_OPS"]
 

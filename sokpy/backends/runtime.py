@@ -15,9 +15,10 @@ import os
 import numpy as np
 
 from .. import timing
-from . import launchers, watchdog
+from . import launchers, registry, watchdog
 from .backend import DeviceBackend, HostBackend, check_device, device_shapes_requested
-from .comm import MpiUnavailable, SoloComm, mpi_world
+from .comm import MpiUnavailable, mpi_world
+from .communicator import SoloComm
 from .launchers import LaunchError, started_by_launcher
 from .nccl_comm import NcclComm
 from .torch_comm import TorchComm
@@ -225,16 +226,8 @@ def _make_backend(backend: str, emulated: bool, world, local_rank: int):
             world.use_device(be.xp)  # NCCL, through torch's process group
             return be, world
         return be, NcclComm(world, stream=be.stream_handle)
-    if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
-        if isinstance(world, TorchComm):
-            raise LaunchError(
-                "sokpy.init: SOKPY_EMULATE_DEVICE=1 moves the emulated device's buffers over MPI (the NCCL test "
-                "double); launch it with sokrun or mpirun, not torchrun"
-            )
-        from ..testing.emulated import EmulatedDeviceBackend
-
-        emulated_be = EmulatedDeviceBackend()
-        return emulated_be, emulated_be.communicator(world)
+    if emulated:  # the device code path on host memory, registered by sokpy.testing
+        return registry.build("emulated", world)
     host_be = HostBackend(device_shapes=device_shapes_requested())
     return host_be, world if world is not None else SoloComm(np)
 
@@ -314,7 +307,7 @@ def empty_rows(shape, dtype):
 def scratch(shape, dtype):
     """An uninitialised array for one call's work, from the backend's memory pool (not for
     tables: their memory is sized exactly)."""
-    return _state.backend.scratch(shape, dtype)
+    return current().scratch(shape, dtype)
 
 
 def launch(name: str, n: int, dim: int, args) -> None:

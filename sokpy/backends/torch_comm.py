@@ -16,7 +16,8 @@ and makes it wait in turn.
   the split (``large`` is not needed). Over NCCL it is one ``alltoall_base``.
 * A collective the transport cannot finish (a peer's process ended and its connections
   closed) raises :class:`TransportError`; the watchdog then ends the job, naming the peer
-  when it said that it left or failed (:class:`StoreNotices`, keys in the world's store).
+  when it said that it left or failed (``StoreNotices``, keys in the world's store:
+  :mod:`sokpy.backends.store_notices`).
   The watchdog also times each NCCL call until it completes on the GPU.
 * ``abort`` tells the peers that this rank failed, then ends this process: torchrun's agent
   ends the rest of the job when a process ends with an error.
@@ -45,9 +46,11 @@ import torch.distributed as dist
 
 from ..timing import count_traffic, timed
 from . import hostpool, watchdog
-from .comm import Communicator, check_count_rows, check_send_counts, max_count, pieces, receive_buffer
+from .comm import max_count
+from .communicator import Communicator, check_count_rows, check_send_counts, pieces, receive_buffer
+from .store_notices import FAILED, StoreNotices
 
-__all__ = ["TorchComm", "StoreNotices", "TransportError", "FAILED"]
+__all__ = ["TorchComm", "TransportError"]
 
 # Joining: torch.distributed's default. Then sokpy's watchdog times calls; gloo's limit stands behind it.
 _CONNECT_TIMEOUT = timedelta(minutes=30)
@@ -55,7 +58,6 @@ _OP_TIMEOUT = timedelta(days=1)
 # What gloo and NCCL reduce; allreduce widens int16, uint16 and uint32 to int64.
 _REDUCED = {np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_)}
 _WIDENED = {np.dtype(t) for t in (np.int16, np.uint16, np.uint32)}
-FAILED = -1  # the collective calls a failed rank completed, in its notice: it will make no more
 
 
 class TransportError(RuntimeError):
@@ -354,46 +356,3 @@ class TorchComm(Communicator):
         if self.size > 1:
             with self._transport():
                 self._gloo.barrier().wait()
-
-
-class StoreNotices:
-    """The leave notices (see :class:`sokpy.backends.comm.LeaveNotices`) of a torch.distributed
-    world, as keys in its store: a rank that leaves writes how many collective calls it
-    completed (``FAILED``: it failed and ends the job) under its own key and then counts itself
-    in a shared counter; a peer's :meth:`poll` reads the counter, and the keys only when it
-    moved. The store is a server every rank reaches (torchrun's agent holds it), so a notice
-    needs no call on the peers, and any thread may poll it."""
-
-    def __init__(self, store, rank: int, size: int):
-        self._store, self.rank, self.size = store, rank, size
-        self._seen = 0
-        self._known: set[int] = set()
-
-    def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
-        """Tells every other rank that this one leaves after ``completed_calls`` collective
-        calls (the store's calls return once the server has the value; ``wait_s`` is not needed).
-        Where the store is gone with its host, there is nobody left to tell."""
-        try:
-            self._store.set(f"rank{self.rank}", str(int(completed_calls)))
-            self._store.add("count", 1)
-        except RuntimeError:  # the store's host (rank 0's process, without torchrun's agent) has ended
-            pass
-
-    def poll(self) -> dict[int, int]:
-        """The notices that arrived since the last poll: ``{rank: collective calls it
-        completed}``; none once the store is gone (its host ended: the job is ending)."""
-        arrived: dict[int, int] = {}
-        try:
-            count = self._store.add("count", 0)
-            if count != self._seen:
-                for r in range(self.size):
-                    if r != self.rank and r not in self._known and self._store.check([f"rank{r}"]):
-                        arrived[r] = int(self._store.get(f"rank{r}"))
-                        self._known.add(r)
-                self._seen = count
-        except RuntimeError:
-            return arrived
-        return arrived
-
-    def free(self) -> None:
-        """Nothing to release: the keys stay in the world's store, under this communicator's name."""

@@ -46,7 +46,7 @@ Under torchrun (``TorchComm``, no MPI) the same three hold. The abort is the com
 the rank writes a notice that it failed into the job's store, then exits with its code, and
 torchrun's agent ends the other workers of its node; ranks elsewhere end on that notice,
 naming the rank and their call. The notices of ranks that leave are keys in that store
-(:class:`sokpy.backends.torch_comm.StoreNotices`). There a peer's end also closes its
+(:class:`sokpy.backends.store_notices.StoreNotices`). There a peer's end also closes its
 connections, so a collective call of a rank still waiting for it fails at once: the call's
 exception passes :func:`call`, which, when the communicator says the transport lost a peer,
 ends the job as for a rank that left, naming it once its notice is there (it waits up to

@@ -3,8 +3,10 @@
 The package's parts, one concern each:
 
 * :mod:`sokpy.checkpoint.format`: the folder on disk: its file names, the manifest and its
-  entries, ``.npy`` files written with their CRC-32 and read back checked, the staging folders
-  of saves; and :func:`read_table`, which needs no sokpy runtime;
+  entries, ``.npy`` files written with their CRC-32 and read back checked; and
+  :func:`read_table`, which needs no sokpy runtime;
+* :mod:`sokpy.checkpoint.staging`: a save's staging folder (and those killed saves left), and
+  the verdict of a checkpoint call (:func:`~sokpy.checkpoint.staging.agree`);
 * :mod:`sokpy.checkpoint.saving`: :func:`save`, atomic;
 * :mod:`sokpy.checkpoint.loading`: :func:`load`, at any world size, every check before any change;
 * :mod:`sokpy.checkpoint.state`: :func:`gather_state` / :func:`load_state`, whole tables in
@@ -24,7 +26,7 @@ from .format import FORMAT, VERSION, read_table
 from .loading import load
 from .saving import save
 
-# Not in __all__, as before the split; sokpy.nn uses them as sokpy.checkpoint.<name>.
+# Not in __all__: sokpy.nn's state_dict code uses them as sokpy.checkpoint.<name>.
 from .state import STATE_FORMAT as STATE_FORMAT
 from .state import float32_values as float32_values
 from .state import gather_state as gather_state

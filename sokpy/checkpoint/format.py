@@ -28,9 +28,9 @@ manifest is JSON, and every file name in it must match the pattern above (no pat
 a checkpoint can point outside its folder).
 
 The manifest's entries of a table and of an optimizer (:func:`table_spec`,
-:func:`optimizer_spec`), the names of saves' staging folders (and the removal of those that
-killed saves left) and :func:`agree`, the verdict of a checkpoint call, are here too: saving,
-loading and the in-memory state share them.
+:func:`optimizer_spec`) are here too: saving, loading and the in-memory state share them.
+The names of saves' staging folders and the verdict of a checkpoint call are
+:mod:`sokpy.checkpoint.staging`'s.
 """
 
 from __future__ import annotations
@@ -39,24 +39,19 @@ import io
 import json
 import os
 import re
-import shutil
-import socket
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CheckpointError
-from ..exchange.plan import repeated_key
+from ..exchange.routing import repeated_key
 
 FORMAT = "sokpy-checkpoint"
 VERSION = 1
 _FILE_RE = re.compile(r"^t\d+\.r\d+\.[A-Za-z_][A-Za-z0-9_]*\.npy$")
 DATA_RE = re.compile(r"^data-[0-9a-f]{32}$")
 MANIFEST_TMP_RE = re.compile(r"^\.manifest-[0-9a-f]{32}\.json$")
-# A save's staging folder names the process that writes it (rank 0's pid and host), so that a
-# later save or load can tell a killed save's leftover from a live save's folder.
-_STAGING_RE = re.compile(r"^\.staging-[0-9a-f]{32}-(\d+)@([A-Za-z0-9._-]+)$")
 _CHUNK = 64 << 20  # bytes per write / checksum step
 
 # How a values file holds each type of values: its own 16 bits for a half table, bfloat16 as raw
@@ -345,56 +340,3 @@ def optimizer_spec(optimizer, variables) -> dict:
         groups.append(g)
     steps = {v.name: optimizer.state[v.handle]["step"] for _, v in optimizer.variables()}
     return {"type": type(optimizer).__name__, "slots": list(optimizer.slots), "param_groups": groups, "steps": steps}
-
-
-# ---- staging folders, and the verdict of a checkpoint call ---------------------------------------
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
-
-
-def staging_name(token: str) -> str:
-    """The name of this process's staging folder for a save (see ``_STAGING_RE``)."""
-    return f".staging-{token}-{os.getpid()}@{_host()}"
-
-
-def _writer_gone(pid: int, host: str) -> bool:
-    """Whether the process ``pid`` on ``host``, which named a staging folder, surely writes it
-    no more: it is this process (which writes a staging folder only inside ``save``) or a
-    process of this host that has exited. A process of another host cannot be checked."""
-    if host != _host() or pid <= 0:
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except OSError:  # it exists (another user's)
-        return False
-    return False
-
-
-def remove_killed_staging(path: Path) -> None:
-    """Removes the staging folders in ``path`` that killed saves left (named by sokpy, their
-    writer gone: see :func:`_writer_gone`). Never raises: what cannot be removed stays."""
-    try:
-        entries = list(path.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        m = _STAGING_RE.match(entry.name)
-        if m and entry.is_dir() and _writer_gone(int(m[1]), m[2]):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def agree(call, error: str | None, cleanup: Path | None = None) -> None:
-    """The call's verdict: a CheckpointError on every rank when some rank has an error (after
-    removing ``cleanup``, a staging folder)."""
-    try:
-        call.agree(error, error_type=CheckpointError)
-    except CheckpointError:
-        if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)
-        raise

@@ -29,9 +29,10 @@ import numpy as np
 
 from ..backends import runtime
 from ..errors import CheckpointError
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from ..storage import admission, new_epoch
-from .format import agree, read_file, read_manifest, read_rank, remove_killed_staging, values_dtype
+from .format import read_file, read_manifest, read_rank, values_dtype
+from .staging import agree, remove_killed_staging
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer
@@ -188,7 +189,7 @@ def load(
             try:
                 keys, rows, scores, stored = _read_share(data, saved[var.name], var, var.name in with_slots)
                 step = int(saved[var.name].get("evict_step", 0))
-                parts[var.name] = (keys, rows, plan.owners(var, keys), comm, scores, step, stored)
+                parts[var.name] = (keys, rows, routing.owners(var, keys), comm, scores, step, stored)
                 sightings[var.name] = _read_sightings(data, saved[var.name], var)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = _reason(e) if isinstance(e, CheckpointError) else f"{data}: table {var.name!r}: {_reason(e)}"
@@ -290,11 +291,11 @@ def new_storage(
         scores, step = np.zeros((keys.shape[0], 2), np.int64), var.storage.step
     # The shares are read on the host; they travel (and land) as arrays of the backend. Every
     # array is sent before anything here can raise.
-    rk, rr, *rs = plan.send_to_owners(owner, [keys, rows] + ([scores] if capped else []), comm)
-    twice = plan.repeated_key(rk)
+    rk, rr, *rs = routing.send_to_owners(owner, [keys, rows] + ([scores] if capped else []), comm)
+    twice = routing.repeated_key(rk)
     if twice is not None:
         raise ValueError(f"the checkpoint holds key {twice} twice")
-    stray = plan.stray_key(var, rk)  # none: rows were sent by their owners; a shard never takes another's
+    stray = routing.stray_key(var, rk)  # none: rows were sent by their owners; a shard never takes another's
     if stray is not None:
         raise ValueError(f"key {stray[0]} reached rank {comm.rank}, but rank {stray[1]} owns it")
     new = var.storage.new_like()

@@ -24,21 +24,19 @@ import numpy as np
 import torch
 
 from ..backends import handoff, runtime
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from .format import (
     DATA_RE,
     FORMAT,
     MANIFEST_TMP_RE,
     VALUE_DTYPES,
     VERSION,
-    agree,
     fsync_dir,
     optimizer_spec,
-    remove_killed_staging,
-    staging_name,
     table_spec,
     write_npy,
 )
+from .staging import agree, remove_killed_staging, staging_name
 
 if TYPE_CHECKING:
     from ..optim import SparseOptimizer
@@ -122,7 +120,7 @@ def _check_owned(var) -> None:
     """Raises ValueError, naming the table, the key and the ranks, when this rank's shard of
     ``var`` holds a key that another rank owns (the table would hold it twice, or in the wrong
     place, and a checkpoint of it could not be loaded)."""
-    stray = plan.stray_key(var, var.storage.keys())
+    stray = routing.stray_key(var, var.storage.keys())
     if stray is not None:
         key, owner = stray
         raise ValueError(

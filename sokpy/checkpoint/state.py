@@ -22,10 +22,11 @@ import torch
 
 from ..backends import handoff, runtime
 from ..errors import CheckpointError
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from ..storage import admission, new_epoch
-from .format import agree, decode_values, table_spec
+from .format import decode_values, table_spec
 from .loading import check_filter, dtype_error, new_storage, same_placement
+from .staging import agree
 
 STATE_FORMAT = "sokpy.table/1"
 
@@ -73,7 +74,7 @@ def gather_state(variables) -> list[dict[str, Any] | None]:
             keys = handoff.to_host(runtime.xp().ascontiguousarray(s.keys()))
             capped = var.dynamic and s.capped
             to_rank0 = np.zeros(keys.size, np.int64)  # every row's owner here: rank 0
-            rk, rr, *scored = plan.send_to_owners(
+            rk, rr, *scored = routing.send_to_owners(
                 to_rank0, [keys, s.data[: s.size]] + ([s.scores()] if capped else []), comm
             )
             rs = scored[0] if capped else None
@@ -108,7 +109,7 @@ def _gather_sightings(var, comm):
     f = var.admission if var.dynamic else None
     if f is None:
         return None
-    (got,) = plan.send_to_owners(np.zeros(1, np.int64), [f.counters.reshape(1, -1)], comm)  # one row to rank 0
+    (got,) = routing.send_to_owners(np.zeros(1, np.int64), [f.counters.reshape(1, -1)], comm)  # one row to rank 0
     return handoff.to_host(got).reshape(comm.size, f.depth, f.width) if comm.rank == 0 else None
 
 
@@ -127,7 +128,7 @@ def _scatter_sightings(var, entries: tuple[np.ndarray | None, dict] | None, send
             send = np.zeros((comm.size, size), np.uint32)
         else:
             send = admission.shares(state, comm.size, same_placement(var, saved)).reshape(comm.size, size)
-    (got,) = plan.send_to_owners(owner, [send], comm)
+    (got,) = routing.send_to_owners(owner, [send], comm)
     f.counters[...] = got.reshape(f.depth, f.width)
     return f
 
@@ -252,7 +253,7 @@ def load_state(variables, entries, missing_ok: bool = False, convert: bool = Fal
             state = _check_state(var, entry, convert)
             mine.append(state)
             if state is not None:
-                plan.owners(var, state[0])  # a static table's keys in range
+                routing.owners(var, state[0])  # a static table's keys in range
         except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
             error = error or f"table {var.name!r}: {e}"
             mine.append(None)
@@ -300,7 +301,7 @@ def load_state(variables, entries, missing_ok: bool = False, convert: bool = Fal
             try:
                 new.append(
                     new_storage(
-                        var, keys, rows, plan.owners(var, keys), comm, scores if scored else None, evict_step or 0
+                        var, keys, rows, routing.owners(var, keys), comm, scores if scored else None, evict_step or 0
                     )
                 )
             except Exception as e:  # noqa: BLE001 - after the exchange: every rank learns of it

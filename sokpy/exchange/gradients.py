@@ -27,18 +27,15 @@ import numpy as np
 import torch
 
 from ..backends import handoff, runtime
-from ..backends.sorting import sort_by_bits
+from .grad_merge import merge_rows
 
 __all__ = [
     "GradChunk",
     "SparseGrad",
-    "Merge",
-    "merge_rows",
     "GradEntries",
     "collect_entries",
     "merge_entries",
     "table_grad",
-    "nonfinite_message",
 ]
 
 
@@ -48,14 +45,6 @@ class SparseGrad(NamedTuple):
 
     keys: torch.Tensor
     values: torch.Tensor
-
-
-def nonfinite_message(var, key: int) -> str:
-    """The refusal of a step whose summed gradient of ``key`` in table ``var`` is not finite."""
-    return (
-        f"table {var.name!r}: the gradient of key {key}, summed on its owner rank {runtime.rank()}, is not "
-        "finite; no row or optimizer state was changed"
-    )
 
 
 class GradChunk:
@@ -149,93 +138,6 @@ class GradChunk:
         return mine[keep], self.rows[keep], self.offsets[keep], self.keys[keep]
 
 
-class Merge(NamedTuple):
-    """Gradient entries merged on the device (:func:`merge_rows`): one row per unique
-    (table, row), the first ``nunique[0]`` entries of each array (arrays sized by the entries,
-    an upper bound, so that nothing is read from the device to size them)."""
-
-    table: Any  # int64: the caller's table index of each unique row
-    rows: Any  # int64: its stored row
-    offsets: Any  # int64: where its summed gradient starts in the buffer
-    keys: Any  # int64: its key
-    nunique: Any  # int64 [1]: how many unique rows (on the device)
-    bad: Any  # int32: 1 where a summed row is not finite (0 elsewhere)
-
-    def flags(self):
-        """``[count, any row not finite]`` as one int64 device array, to read beside others."""
-        xp = runtime.xp()
-        return xp.concatenate([self.nunique, self.bad.any().astype(np.int64).reshape(1)])
-
-    def take(self, count: int, any_bad: bool, tables) -> tuple:
-        """``(table, rows, offsets, keys, error)`` of the ``count`` unique rows (views), with
-        the refusal of the first row that is not finite (None when ``any_bad`` is false)."""
-        error = None
-        if any_bad:  # the error path: reads the first bad row's table and key
-            u = int(runtime.xp().flatnonzero(self.bad[:count])[0])
-            error = nonfinite_message(tables[int(self.table[u])], int(self.keys[u]))
-        return self.table[:count], self.rows[:count], self.offsets[:count], self.keys[:count], error
-
-
-def _bits(n: int) -> int:
-    return max(1, (max(int(n), 1) - 1).bit_length())
-
-
-def merge_rows(table, rows, offsets, keys, buffer, tabs, ntables: int, capacity: int, dim: int, valid=None, runs=0):
-    """Sums the gradient rows of equal (table, row), in arrival order, on the device and checks
-    that every sum is finite, without reading anything back: returns a :class:`Merge`, whose
-    count and verdict the caller reads with whatever else it reads.
-
-    ``table``/``rows``/``keys`` (int64) and ``offsets`` (element offset of each entry's row in
-    ``buffer``, float32, summed in place) describe the entries; ``tabs`` is the device table
-    descriptor (the dimension of each table), ``capacity`` bounds every stored row, ``dim`` the
-    largest dimension. ``valid`` (bool, optional): entries to leave out (rows of outputs that
-    got no gradient, keys a table does not hold). ``runs``: the entries come as that many runs
-    ascending by (table, row) (0: unknown), which picks the sort."""
-    xp = runtime.xp()
-    n = int(table.shape[0])
-    table_bits, row_bits, pos_bits = _bits(ntables), _bits(capacity), _bits(n)
-    invalid = None if valid is None else (~valid).astype(np.int64)
-    if valid is not None:
-        rows = xp.where(valid, rows, 0)  # a row left out may be -1 (a key the table does not hold)
-    if 1 + table_bits + row_bits + pos_bits <= 63:  # one sort value per entry: (left out, table, row, position)
-        packed = (table << (row_bits + pos_bits)) | (rows << pos_bits) | xp.arange(n, dtype=np.int64)  # unique values
-        if invalid is not None:
-            packed |= invalid << (table_bits + row_bits + pos_bits)
-        packed = sort_by_bits(
-            packed, pos_bits, table_bits + row_bits + pos_bits + (invalid is not None), ascending_runs=runs
-        )
-        perm = packed & ((1 << pos_bits) - 1)
-        sort_key = packed >> pos_bits  # (left out, table, row): equal for the entries of one row
-        starts_unique = runtime.scratch(n, bool)
-        if n:
-            starts_unique[:1] = True
-            xp.not_equal(sort_key[1:], sort_key[:-1], out=starts_unique[1:])
-    else:  # too many bits for one value: sort by (left out, table, row), arrival order within
-        columns = [xp.arange(n, dtype=np.int64), rows, table] + ([] if invalid is None else [invalid])
-        perm = xp.lexsort(xp.stack(columns))
-        starts_unique = xp.zeros(n, bool)
-        if n:
-            starts_unique[:1] = True
-            for c in columns[1:]:
-                s = c[perm]
-                starts_unique[1:] |= s[1:] != s[:-1]
-    # starts_unique: True where a sorted position starts a unique (table, row).
-    # Unique row u starts at sorted position seg[u]; the unique rows of the entries left out
-    # come last and are not counted.
-    before = xp.cumsum(starts_unique, dtype=np.int64)  # unique rows up to and including each position
-    nvalid = xp.full(1, n, np.int64) if valid is None else valid.sum(dtype=np.int64).reshape(1)
-    count = xp.where(nvalid > 0, before[xp.maximum(nvalid - 1, 0)], 0) if n else xp.zeros(1, np.int64)
-    seg = xp.zeros(n + 2, np.int64)  # slot n + 1 takes the positions that start no row
-    if n:
-        seg[xp.where(starts_unique, before - 1, n + 1)] = xp.arange(n, dtype=np.int64)
-    first = perm[seg[:n]]  # (past the count: position 0's)
-    seg[count] = nvalid
-    grad_offsets = runtime.scratch(max(n, 1), np.int64)
-    bad = xp.zeros(max(n, 1), np.int32)
-    runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, grad_offsets, bad))
-    return Merge(table[first], rows[first], grad_offsets, keys[first], count, bad)
-
-
 class GradEntries(NamedTuple):
     """The gradient entries of an optimizer's tables, from every chunk they reference (one
     entry per row of a chunk; after :func:`merge_entries`, one per stored row)."""
@@ -309,7 +211,7 @@ def collect_entries(
 
 
 def merge_entries(entries: GradEntries, tables: list, ts) -> GradEntries:
-    """The entries of an optimizer's ``tables`` (``ts``: their TableSet, ``plan.table_set``)
+    """The entries of an optimizer's ``tables`` (``ts``: their TableSet, ``table_sets.table_set``)
     with one per unique (table, row), and ``error`` the refusal of a row that is not finite,
     or None. Entries that are ``merged`` already (every step after a single
     backward: its owner merged them) are taken as they are, with their verdict; otherwise

@@ -33,7 +33,6 @@ Dense parameters keep their own torch optimizer (two-optimizer pattern)::
     emb_opt.zero_grad(); dense_opt.zero_grad()
 """
 
-from .base import Params as Params  # not in __all__, as before the split
 from .base import SparseOptimizer
 from .kinds import SGD, Adagrad, Adam, Ftrl, RowWiseAdagrad
 

@@ -15,7 +15,7 @@ import torch
 from ..backends import handoff, kernels, runtime
 from ..exchange import collective
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries
-from ..exchange.plan import table_set
+from ..exchange.table_sets import table_set
 from ..tables.table import Table
 from . import state
 

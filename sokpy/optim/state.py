@@ -12,7 +12,7 @@ tables, then the ranks gather where each state was taken. The states together mu
 every rank's state of one job at one moment (the same world size and call; each saved rank
 held by at least one rank): then the first rank holding each saved rank's state sends every
 row's slots to the row's owner under the current world size and placement
-(:func:`sokpy.exchange.plan.send_to_owners`), which is exact at any world size. Anything
+(:func:`sokpy.exchange.routing.send_to_owners`), which is exact at any world size. Anything
 else, such as rank 0's state loaded on every rank, or a state of two ranks loaded at one,
 raises the same :class:`~sokpy.errors.CheckpointError` on every rank, naming where each
 state was taken and where it is loaded, and nothing changes."""
@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backends import handoff, runtime
 from ..errors import CheckpointError
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from ..storage import HashStorage
 
 # ``opt`` below is a sokpy.optim.base.SparseOptimizer (which imports this module).
@@ -105,7 +105,7 @@ class _Held:
                 continue
             try:
                 keys, slots = _entry_arrays(var, entry)
-                self.parts.append((keys, slots, plan.owners(var, keys)))
+                self.parts.append((keys, slots, routing.owners(var, keys)))
             except ValueError as e:
                 raise ValueError(f"table {var.name!r}: {e}") from None
             steps.append(int(entry.get("step", 0)))
@@ -237,7 +237,7 @@ def _exchange(held: _Held, sends: bool, comm) -> tuple[list, str | None]:
             continue
         keys, slots, owner = part if sends else (part[0][:0], part[1][:0], part[2][:0])
         arrays = [keys, slots] if slots.shape[1] else [keys]
-        got = plan.send_to_owners(owner, arrays, comm)
+        got = routing.send_to_owners(owner, arrays, comm)
         rk = got[0]
         rs = got[1] if slots.shape[1] else xp.empty((int(rk.shape[0]), 0), np.float32)
         received.append((rk, rs))
@@ -249,7 +249,7 @@ def _exchange(held: _Held, sends: bool, comm) -> tuple[list, str | None]:
 def _fault(var, keys, rank: int) -> str | None:
     """Why the keys that reached this rank cannot take their state, or None."""
     n = int(keys.shape[0])
-    twice = plan.repeated_key(keys)
+    twice = routing.repeated_key(keys)
     if twice is not None:
         return f"table {var.name!r}: the states hold key {twice} twice"
     if not var.dynamic and n != var.storage.size:
@@ -268,7 +268,7 @@ def _apply(opt: _Optimizer, held: _Held, received: list) -> None:
         rk, rs = got
         s = var.storage
         capped = var.dynamic and isinstance(s, HashStorage) and s.capped  # creates no rows: that would take a step
-        rows = plan.rows_of(var, rk, insert=var.dynamic and not capped)  # a dynamic table holds the state's keys
+        rows = routing.rows_of(var, rk, insert=var.dynamic and not capped)  # a dynamic table holds the state's keys
         if not s.slot_names:
             continue
         if capped:

@@ -38,8 +38,7 @@ Example::
 
 from .hashed import HashStorage
 from .room import Room, finish_inserts, plan_room
-from .rows import DTYPES, ROUNDINGS, InitSpec, Storage, epoch, init_rows, new_epoch
-from .rows import check_format as check_format  # not in __all__, as before the split (tables/'s)
+from .rows import DTYPES, ROUNDINGS, InitSpec, Storage, check_format, epoch, init_rows, new_epoch
 from .static import StaticStorage
 
 __all__ = [
@@ -55,4 +54,5 @@ __all__ = [
     "plan_room",
     "DTYPES",
     "ROUNDINGS",
+    "check_format",
 ]

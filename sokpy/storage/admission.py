@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..backends import handoff, runtime
-from ..backends.comm import Communicator
+from ..backends.communicator import Communicator
 from ..backends.sorting import distinct
 
 __all__ = ["AdmissionFilter", "Sightings", "sight", "without_refused", "resharded", "loaded", "shares"]

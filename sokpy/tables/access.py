@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, runtime
-from ..exchange import collective, plan
+from ..exchange import collective, routing
 from ..storage import HashStorage, Room
 from .table import Table
 
@@ -89,21 +89,21 @@ def assign(var: Table, keys: Any, values: Any) -> None:
         values = handoff.from_torch(values, np.float32)
         if values.ndim != 2 or values.shape != (keys.size, var.dim):
             raise ValueError(f"values must have shape [{keys.size}, {var.dim}], got {list(values.shape)}")
-        owner = plan.owners(var, keys)  # checks the keys of a static table too
+        owner = routing.owners(var, keys)  # checks the keys of a static table too
         if not bool(np.isfinite(values).all()):
             raise ValueError("values must be finite")
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         error = f"table {var.name!r}: {e}" if isinstance(var, Table) else f"{type(e).__name__}: {e}"
     if error is None:
-        counts, volume = plan.owner_counts(owner, comm.size), keys.size * (1 + var.dim)
+        counts, volume = routing.owner_counts(owner, comm.size), keys.size * (1 + var.dim)
     else:
         counts, volume = np.zeros(comm.size, np.int64), 0
     with collective.Call("assign", [var]) as call:
         agreement = call.agree(error, counts, volume)  # raises on every rank where any rank erred
-        recv_keys, recv_values = plan.send_to_owners(
+        recv_keys, recv_values = routing.send_to_owners(
             owner, [keys, values], comm, agreement.recv_counts, large=agreement.large
         )
     keep = _last_of_equal(recv_keys)
     recv_keys, recv_values = recv_keys[keep], runtime.xp().ascontiguousarray(recv_values[keep])
-    rows = plan.rows_of(var, recv_keys, insert=True, verdict=_room_verdict(var))
+    rows = routing.rows_of(var, recv_keys, insert=True, verdict=_room_verdict(var))
     var.storage.set_values(rows, recv_values)

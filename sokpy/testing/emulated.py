@@ -31,7 +31,9 @@ operation on a GPU would be queued after it on that stream. That is the emulatio
 the host has not waited for that work, and the double's memory checks do not count it as
 done.
 
-This module is imported only when asked for (``SOKPY_EMULATE_DEVICE=1``, or a test).
+This module is imported only when asked for: ``sokpy.testing`` registers it as the backend
+``"emulated"`` (:func:`build`, in ``sokpy.backends.registry``), which ``sokpy.init`` builds
+when ``SOKPY_EMULATE_DEVICE=1``, or a test imports it.
 
 Example (``SOKPY_EMULATE_DEVICE=1 python ...``)::
 
@@ -47,18 +49,21 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..backends.backend import Backend
-from ..backends.comm import SoloComm
+from ..backends.communicator import SoloComm
 from ..backends.kernels import HostKernels, KernelError
+from ..backends.launchers import LaunchError
 from ..backends.nccl_comm import NcclComm
+from ..backends.torch_comm import TorchComm
 from . import device_double
 from .nccl_double import MpiBackedNccl
 
-__all__ = ["EmulatedDeviceBackend"]
+__all__ = ["EmulatedDeviceBackend", "build"]
 
 
 class _QueuedKernel:
@@ -231,3 +236,16 @@ class EmulatedDeviceBackend(Backend):
 
     def to_host(self, a) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else a.get()
+
+
+def build(world) -> tuple[EmulatedDeviceBackend, Any]:
+    """The emulated device and its communicator for ``world`` (the job's MpiComm, or None: a
+    world of one); the registry's builder of ``"emulated"``. Its NCCL double moves buffers over
+    MPI, so a world that torchrun started is refused (LaunchError)."""
+    if isinstance(world, TorchComm):
+        raise LaunchError(
+            "sokpy.init: SOKPY_EMULATE_DEVICE=1 moves the emulated device's buffers over MPI (the NCCL test "
+            "double); launch it with sokrun or mpirun, not torchrun"
+        )
+    backend = EmulatedDeviceBackend()
+    return backend, backend.communicator(world)

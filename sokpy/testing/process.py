@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from .. import timing
-from ..exchange import collective, plan
+from ..exchange import collective, table_sets
 from ..tables.table import live_table_names
 
 __all__ = ["start_over"]
@@ -38,6 +38,6 @@ def start_over() -> None:
     if live:
         raise RuntimeError(f"cannot start over: tables still alive in this process: {live[:10]}")
     collective.restart_table_uids()
-    plan.forget_table_sets()
+    table_sets.forget_table_sets()
     timing.enable(os.environ.get("SOKPY_TIMING", "") == "1")
     timing.reset()

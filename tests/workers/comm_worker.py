@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 import sokpy
-from sokpy.backends.comm import Communicator, MpiComm
+from sokpy.backends.comm import MpiComm
+from sokpy.backends.communicator import Communicator
 
 DTYPES = [np.float32, np.float64, np.int64, np.int32]
 # Trailing shapes of the rows: () makes 1-D arrays, (3,) and (2, 5) make 2-D and 3-D ones.

@@ -43,13 +43,10 @@ rank and several is a strategy object, chosen once per call:
 * :mod:`sokpy.exchange.plan.call_tables`: ``CallTables``, the call's table descriptor on the host and
   the backend, the one part of a call that changes as it runs (a dynamic table grows, the
   pooling's source is set);
-* :mod:`sokpy.exchange.plan.routing`: the routing of keys to owners (:func:`~sokpy.exchange.plan.routing.route`,
-  ``route_keys``' packed sort values, :func:`~sokpy.exchange.plan.routing.sort_bits`, the range
-  verdict), and the single-table routing of ``assign`` and ``load`` (:func:`owners`,
-  :func:`rows_of`, which never puts a key into a shard of another rank than its owner;
-  :func:`stray_key`, :func:`repeated_key`), and the one exchange of rows to their owners outside
-  a lookup (:func:`send_to_owners`, used by ``assign``, checkpoint loads, ``load_state``,
-  ``gather_state`` and an optimizer's ``load_state_dict``);
+* :mod:`sokpy.exchange.plan.routing`: the verdict on the routed keys (:func:`read_verdict`: a key
+  out of range, a fault in ids parsed on the device), read before the header; the routing
+  itself (``route_keys``, the owner rule) is the exchange layer's service,
+  :mod:`sokpy.exchange.routing`, which the single-table calls outside a lookup use too;
 * :mod:`sokpy.exchange.plan.one_rank`: ``OneRank``, the strategy of a call on one rank (no exchange;
   the backward deduplicates, or on a device the forward, so that its verdict brings the count);
 * :mod:`sokpy.exchange.plan.several_ranks`: ``SeveralRanks``, the requester's stages on several ranks
@@ -65,9 +62,11 @@ rank and several is a strategy object, chosen once per call:
   the weights' gradients;
 * :mod:`sokpy.exchange.plan.backward`: the backward's shared stages (the outputs' gradients as the
   kernels read them, ``sum_gradient_rows``);
-* :mod:`sokpy.exchange.plan.table_sets`: :class:`TableSet` (a list of tables' descriptor and addresses)
-  and its cache (:func:`table_set`, :func:`forget_table_sets`);
 * :mod:`sokpy.exchange.plan.layout`: the buffers of rows between ranks (:func:`row_header`).
+
+The tables' descriptor the stages hand the kernels (``TableSet``) and the owner rule are the
+exchange layer's, beside this package: :mod:`sokpy.exchange.table_sets` and
+:mod:`sokpy.exchange.routing`.
 
 Example::
 
@@ -77,24 +76,6 @@ Example::
     out = sokpy.lookup_sparse(v, [[1, 2], [3]], combiners="sum")   # builds and runs a LookupPlan
 """
 
-from .dedup import Dedup as Dedup
-from .layout import row_header as row_header
 from .lookup_plan import COMBINERS, LookupPlan
-from .routing import owner_counts, owners, repeated_key, rows_of, send_to_owners, stray_key
-from .table_sets import TableSet as TableSet
-from .table_sets import forget_table_sets as forget_table_sets
-from .table_sets import table_set
 
-__all__ = [
-    "LookupPlan",
-    "table_set",
-    "owners",
-    "stray_key",
-    "repeated_key",
-    "rows_of",
-    "owner_counts",
-    "send_to_owners",
-    "COMBINERS",
-]
-
-_Dedup = Dedup  # the name tests/test_lookup.py imports, as before the split
+__all__ = ["LookupPlan", "COMBINERS"]

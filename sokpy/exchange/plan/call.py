@@ -12,10 +12,10 @@ import numpy as np
 
 from ...backends import kernels, runtime
 from ..batch import Batch, segment_starts
+from ..routing import sort_bits
+from ..table_sets import TableSet, bits
 from .call_tables import CallTables
 from .layout import row_header
-from .routing import sort_bits
-from .table_sets import TableSet, bits
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from ...backends import kernels, runtime
-from .table_sets import TableSet
+from ..table_sets import TableSet
 
 
 class CallTables:
-    """A call's tables, their :class:`~sokpy.exchange.plan.table_sets.TableSet` and the call's host
+    """A call's tables, their :class:`~sokpy.exchange.table_sets.TableSet` and the call's host
     descriptor ``tabs`` (int64 ``[T, SOKPY_TAB_FIELDS]``) with its backend copy
     ``device_tabs`` and the tables' addresses ``device_ptrs``. The stages change it in two
     ways only: :meth:`sync` after a table may have grown, :meth:`read_rows_from` once the

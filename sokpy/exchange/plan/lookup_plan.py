@@ -11,14 +11,14 @@ import torch
 from ...backends import runtime
 from .. import collective
 from ..batch import Batch, BatchError
+from ..routing import route
+from ..table_sets import table_set
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, to_device
 from .call_tables import CallTables
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
-from .routing import route
 from .several_ranks import SeveralRanks
-from .table_sets import table_set
 
 # "length_mean": TorchRec's MEAN (a weighted bag divided by its length), what sokpy.nn's modules use.
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "length_mean": 3}
@@ -28,7 +28,7 @@ class LookupPlan:
     """One lookup call: built and run in forward, reversed in backward.
 
     Forward: :func:`~sokpy.exchange.plan.call.describe` (the call's shape and table descriptor) ->
-    :func:`~sokpy.exchange.plan.routing.route` (owner, table and sort value of every key) -> the
+    :func:`~sokpy.exchange.routing.route` (owner, table and sort value of every key) -> the
     strategy's ``group`` (the verdict and, on several ranks, the deduplication and the key
     counts) -> the collective header -> the strategy's ``fetch`` (on several ranks: key
     exchange, owner fetch, row exchange) -> :func:`~sokpy.exchange.plan.pooling.pool`. Backward: the

@@ -14,7 +14,8 @@ import numpy as np
 from ...backends import runtime
 from ..batch import segment_starts
 from ..collective import Agreement
-from ..gradients import GradChunk, nonfinite_message
+from ..grad_merge import nonfinite_message
+from ..gradients import GradChunk
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
 from .dedup import Dedup

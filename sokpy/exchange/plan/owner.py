@@ -12,7 +12,8 @@ import numpy as np
 
 from ...backends import handoff, runtime
 from ..batch import segment_starts
-from ..gradients import GradChunk, merge_rows
+from ..grad_merge import merge_rows
+from ..gradients import GradChunk
 from .call import Call
 from .dynamic_rows import find_rows
 from .layout import rows_after_headers

@@ -1,5 +1,6 @@
-"""The tables of a call as the kernels see them: :class:`TableSet` (their descriptor and
-addresses), cached by the tables' identities (:func:`table_set`, :func:`forget_table_sets`)."""
+"""Tables as the kernels see them: :class:`TableSet` (their descriptor and addresses), cached
+by the tables' identities (:func:`table_set`, :func:`forget_table_sets`). A lookup's plan, the
+routing service and an optimizer's step describe their tables with it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from ...backends import kernels, runtime
-from ...storage import epoch
+from ..backends import kernels, runtime
+from ..storage import epoch
 
 
 def bits(n: int) -> int:
