@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from sokpy.lookup import lookup  # noqa: E402
+from sokpy.nn import KeyedJaggedTensor  # noqa: E402
 
 LR, EPS = 0.01, 1e-10
 
@@ -47,42 +48,14 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 # float32 tensors (for the correctness check), load(tables) to start from given weights.
 
 
-class Jagged:
-    """One batch of every table in one buffer, with the accessors of TorchRec's
-    KeyedJaggedTensor that sokpy reads: the input layout FBGEMM's TBE also takes. Its offsets
-    are computed once, as a KeyedJaggedTensor caches them and as FBGEMM's contestant is given
-    them, so neither step pays for turning lengths into offsets."""
-
-    def __init__(self, per_table_keys, wl):
-        self._values = torch.from_numpy(np.concatenate(per_table_keys))
-        self._lengths = torch.full((wl.tables * wl.batch,), wl.hotness, dtype=torch.int64)
-        self._offsets = torch.arange(0, wl.tables * wl.batch * wl.hotness + 1, wl.hotness, dtype=torch.int64)
-        self._keys = [f"t{t}" for t in range(wl.tables)]
-        self._stride = wl.batch
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return self._offsets
-
-    def stride(self):
-        return self._stride
-
-    def weights_or_none(self):
-        return None
-
-    def to(self, device):
-        """This batch with its tensors on ``device``."""
-        self._values, self._lengths = self._values.to(device), self._lengths.to(device)
-        self._offsets = self._offsets.to(device)
-        return self
+def keyed_batch(per_table_keys, wl) -> KeyedJaggedTensor:
+    """One batch of every table in one buffer, as sokpy.nn's KeyedJaggedTensor: the input
+    layout FBGEMM's TBE also takes. Its offsets are given, as a KeyedJaggedTensor caches them
+    and as FBGEMM's contestant is given them, so neither step pays for turning lengths into
+    offsets."""
+    offsets = torch.arange(0, wl.tables * wl.batch * wl.hotness + 1, wl.hotness, dtype=torch.int64)
+    keys = [f"t{t}" for t in range(wl.tables)]
+    return KeyedJaggedTensor(keys, torch.from_numpy(np.concatenate(per_table_keys)), offsets=offsets, stride=wl.batch)
 
 
 class SokpyContestant:
@@ -114,7 +87,7 @@ class SokpyContestant:
             for v, w in zip(self.vars, init_tables):
                 sokpy.assign(v, torch.arange(wl.rows), w)
         self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
-        self.inputs = [Jagged(b, wl) for b in wl.batches]
+        self.inputs = [keyed_batch(b, wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
 
     def initial_tables(self):
@@ -230,7 +203,7 @@ class DynamicSokpyContestant(SokpyContestant):
         all_keys = self.spread(np.arange(wl.rows, dtype=np.int64))
         for v, w in zip(self.vars, init_tables):
             sokpy.assign(v, torch.from_numpy(all_keys), w)
-        self.inputs = [Jagged([self.spread(k) for k in b], wl) for b in wl.batches]
+        self.inputs = [keyed_batch([self.spread(k) for k in b], wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))
 
     @classmethod

@@ -21,6 +21,7 @@ from pathlib import Path
 import forks
 import pytest
 import rank_pool
+from multirank import pytest_configure, pytest_pyfunc_call, rank  # noqa: F401 - the @ranks tests' plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -130,7 +131,8 @@ def job_result(nranks, script, *args, timeout=240, env=None, launcher="sokrun", 
     """The job :func:`run_mpi` runs (in a rank pool unless ``fresh``, another launcher or
     ``SOKPY_TEST_POOLS=0``), its exit code and output returned whether it failed or not."""
     if launcher in ("sokrun", "torchrun") and not fresh and POOLED:
-        return rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd, launcher)
+        task = {"script": str(WORKERS / script), "args": [str(a) for a in args]}
+        return rank_pool.run_in_pool(nranks, task, timeout, env, job_command, cwd, launcher)
     return mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
 
 

@@ -1,5 +1,6 @@
 """Resident rank pools: one ``sokrun -np N`` (or torchrun) job per (launcher, world size,
-environment) that runs many tests' worker scripts one after another (``workers/pool_server.py``).
+environment) that runs many tests' worker scripts, and the bodies of ``@ranks`` tests
+(``multirank.py``), one after another (``workers/pool_server.py``).
 
 Nearly all of a short job's time here is start-up: every rank starts Python and imports
 torch and sokpy. ``conftest.run_mpi`` sends a worker to a pool by default, so a test pays
@@ -24,7 +25,7 @@ import subprocess
 import tempfile
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +40,13 @@ MAX_POOLS = 10
 @dataclass
 class Result:
     """What ``subprocess.run`` would have given for the job: exit code and both streams
-    (each rank's output in rank order)."""
+    (each rank's output in rank order); for a call, each rank's outcome file (None where it
+    wrote none)."""
 
     returncode: int
     stdout: str
     stderr: str
+    outcomes: list = field(default_factory=list)
 
 
 class RankPool:
@@ -69,17 +72,16 @@ class RankPool:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, script, args, timeout: float, cwd=None) -> Result:
-        """Runs ``python script args`` on every rank; the job's result. A failed or timed-out
-        task leaves the pool closed."""
+    def run(self, task: dict, timeout: float, cwd=None) -> Result:
+        """Runs a task on every rank (``{"script": path, "args": [...]}``: ``python script
+        args``; ``{"call": ...}``: a test's body); the job's result. A failed or timed-out task
+        leaves the pool closed."""
         k, self.tasks = self.tasks, self.tasks + 1
-        task = self.dir / f"task-{k}.json"
-        task.with_suffix(".tmp").write_text(
-            json.dumps(
-                {"script": str(script), "args": [str(a) for a in args], "cwd": None if cwd is None else str(cwd)}
-            )
+        path = self.dir / f"task-{k}.json"
+        path.with_suffix(".tmp").write_text(
+            json.dumps({**task, "cwd": None if cwd is None else str(cwd), "timeout": timeout})
         )
-        task.with_suffix(".tmp").replace(task)
+        path.with_suffix(".tmp").replace(path)
         status = [self.dir / f"task-{k}.rank{r}.status" for r in range(self.nranks)]
         if self._wait(lambda: all(s.exists() for s in status), timeout) or not self.alive():
             codes = [int(s.read_text()) if s.exists() else None for s in status]
@@ -90,13 +92,16 @@ class RankPool:
         else:
             code = -signal.SIGKILL
             note = f"\n[rank pool: the task ran past its {timeout} s timeout; the pool is killed]\n"
-        out = "".join(self._read(f"task-{k}.rank{r}.out") for r in range(self.nranks))
-        err = "".join(self._read(f"task-{k}.rank{r}.err") for r in range(self.nranks)) + note
+        out, err = (self._joined(k, stream, labelled="call" in task) for stream in ("out", "err"))
+        err += note
         restart = [self._read(f"task-{k}.rank{r}.restart") for r in range(self.nranks)]
+        outcomes = [self._read_bytes(f"task-{k}.rank{r}.outcome") for r in range(self.nranks)]
         if code != 0 or any(restart):
-            _note(f"end {self.nranks} ranks after {script} {list(args)}: exit {code} {[r for r in restart if r][:1]}")
+            what = task.get("script") or task.get("call", {}).get("qualname")
+            restarted = [r for r in restart if r][:1]
+            _note(f"end {self.nranks} ranks after {what} {task.get('args', [])}: exit {code} {restarted}")
             self.close()
-        return Result(code, out, err)
+        return Result(code, out, err, outcomes)
 
     def ask_to_exit(self) -> None:
         """Tells the ranks to end (they do once they see it); :meth:`close` waits for them."""
@@ -122,6 +127,18 @@ class RankPool:
     def _read(self, name: str) -> str:
         path = self.dir / name
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def _joined(self, k: int, stream: str, labelled: bool) -> str:
+        """Every rank's output of task ``k`` on ``stream`` ("out", "err"), in rank order; each
+        rank's under a ``[rank R]`` line if ``labelled``."""
+        texts = [self._read(f"task-{k}.rank{r}.{stream}") for r in range(self.nranks)]
+        if labelled:
+            texts = [f"[rank {r}]\n{t}" for r, t in enumerate(texts) if t]
+        return "".join(texts)
+
+    def _read_bytes(self, name: str) -> bytes | None:
+        path = self.dir / name
+        return path.read_bytes() if path.exists() else None
 
     def _log_tail(self) -> str:
         self.log.flush()
@@ -149,10 +166,10 @@ def _note(line: str) -> None:
 
 
 def run_in_pool(
-    nranks: int, script, args, timeout: float, env: dict | None, job_command, cwd=None, launcher: str = "sokrun"
+    nranks: int, task: dict, timeout: float, env: dict | None, job_command, cwd=None, launcher: str = "sokrun"
 ) -> Result:
-    """The job ``sokrun -np nranks python script args`` (or torchrun's) with ``env``, run by a
-    resident pool."""
+    """A task (see :meth:`RankPool.run`) at ``nranks`` ranks under sokrun (or torchrun) with
+    ``env``, run by a resident pool."""
     key = (launcher, nranks, tuple(sorted((env or {}).items())))
     pool = _pools.pop(key, None)
     if pool is None or not pool.alive():
@@ -162,7 +179,7 @@ def run_in_pool(
             old.close()
         pool = RankPool(nranks, dict(env or {}), job_command, launcher)
     _pools[key] = pool
-    result = pool.run(script, args, timeout, cwd)
+    result = pool.run(task, timeout, cwd)
     if not pool.alive():
         _pools.pop(key, None)
     return result

@@ -6,26 +6,20 @@ checks itself against the same independent references as on the host backend."""
 
 import numpy as np
 import pytest
+import test_checkpoint
+import test_contract
+import test_dynamic
+import test_evict
+import test_lookup
+import test_optim
+import test_optim_state
 from conftest import run_mpi, run_python
+from multirank import on_ranks
 
 ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
 
 JOBS = [
     # (ranks, worker, arguments, the line every rank prints when its checks passed)
-    (1, "lookup_worker.py", ["values", 61], "values ok"),
-    (3, "lookup_worker.py", ["values", 63], "values ok"),
-    (2, "lookup_worker.py", ["errors"], "errors ok"),
-    (2, "lookup_worker.py", ["assign"], "assign ok"),
-    (1, "optim_worker.py", ["formula", "sgd,adagrad,rowwise_adagrad,ftrl,adam", 71], "adam ok"),
-    (2, "optim_worker.py", ["formula", "sgd,adagrad,rowwise_adagrad,ftrl,adam", 72], "adam ok"),
-    (3, "optim_worker.py", ["nonfinite"], "nonfinite ok"),
-    (1, "dynamic_worker.py", ["train", "adagrad", 81], "adagrad ok"),
-    (3, "dynamic_worker.py", ["train", "ftrl", 83], "ftrl ok"),
-    (2, "dynamic_worker.py", ["insert_false"], "insert_false ok"),
-    (2, "evict_worker.py", ["stream", "lfu", 85], "stream lfu ok"),
-    (2, "contract_worker.py", ["weight_grad", 91], "weight_grad ok"),
-    (3, "contract_worker.py", ["resume", 8], "resume ok"),
-    (2, "optstate_worker.py", ["inplace"], "inplace Adam ok"),  # optimizer state resharded or refused
     (1, "nn_worker.py", ["compare"], "compare ok"),
     (2, "nn_worker.py", ["compare"], "compare ok"),
     (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
@@ -42,14 +36,58 @@ def test_suite_job_on_the_emulated_device(nranks, worker, args, ok):
     assert out.count(ok) >= nranks, out[-3000:]
 
 
+@pytest.mark.parametrize("nranks,seed", [(1, 61), (3, 63)])
+def test_lookup_values_on_the_emulated_device(nranks, seed):
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, nranks, env=ENV, timeout=300, seed=seed)
+
+
+def test_lookup_errors_and_assign_on_the_emulated_device():
+    on_ranks(test_lookup.test_bad_input_raises_on_every_rank_and_changes_nothing, 2, env=ENV, timeout=300)
+    on_ranks(test_lookup.test_assign_routes_any_keys_to_their_owners, 2, env=ENV, timeout=300)
+
+
+@pytest.mark.parametrize("nranks,seed", [(1, 71), (2, 72)])
+def test_optimizers_on_the_emulated_device(nranks, seed):
+    kinds = ("sgd", "adagrad", "rowwise_adagrad", "ftrl", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, nranks, env=ENV, timeout=300, kinds=kinds, seed=seed)
+
+
+def test_nonfinite_gradient_refused_on_the_emulated_device():
+    on_ranks(test_optim.test_nonfinite_gradient_refused_on_every_rank, 3, env=ENV, timeout=300)
+
+
+@pytest.mark.parametrize("nranks,kind,seed", [(1, "adagrad", 81), (3, "ftrl", 83)])
+def test_dynamic_tables_on_the_emulated_device(nranks, kind, seed):
+    on_ranks(test_dynamic.test_training_matches_dict_reference, nranks, env=ENV, timeout=300, kind=kind, seed=seed)
+
+
+def test_insert_false_on_the_emulated_device():
+    on_ranks(test_dynamic.test_insert_false_reads_zero_rows_and_creates_nothing, 2, env=ENV, timeout=300)
+
+
+def test_optimizer_state_resharded_or_refused_on_the_emulated_device():
+    on_ranks(test_optim_state.test_state_loads_where_it_was_taken_and_nowhere_else, 2, env=ENV, timeout=300)
+
+
+def test_eviction_on_the_emulated_device():
+    on_ranks(test_evict._stream_checked, 2, env=ENV, timeout=300, policy="lfu", seed=85)
+
+
+def test_weight_gradients_on_the_emulated_device():
+    on_ranks(test_contract._weight_grad, 2, env=ENV, timeout=300, seed=91)
+
+
+def test_state_dict_resume_on_the_emulated_device():
+    on_ranks(test_contract._resume, 3, env=ENV, timeout=300, steps=8)
+
+
 def test_checkpoint_saved_on_the_emulated_device_resumes_exactly(tmp_path):
     """Saved at 3 ranks on the emulated device after 3 of 6 steps, resumed at 2: the state
     loads bit for bit (checked inside the jobs) and training ends where an uninterrupted run
     on the host backend ends."""
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, env=ENV, timeout=300)
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
-    out = run_mpi(2, "checkpoint_worker.py", "resume", tmp_path, 6, 3, env=ENV, timeout=300)
-    assert out.count("resume ok") == 2
+    on_ranks(test_checkpoint.train_job, 3, env=ENV, timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
+    on_ranks(test_checkpoint.resume_job, 2, env=ENV, timeout=300, folder=tmp_path, steps=6, first=3)
     with np.load(tmp_path / "final-1.npz") as a, np.load(tmp_path / "resumed-2.npz") as b:
         assert set(a.files) == set(b.files)
         differ = [k for k in a.files if not np.array_equal(a[k], b[k])]

@@ -5,7 +5,7 @@ training with SGD, Adagrad and RowWiseAdagrad bit for bit against a numpy refere
 the same float32 update and the same rounding; lookups, checkpoints and state dicts (their
 values in the tables' own type, old float32 ones still read, convert across dtypes).
 All in this process, at one rank (the launch-shape worker runs them at 2 and 3 ranks), except
-the checkpoints saved at 2 ranks and loaded at 1, 2 and 3 (``workers/half_ckpt_worker.py``)."""
+the checkpoints saved at 2 ranks and loaded at 1, 2 and 3 (bodies run on every rank)."""
 
 import json
 import sys
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi
+from multirank import on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 from reference import _mix64, table_seed  # noqa: E402
@@ -752,12 +752,171 @@ def test_state_dict_holds_half_weights_in_their_type(sokpy_host):
     del ebc
 
 
+# ---- checkpoints and states at any world size (bodies run on every rank: tests/multirank.py) --------
+
+HC_BATCH = 12  # bags per step over all ranks
+
+
+def _hc_make(world_size):
+    import sokpy
+
+    init = sokpy.initializers.uniform(-1.0, 1.0)
+    tables = [
+        sokpy.Variable(37, 5, initializer=init, name="hc_f16", dtype="float16"),
+        sokpy.Variable(23, 3, target_gpu=world_size - 1, initializer=init, name="hc_bf16_local", dtype="bfloat16"),
+        sokpy.DynamicVariable(4, initializer=init, name="hc_bf16_dyn", dtype="bfloat16", capacity=8),
+        sokpy.DynamicVariable(6, initializer=init, name="hc_f16_dyn", dtype="float16"),
+    ]
+    return tables, sokpy.optim.Adagrad(tables, lr=0.1)
+
+
+def _hc_batch(step, t, rank, world_size):
+    import sokpy
+
+    rng = np.random.default_rng([step, t])
+    keys = rng.integers(-(2**40), 2**40, 2 * HC_BATCH) if t >= 2 else rng.integers(0, [37, 23][t], 2 * HC_BATCH)
+    lo, hi = rank * HC_BATCH // world_size, (rank + 1) * HC_BATCH // world_size
+    mine = torch.from_numpy(keys[2 * lo : 2 * hi].astype(np.int64))
+    return sokpy.Ragged(mine, torch.arange(0, mine.numel() + 1, 2))
+
+
+def _hc_train(tables, opt, steps, rank, world_size):
+    import sokpy
+
+    for step in range(steps):
+        ids = [_hc_batch(step, t, rank, world_size) for t in range(len(tables))]
+        outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
+        sum((o**2).sum() * (t + 1) for t, o in enumerate(outs)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _hc_snapshot(tables, rank) -> dict | None:
+    """gather_state of every table as bits (rank 0; None elsewhere)."""
+    from sokpy.checkpoint import gather_state
+
+    states = gather_state(tables)
+    if rank != 0:
+        return None
+    out = {}
+    for v, e in zip(tables, states):
+        assert e["dtype"] == v.dtype and e["values"].dtype == (np.float16 if v.dtype == "float16" else np.uint16)
+        out[f"{v.name}.keys"] = e["keys"]
+        out[f"{v.name}.values"] = e["values"].view(np.uint16)
+        for n, a in e["slots"].items():
+            assert a.dtype == np.float32
+            out[f"{v.name}.{n}"] = a.view(np.uint32)
+        out[f"{v.name}.step"] = np.array([e["step"]])
+    return out
+
+
+def _hc_save(rank, world_size, folder):
+    """Trains a few steps and saves to ``folder``/ckpt; every rank checks that its values files
+    hold its shard's own words (float16 '<f2', bfloat16 '<u2') and its slots float32; rank 0
+    writes ``folder``/saved.npz (gather_state of every table: keys, the values' 16-bit words,
+    the slots' bits, step counts) and ``folder``/state.npz (the same states, as load_state
+    takes them)."""
+    import sokpy
+    from sokpy.backends import handoff
+    from sokpy.checkpoint import gather_state
+
+    tables, opt = _hc_make(world_size)
+    _hc_train(tables, opt, 3, rank, world_size)
+    sokpy.save(folder / "ckpt", tables, optimizer=opt)
+    manifest = json.loads((folder / "ckpt" / "manifest.json").read_text())
+    data = folder / "ckpt" / manifest["data"]
+    for v, spec in zip(tables, manifest["tables"]):
+        assert spec["dtype"] == spec["values_dtype"] == v.dtype, spec
+        (group,) = [g for g in spec["files"] if g["rank"] == rank]
+        values = np.load(data / group["values"]["file"])
+        assert values.dtype.str == ("<f2" if v.dtype == "float16" else "<u2"), (v.name, values.dtype)
+        words = v.weight.view(torch.int16).numpy().view(values.dtype)  # this shard's own words
+        assert values.shape == (v.storage.size, v.dim) and np.array_equal(values.view(np.uint16), words.view(np.uint16))
+        keys = np.load(data / group["keys"]["file"])
+        assert np.array_equal(keys, handoff.to_host(v.storage.keys()))
+        assert np.load(data / group["slots"]["sum"]["file"]).dtype == np.float32
+    saved = _hc_snapshot(tables, rank)
+    states = gather_state(tables)
+    if rank == 0:
+        np.savez(folder / "saved.npz", **saved)
+        flat = {}
+        for e in states:
+            for k, x in e.items():
+                if k == "slots":
+                    flat.update({f"{e['name']}|slots|{n}": a for n, a in x.items()})
+                else:
+                    flat[f"{e['name']}|{k}"] = np.asarray(json.dumps(x) if not isinstance(x, np.ndarray) else x)
+        np.savez(folder / "state.npz", **flat)
+
+
+def _hc_read_states(path, tables):
+    entries = {v.name: {"slots": {}} for v in tables}
+    with np.load(path) as f:
+        for k in f.files:
+            name, *rest = k.split("|")
+            if rest[0] == "slots":
+                entries[name]["slots"][rest[1]] = f[k]
+            else:
+                x = f[k]
+                entries[name][rest[0]] = json.loads(str(x)) if x.dtype.kind == "U" else x
+    return [entries[v.name] for v in tables]
+
+
+def _hc_same(got, path, rank, world_size):
+    if rank != 0:
+        return
+    with np.load(path) as want:
+        assert set(got) == set(want.files), (sorted(got), want.files)
+        for k in got:
+            assert np.array_equal(got[k], want[k]), f"at {world_size} ranks: {k} differs from {path}"
+
+
+def _hc_load(rank, world_size, folder):
+    """New tables (their rows replaced by the load), sokpy.load ``folder``/ckpt: gather_state
+    equals saved.npz bit for bit; then new tables again, load_state of state.npz on every
+    rank: the same; then a float32 table named as a saved half one: refused on every rank
+    without convert, unchanged, and loaded widened (exactly) with it."""
+    import sokpy
+    from sokpy.checkpoint import gather_state, load_state
+    from sokpy.checkpoint.format import VALUE_DTYPES, decode_values
+
+    tables, opt = _hc_make(world_size)
+    _hc_train(tables, opt, 1, rank, world_size)  # rows and slots the load must replace
+    sokpy.load(folder / "ckpt", tables, optimizer=opt)
+    _hc_same(_hc_snapshot(tables, rank), folder / "saved.npz", rank, world_size)
+    del tables, opt
+    tables, opt = _hc_make(world_size)
+    load_state(tables, _hc_read_states(folder / "state.npz", tables))
+    _hc_same(_hc_snapshot(tables, rank), folder / "saved.npz", rank, world_size)
+    del tables, opt
+    for name, dim, dtype in (("hc_f16", 5, "float16"), ("hc_bf16_dyn", 4, "bfloat16")):
+        if dim == 5:
+            w = sokpy.Variable(37, 5, initializer=0.5, name=name)
+        else:
+            w = sokpy.DynamicVariable(4, initializer=0.5, name=name)
+            sokpy.assign(w, torch.tensor([1, 2, 3]), torch.ones(3, 4))
+        before = gather_state([w])[0]
+        with pytest.raises(sokpy.CheckpointError) as refused:
+            sokpy.load(folder / "ckpt", [w])
+        assert f"its values are float32 here but {dtype} in the checkpoint; pass convert=True" in str(refused.value)
+        after = gather_state([w])[0]
+        if rank == 0:
+            assert np.array_equal(after["keys"], before["keys"]) and np.array_equal(after["values"], before["values"])
+        sokpy.load(folder / "ckpt", [w], convert=True)
+        got = gather_state([w])[0]
+        if rank == 0:
+            with np.load(folder / "saved.npz") as want:
+                assert np.array_equal(got["keys"], want[f"{name}.keys"])
+                assert np.array_equal(
+                    got["values"], decode_values(want[f"{name}.values"].view(VALUE_DTYPES[dtype]), dtype)
+                )
+        del w
+
+
 def test_half_checkpoints_and_states_round_trip_bit_for_bit_at_any_world_size(tmp_path):
     """Saved at 2 ranks, loaded at 2, 1 and 3 (checkpoint and load_state): every bit of the
-    values and slots back; the files hold each shard's own words (checked in the jobs); a
+    values and slots back; the files hold each shard's own words (checked on the ranks); a
     dtype mismatch raises the same error on every rank and changes nothing."""
-    out = run_mpi(2, "half_ckpt_worker.py", "save", tmp_path, timeout=240)
-    assert out.count("save ok") == 2
+    on_ranks(_hc_save, 2, folder=tmp_path)
     for nranks in (2, 1, 3):
-        out = run_mpi(nranks, "half_ckpt_worker.py", "load", tmp_path, timeout=240)
-        assert out.count("load ok") == nranks
+        on_ranks(_hc_load, nranks, folder=tmp_path)

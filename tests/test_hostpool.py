@@ -5,8 +5,12 @@ import gc
 
 import numpy as np
 import pytest
+import test_dynamic
+import test_lookup
+import test_optim
 import torch
-from conftest import run_mpi, run_python
+from conftest import run_python
+from multirank import on_ranks
 
 from sokpy.backends import hostpool
 
@@ -163,11 +167,10 @@ POOL_ALL = {"SOKPY_HOST_POOL_MIN_BYTES": "0"}
 
 @pytest.mark.parametrize("nranks", [1, 3])
 def test_optimizer_jobs_with_every_array_pooled(nranks):
-    out = run_mpi(nranks, "optim_worker.py", "formula", "sgd,adagrad,adam", 50 + nranks, env=POOL_ALL)
-    for kind in ("sgd", "adagrad", "adam"):
-        assert out.count(f"{kind} ok") == nranks
+    kinds = ("sgd", "adagrad", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, nranks, env=POOL_ALL, kinds=kinds, seed=50 + nranks)
 
 
 def test_lookup_and_dynamic_jobs_with_every_array_pooled():
-    assert run_mpi(2, "lookup_worker.py", "values", 61, env=POOL_ALL).count("values ok") == 2
-    assert run_mpi(2, "dynamic_worker.py", "train", "adagrad", 62, timeout=300, env=POOL_ALL).count("adagrad ok") == 2
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, 2, env=POOL_ALL, seed=61)
+    on_ranks(test_dynamic.test_training_matches_dict_reference, 2, env=POOL_ALL, timeout=300, seed=62)

@@ -4,48 +4,277 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_mpi, run_python
+from multirank import on_ranks, ranks
+from reference import full_table, make_bags, pool
+
+import sokpy
+
+# ---- multi-rank: bodies run on every rank (tests/multirank.py) --------------------------------
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
-def test_values_and_gradients_match_reference(nranks):
-    out = run_mpi(nranks, "lookup_worker.py", "values", 100 + nranks)
-    assert out.count("values ok") == nranks
+def _close(actual, expected, what, rtol=1e-5, atol=1e-5):
+    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+        diff = (actual - expected).abs().max().item() if actual.shape == expected.shape else None
+        raise AssertionError(f"{what}: shape {list(actual.shape)} vs {list(expected.shape)}, max diff {diff}")
+
+
+def _specs():
+    """(rows, dim, target_gpu, combiner, weighted, max bag length) of the test tables, at this
+    job's world size."""
+    world = sokpy.world_size()
+    return [
+        (50, 1, -1, "sum", False, 6),
+        (37, 3, -1, "mean", True, 50),
+        (200, 16, 0, "sqrtn", True, 12),
+        (1000, 64, world - 1, "mean", False, 20),
+        (64, 129, -1, "sum", True, 9),
+        (7, 16, -1, "sqrtn", False, 30),  # fewer rows than bags: heavy repeats across ranks
+        (120, 8, world // 2, "sum", True, 4),
+    ]
+
+
+def _batch_size(rank, table):
+    return (3 + 5 * rank + 2 * table) % 11  # uneven across ranks and tables, 0 for some
+
+
+def _inputs_of(seed, rank):
+    return [
+        make_bags(np.random.default_rng([seed, rank, i]), rows, _batch_size(rank, i), max_len, weighted)
+        for i, (rows, dim, _, _, weighted, max_len) in enumerate(_specs())
+    ]
+
+
+def _upstream_of(seed, rank):
+    return [
+        np.random.default_rng([seed, rank, i, 7]).normal(size=(_batch_size(rank, i), spec[1])).astype(np.float32)
+        for i, spec in enumerate(_specs())
+    ]
+
+
+def _make_tables(seed):
+    inits = [
+        None,
+        sokpy.initializers.normal(0.0, 0.5),
+        sokpy.initializers.uniform(-1, 1),
+        None,
+        sokpy.initializers.normal(1.0, 0.1),
+        0.25,
+        sokpy.initializers.uniform(0, 3),
+    ]
+    return [
+        sokpy.Variable(rows, dim, target_gpu=tg, initializer=init, seed=seed + i, name=f"t{i}")
+        for i, ((rows, dim, tg, *_), init) in enumerate(zip(_specs(), inits))
+    ]
+
+
+def _owner(key, target_gpu):
+    return key % sokpy.world_size() if target_gpu == -1 else target_gpu
+
+
+@ranks(1, 2, 3, 4)
+def test_values_and_gradients_match_reference(rank, world_size, seed=None):
+    """Forward values and per-owner sparse gradients of many table shapes in one call, against
+    the single-process reference (autograd on the full table over every rank's bags)."""
+    seed = 100 + world_size if seed is None else seed
+    tables = _make_tables(seed)
+    mine = _inputs_of(seed, rank)
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o)) for v, o, _ in mine]
+    weights = [None if w is None else torch.from_numpy(w) for _, _, w in mine]
+    combiners = [spec[3] for spec in _specs()]
+    outs = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=combiners)
+    assert all(o.requires_grad for o in outs)
+    upstream = _upstream_of(seed, rank)
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()
+
+    for i, (var, spec) in enumerate(zip(tables, _specs())):
+        full = full_table(sokpy, var)
+        _close(outs[i].detach(), pool(full, *mine[i], spec[3]), f"forward of table {i}")
+        # Reference gradient: autograd on the full table over every rank's bags.
+        table = full.clone().requires_grad_()
+        loss = sum(
+            (pool(table, *_inputs_of(seed, r)[i], spec[3]) * torch.from_numpy(_upstream_of(seed, r)[i])).sum()
+            for r in range(world_size)
+        )
+        loss.backward()
+        used = np.unique(np.concatenate([_inputs_of(seed, r)[i][0] for r in range(world_size)]))
+        expected_keys = np.array([k for k in used if _owner(k, spec[2]) == rank], np.int64)
+        grad = var.grad
+        got_keys = np.empty(0, np.int64) if grad is None else grad.keys.numpy()
+        assert np.array_equal(got_keys, expected_keys), f"gradient keys of table {i}"
+        if expected_keys.size:
+            _close(grad.values, table.grad[expected_keys], f"gradient of table {i}")
+
+    # Under no_grad nothing is kept for backward.
+    for var in tables:
+        var.zero_grad()
+    with torch.no_grad():
+        outs = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=combiners)
+    assert not any(o.requires_grad for o in outs) and all(v.grad is None for v in tables)
+
+
+def _rounded(t, wire):
+    """``t`` rounded to the wire format by torch's own conversion (not sokpy's); at one rank
+    nothing travels, so nothing is rounded."""
+    if sokpy.world_size() == 1:
+        return t
+    return t.to({"float16": torch.float16, "bfloat16": torch.bfloat16}[wire]).to(torch.float32)
+
+
+def _lookup_and_backward(seed, tables, wire):
+    mine = _inputs_of(seed, sokpy.rank())
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o)) for v, o, _ in mine]
+    weights = [None if w is None else torch.from_numpy(w) for _, _, w in mine]
+    combiners = [spec[3] for spec in _specs()]
+    for var in tables:
+        var.zero_grad()
+    sokpy.timing.reset()
+    outs = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=combiners, wire_dtype=wire)
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, _upstream_of(seed, sokpy.rank()))).backward()
+    return [o.detach() for o in outs], sokpy.timing.traffic()["alltoall_bytes"]
+
+
+def _wire(rank, world_size, wire, seed):
+    """Rows travel rounded to ``wire``: the forward pools the owner's rows rounded once, and an
+    owner's gradient is the sum over ranks of each rank's gradient rounded once."""
+    tables = _make_tables(seed)
+    full = [full_table(sokpy, v) for v in tables]
+    exact, exact_bytes = _lookup_and_backward(seed, tables, "float32")
+    outs, wire_bytes = _lookup_and_backward(seed, tables, wire)
+    moved = False
+    for i, (var, spec) in enumerate(zip(tables, _specs())):
+        mine = _inputs_of(seed, rank)[i]
+        _close(outs[i], pool(_rounded(full[i], wire), *mine, spec[3]), f"{wire} forward of table {i}", 1e-5, 1e-6)
+        moved |= bool((outs[i] != exact[i]).any())
+        expected = torch.zeros_like(full[i])
+        for r in range(world_size):
+            table = full[i].clone().requires_grad_()
+            (
+                pool(table, *_inputs_of(seed, r)[i], spec[3]) * torch.from_numpy(_upstream_of(seed, r)[i])
+            ).sum().backward()
+            expected += _rounded(table.grad, wire)
+        keys = var.grad.keys.numpy() if var.grad is not None else np.empty(0, np.int64)
+        if keys.size:
+            got, want = var.grad.values, expected[keys]
+            # A rank's float32 sum may differ from torch's in its last bit, and that may move its
+            # rounding by one 16-bit step; almost every entry must still match exactly.
+            step = 2.0**-8 if wire == "bfloat16" else 2.0**-11
+            _close(got, want, f"{wire} gradient of table {i}", rtol=world_size * step, atol=1e-6)
+            near = torch.isclose(got, want, rtol=1e-5, atol=1e-6).float().mean().item()
+            assert near > 0.95, f"{wire} gradient of table {i}: only {near:.1%} match the rounded reference"
+    assert moved or world_size == 1, f"{wire} rows gave the float32 outputs exactly: nothing was rounded"
+    if world_size > 1:
+        assert wire_bytes < 0.7 * exact_bytes, f"{wire} sent {wire_bytes} bytes, float32 {exact_bytes}"
+
+
+def _initial_tables(rank, world_size):
+    """Every test table's full initial values."""
+    return [full_table(sokpy, v).numpy() for v in _make_tables(seed=11)]
+
+
+@ranks(1, 2, 3)
+def test_bad_input_raises_on_every_rank_and_changes_nothing(rank, world_size):
+    """Each validation error raises on every rank, leaves the tables unchanged, no hang."""
+    tables = _make_tables(seed=5)
+    before = [sokpy.export(v)[1].clone() for v in tables]
+    bad_rank = world_size - 1
+    good = [[[1, 2], [3]], [[0], [4, 5, 6]]]
+
+    def attempt(params, ids, expect, **kw):
+        try:
+            sokpy.lookup_sparse(params, ids, **kw)
+        except sokpy.InputError as e:
+            text = str(e)
+            for piece in expect:
+                assert piece in text, f"{piece!r} not in error: {text}"
+        else:
+            raise AssertionError(f"no error for {expect}")
+
+    bad = rank == bad_rank
+    p2 = tables[:2]
+    cases = [
+        ([[[1, 2], [50 if bad else 3]], good[1]], {}, ["'t0'", "key 50", f"rank {bad_rank}"]),
+        ([[[1, -4 if bad else 2]], good[1]], {}, ["'t0'", "key -4", f"rank {bad_rank}"]),
+        (
+            [sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3] if bad else [0, 1, 2, 3])), good[1]],
+            {},
+            ["'t0'", "offsets", f"rank {bad_rank}"],
+        ),
+        (
+            [sokpy.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 2] if bad else [0, 3])), good[1]],
+            {},
+            ["'t0'", "offsets must end", f"rank {bad_rank}"],
+        ),
+        (
+            [good[0], sokpy.Ragged(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(3 if bad else 2))],
+            {},
+            ["'t1'", "weights", f"rank {bad_rank}"],
+        ),
+        (good, {"combiners": ["sum", "max" if bad else "mean"]}, ["'t1'", "'max'", f"rank {bad_rank}"]),
+    ]
+    for ids, kw, expect in cases:
+        attempt(p2, ids, expect, **kw)
+    # Different numbers of tables on different ranks, and params/sp_ids of different lengths.
+    if world_size > 1:
+        attempt(tables[:3] if bad else p2, good + [[[0]]] if bad else good, ["different collective calls"])
+        attempt(
+            p2, good, ["different collective calls", "wire_dtype=bfloat16"], wire_dtype="bfloat16" if bad else "float32"
+        )
+    attempt(p2, good[:1] if bad else good, ["sp_ids has 1 entries", f"rank {bad_rank}"])
+    for v, b in zip(tables, before):
+        assert torch.equal(sokpy.export(v)[1], b), f"table {v.name} changed by a refused lookup"
+        assert v.grad is None
+    # Every rank is still in step: a valid call works.
+    out = sokpy.lookup_sparse(p2, good, combiners="sum")
+    _close(
+        out[0].detach(),
+        pool(full_table(sokpy, tables[0]), np.array([1, 2, 3]), np.array([0, 2, 3]), None, "sum"),
+        "lookup after errors",
+    )
+
+
+@ranks(2, 3)
+def test_assign_routes_any_keys_to_their_owners(rank, world_size):
+    """Every rank assigns its own keys (rank 1 none) to tables of both placements."""
+    for target in (-1, world_size - 1):
+        var = sokpy.Variable(23, 3, target_gpu=target, initializer=0.0, name=f"assigned{target}")
+        expected = np.zeros((23, 3), np.float32)
+        for r in range(world_size):
+            keys = np.arange(r, 23, world_size + 1) if r != 1 else np.empty(0, np.int64)  # rank 1 passes none
+            values = np.random.default_rng([r, target + 1]).normal(size=(keys.size, 3)).astype(np.float32)
+            expected[keys] = values
+            if r == rank:
+                mine = (torch.from_numpy(keys), torch.from_numpy(values))
+        sokpy.assign(var, *mine)
+        assert np.array_equal(full_table(sokpy, var).numpy(), expected), f"assign, target {target}"
+        # A bad key on the last rank: every rank raises, nothing changes.
+        bad = torch.tensor([23 if rank == world_size - 1 else 0])
+        try:
+            sokpy.assign(var, bad, torch.ones(1, 3))
+        except sokpy.InputError as e:
+            assert "key 23" in str(e) and f"rank {world_size - 1}" in str(e), str(e)
+        else:
+            raise AssertionError("a bad key was assigned")
+        assert np.array_equal(full_table(sokpy, var).numpy(), expected), "refused assign changed rows"
 
 
 @pytest.mark.parametrize("nranks,wire", [(2, "bfloat16"), (3, "float16"), (1, "bfloat16")])
 def test_16_bit_rows_on_the_wire(nranks, wire):
     """wire_dtype rounds each row and each rank's gradient row once in flight (checked
     against torch's own conversions) and sends fewer bytes; at one rank nothing travels."""
-    out = run_mpi(nranks, "lookup_worker.py", "wire", wire, 40 + nranks)
-    assert out.count(f"wire ok {wire}") == nranks
+    on_ranks(_wire, nranks, wire=wire, seed=40 + nranks)
 
 
-def test_initial_values_identical_for_every_world_size(tmp_path):
-    tables = {}
-    for nranks in (1, 2, 3, 4):
-        path = tmp_path / f"init{nranks}.npz"
-        run_mpi(nranks, "lookup_worker.py", "init", path)
-        with np.load(path) as f:
-            tables[nranks] = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+def test_initial_values_identical_for_every_world_size():
+    (tables,) = on_ranks(_initial_tables, 1)
     for nranks in (2, 3, 4):
-        for a, b in zip(tables[1], tables[nranks]):
-            assert np.array_equal(a, b)
-    default, normal = tables[1][0], tables[1][1]  # uniform(-0.05, 0.05) and normal(0, 0.5)
+        for got in on_ranks(_initial_tables, nranks):  # every rank's view of the whole tables
+            for a, b in zip(tables, got):
+                assert np.array_equal(a, b)
+    default, normal = tables[0], tables[1]  # uniform(-0.05, 0.05) and normal(0, 0.5)
     assert default.min() >= -0.05 and default.max() < 0.05 and default.std() > 0.02
     assert abs(normal.mean()) < 0.1 and 0.4 < normal.std() < 0.6
-    assert np.all(tables[1][5] == np.float32(0.25))
-
-
-@pytest.mark.parametrize("nranks", [1, 2, 3])
-def test_bad_input_raises_on_every_rank_and_changes_nothing(nranks):
-    out = run_mpi(nranks, "lookup_worker.py", "errors")
-    assert out.count("errors ok") == nranks
-
-
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_assign_routes_any_keys_to_their_owners(nranks):
-    out = run_mpi(nranks, "lookup_worker.py", "assign")
-    assert out.count("assign ok") == nranks
+    assert np.all(tables[5] == np.float32(0.25))
 
 
 # ---- single process ------------------------------------------------------------------------
@@ -240,32 +469,9 @@ def test_name_of_a_dropped_table_can_be_reused_even_from_a_reference_cycle(sokpy
     del w
 
 
-class _Jagged:
-    """The accessors of TorchRec's KeyedJaggedTensor that sokpy reads (torchrec not needed)."""
-
-    def __init__(self, keys, values, lengths, weights=None):
-        self._keys, self._values, self._lengths, self._weights = keys, values, lengths, weights
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self._lengths, 0)])
-
-    def stride(self):
-        return self._lengths.numel() // len(self._keys)
-
-    def weights_or_none(self):
-        return self._weights
-
-
 def test_keyed_jagged_input_equals_per_table_input(sokpy_host):
+    from sokpy.nn import KeyedJaggedTensor
+
     sokpy = sokpy_host
     a, b = sokpy.Variable(20, 4, name="kjt_a"), sokpy.DynamicVariable(3, name="kjt_b")
     bags = [[[1, 5], [], [19]], [[-7], [2**40, -7, 3], []]]
@@ -273,17 +479,19 @@ def test_keyed_jagged_input_equals_per_table_input(sokpy_host):
     flat = [k for table in bags for bag in table for k in bag]
     flat_w = [x for table in weights for bag in table for x in bag]
     lengths = torch.tensor([len(bag) for table in bags for bag in table])
-    jagged = _Jagged(["fa", "fb"], torch.tensor(flat), lengths, torch.tensor(flat_w))
+    jagged = KeyedJaggedTensor(["fa", "fb"], torch.tensor(flat), torch.tensor(flat_w), lengths=lengths)
     combs = ["sum", "sqrtn"]
     got = sokpy.lookup_sparse([a, b], jagged, combiners=combs)
     want = sokpy.lookup_sparse([a, b], bags, sp_weights=weights, combiners=combs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     # A fault names the feature's table: lengths that overrun the values of table kjt_b.
-    bad = _Jagged(["fa", "fb"], torch.tensor(flat[:-1]), lengths)
+    bad = KeyedJaggedTensor(["fa", "fb"], torch.tensor(flat[:-1]), lengths=lengths)
     with pytest.raises(sokpy.InputError, match="kjt_b"):
         sokpy.lookup_sparse([a, b], bad, combiners=combs)
-    nan = _Jagged(["fa", "fb"], torch.tensor(flat), lengths, torch.tensor(flat_w[:-1] + [float("nan")]))
+    nan = KeyedJaggedTensor(
+        ["fa", "fb"], torch.tensor(flat), torch.tensor(flat_w[:-1] + [float("nan")]), lengths=lengths
+    )
     with pytest.raises(sokpy.InputError, match="kjt_b.*not finite"):
         sokpy.lookup_sparse([a, b], nan, combiners=combs)
 

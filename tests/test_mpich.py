@@ -10,25 +10,28 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import ROOT, horovod_env, launch_command, needs_horovod_env, run_mpi
+import test_checkpoint
+import test_contract
+import test_dynamic
+import test_lookup
+import test_optim
+from conftest import ROOT, horovod_env, launch_command, needs_horovod_env
+from multirank import on_ranks
 
 pytestmark = needs_horovod_env
 
 
 @pytest.mark.parametrize("launcher", ["mpich", "horovodrun"])
 def test_lookup_and_optimizers_match_references(launcher):
-    out = run_mpi(3, "lookup_worker.py", "values", 203, launcher=launcher)
-    assert out.count("values ok") == 3, out
-    out = run_mpi(2, "optim_worker.py", "formula", "sgd,adagrad,ftrl,adam", 9, launcher=launcher)
-    for kind in ("sgd", "adagrad", "ftrl", "adam"):
-        assert out.count(f"{kind} ok") == 2, out
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, 3, launcher=launcher, seed=203)
+    kinds = ("sgd", "adagrad", "ftrl", "adam")
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, 2, launcher=launcher, kinds=kinds, seed=9)
 
 
 def test_every_input_error_on_one_rank_at_3_ranks():
     """Sixteen input faults, each made on one rank only: the same error on every rank, tables
     and optimizer state bitwise unchanged, training then equal to a twin job's."""
-    out = run_mpi(3, "contract_worker.py", "every_error", timeout=180, launcher="mpich")
-    assert out.count("every_error ok") == 3, out
+    on_ranks(test_contract.test_contract, 3, launcher="mpich", timeout=180, mode="every_error")
 
 
 def _npz(path):
@@ -39,12 +42,10 @@ def _npz(path):
 def test_dynamic_tables_and_checkpoints_across_launchers(tmp_path):
     """Dynamic tables against the dict reference; a checkpoint saved under MPICH at 3 ranks,
     resumed under horovodrun at 2, ends where an uninterrupted one-rank run (Open MPI) ends."""
-    out = run_mpi(2, "dynamic_worker.py", "train", "adagrad", 32, timeout=300, launcher="mpich")
-    assert out.count("adagrad ok") == 2, out
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, timeout=300, launcher="mpich")
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
-    out = run_mpi(2, "checkpoint_worker.py", "resume", tmp_path, 6, 3, timeout=300, launcher="horovodrun")
-    assert out.count("resume ok") == 2, out
+    on_ranks(test_dynamic.test_training_matches_dict_reference, 2, launcher="mpich", timeout=300, seed=32)
+    on_ranks(test_checkpoint.train_job, 3, launcher="mpich", timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
+    on_ranks(test_checkpoint.resume_job, 2, launcher="horovodrun", timeout=300, folder=tmp_path, steps=6, first=3)
     uninterrupted = _npz(tmp_path / "final-1.npz")
     for name in ("final-3.npz", "resumed-2.npz"):
         got = _npz(tmp_path / name)

@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+import test_lookup
+import test_optim
 from conftest import ROOT, WORKERS, run_mpi
+from multirank import own_job
 
 from sokpy.launch import emulated_nodes
 from sokpy.launch.emulated_nodes.runs import leftovers, process_stat
@@ -82,15 +85,15 @@ def test_links_are_shaped_at_their_rate_with_a_small_bucket(cluster):
 
 
 def test_lookup_and_gradients_match_the_reference(cluster):
-    out = run(cluster, WORKERS / "lookup_worker.py", "values", 104)
-    assert out.count("values ok") == 4, out
+    with own_job(test_lookup.test_values_and_gradients_match_reference, 4, seed=104) as job:
+        job.verdict(cluster.run(job.program, ranks_per_node=2, timeout=300), "2 emulated nodes x 2 ranks")
 
 
 def test_optimizers_match_the_formulas(cluster):
-    kinds = "sgd,adagrad,adam"
-    out = run(cluster, WORKERS / "optim_worker.py", "formula", kinds, 11)
-    for kind in kinds.split(","):
-        assert out.count(f"{kind} ok") == 4, out
+    body = test_optim.test_optimizers_match_numpy_formulas
+    with own_job(body, 4, kinds=("sgd", "adagrad", "adam"), seed=11) as job:
+        res = cluster.run(job.program, ranks_per_node=2, timeout=300)
+        job.verdict(res, "2 emulated nodes x 2 ranks")
 
 
 def _result(text: str) -> dict:
@@ -220,9 +223,9 @@ def test_torchrun_ranks_join_one_world_across_the_nodes(cluster):
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     where = sorted(tuple(line.split()[1:]) for line in res.stdout.splitlines() if line.startswith("where "))
     assert where == [("0", "node0", "0"), ("1", "node0", "1"), ("2", "node1", "0"), ("3", "node1", "1")], res.stdout
-    args = ["python", str(WORKERS / "lookup_worker.py"), "values", "104"]
-    res = cluster.run(args, ranks_per_node=2, timeout=300, launcher="torchrun")
-    assert res.returncode == 0 and res.stdout.count("values ok") == 4, res.stdout[-4000:] + res.stderr[-4000:]
+    with own_job(test_lookup.test_values_and_gradients_match_reference, 4, seed=104) as job:
+        res = cluster.run(job.program, ranks_per_node=2, timeout=300, launcher="torchrun")
+        job.verdict(res, "torchrun, 2 emulated nodes x 2 ranks")
     assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
 
 

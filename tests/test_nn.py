@@ -197,29 +197,11 @@ def test_migration_guide_counts_its_diff():
     assert "from torchrec.models.dlrm import DLRM" in "\n".join(torchrec_program)  # TorchRec's own model class
 
 
-def test_any_object_with_the_accessors_is_an_input(sokpy_host):
-    """The module reads a KeyedJaggedTensor through its accessors only: an object with keys(),
-    values(), lengths() (offsets() None) and weights_or_none() pools like the dict form."""
-    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, concat
-
-    class Jagged:
-        def __init__(self, keys, values, lengths, weights):
-            self.k, self.v, self.n, self.w = keys, values, lengths, weights
-
-        def keys(self):
-            return self.k
-
-        def values(self):
-            return self.v
-
-        def lengths(self):
-            return self.n
-
-        def offsets(self):
-            return None
-
-        def weights_or_none(self):
-            return self.w
+def test_features_are_found_by_key_in_any_order(sokpy_host):
+    """The module finds each table's features in a KeyedJaggedTensor by key: one in the
+    tables' order (from lengths) and one in another order with a feature no table reads (from
+    offsets) pool like the dict form."""
+    from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, concat
 
     ebc = EmbeddingBagCollection(
         [EmbeddingBagConfig("nn1_duck_a", 3, 20, ["a"], "sum"), EmbeddingBagConfig("nn1_duck_b", 2, 20, ["b"], "mean")],
@@ -232,11 +214,11 @@ def test_any_object_with_the_accessors_is_an_input(sokpy_host):
             weights={"a": [[0.5, 2.0], [1.0]], "b": [[], [3.0, 1.5]]},
         )
     )
-    in_order = Jagged(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 1, 0, 2]), w)
-    other_order = Jagged(
+    in_order = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), w, lengths=torch.tensor([2, 1, 0, 2]))
+    other_order = KeyedJaggedTensor.from_offsets_sync(
         ["x", "b", "a"],
         torch.tensor([7, 4, 5, 1, 2, 3]),
-        torch.tensor([1, 0, 0, 2, 2, 1]),
+        torch.tensor([0, 1, 1, 1, 3, 5, 6]),
         torch.tensor([9.0, 3.0, 1.5, 0.5, 2.0, 1.0]),
     )
     assert torch.equal(concat(ebc(in_order)), want)

@@ -1,53 +1,199 @@
-"""Sparse optimizers: DESIGN.md numerics at 1-4 ranks, torch parity, torch.optim conventions."""
+"""Sparse optimizers: DESIGN.md numerics at 1-4 ranks, torch parity, torch.optim conventions.
+
+The multi-rank tests run their bodies on every rank (``@ranks``, tests/multirank.py) and
+check against the numpy formulas of tests/workers/reference.py."""
 
 import gc
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi
+from multirank import on_ranks, ranks
+from reference import NumpyOptimizer, full_table, make_bags, sum_gradient
 
-KINDS = "sgd,adagrad,rowwise_adagrad,ftrl,ftrl_power,adam"
+import sokpy
 
-
-@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
-def test_optimizers_match_numpy_formulas(nranks):
-    out = run_mpi(nranks, "optim_worker.py", "formula", KINDS, 7 + nranks)
-    for kind in KINDS.split(","):
-        assert out.count(f": {kind} ok") == nranks  # ": adagrad ok" is not in "rowwise_adagrad ok"
-
-
-def test_same_global_batch_same_table_at_1_and_4_ranks(tmp_path):
-    tables = {}
-    for nranks in (1, 4):
-        path = tmp_path / f"global{nranks}.npz"
-        run_mpi(nranks, "optim_worker.py", "global", path)
-        with np.load(path) as f:
-            tables[nranks] = [f["arr_0"], f["arr_1"]]
-    for a, b in zip(tables[1], tables[4]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(tables[1][0], tables[1][0][0])  # trained, not constant
+KINDS = ("sgd", "adagrad", "rowwise_adagrad", "ftrl", "ftrl_power", "adam")
+CONFIGS = {
+    "sgd": ("SGD", dict(lr=0.1)),
+    "adagrad": ("Adagrad", dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)),
+    "rowwise_adagrad": ("RowWiseAdagrad", dict(lr=0.1, initial_accumulator_value=0.05)),
+    "ftrl": ("Ftrl", dict(lr=0.05, l1=0.002, l2=0.01, l2_shrinkage=0.01, beta=0.1)),
+    "ftrl_power": ("Ftrl", dict(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.2, l1=0.001)),
+    "adam": ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-7)),
+}
+STEPS = 20
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_owner_merge_of_sorted_blocks_matches_the_reference(nranks):
-    # Each rank's gradient rows reach the owner sorted by (table, row), and the owner merges
-    # them in the backward, in the lookup's table order: one run per rank, whatever order the
-    # optimizer holds the tables in. Two runs are merged by a stable sort, three by the radix
-    # sort. Every way must give the reference's tables.
-    out = run_mpi(nranks, "optim_worker.py", "merge")
-    for order, runs in (("same", nranks), ("reversed", nranks)):
-        lines = [line for line in out.splitlines() if f"merge {order} ok" in line]
-        assert len(lines) == nranks, out
-        for line in lines:
-            assert f"runs [{runs}]" in line, line
-            assert int(line.split("sorted ")[1].split("+")[0]) >= 4096, line  # past the small-array sort
+def _specs(world_size):
+    """(rows, dim, target_gpu) of the two tables: small, so keys repeat within and across
+    ranks; one spread over the ranks, one whole on the last rank."""
+    return [(40, 8, -1), (25, 5, world_size - 1)]
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 3])
-def test_nonfinite_gradient_refused_on_every_rank(nranks):
-    out = run_mpi(nranks, "optim_worker.py", "nonfinite")
-    assert out.count("nonfinite ok") == nranks
+def _step_inputs(seed, step, rank, specs):
+    return [
+        make_bags(np.random.default_rng([seed, step, rank, t]), rows, 6, 5, weighted=True)
+        for t, (rows, _, _) in enumerate(specs)
+    ]
+
+
+def _step_upstream(seed, step, rank, specs):
+    return [
+        np.random.default_rng([seed, step, rank, t, 1]).normal(size=(6, dim)).astype(np.float32)
+        for t, (_, dim, _) in enumerate(specs)
+    ]
+
+
+def _train_step(tables, opt, inputs, upstream):
+    ids = [sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w)) for v, o, w in inputs]
+    outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _full_slot(opt, index, name, rows):
+    """Slot ``name`` of the optimizer's table ``index``, whole (from every rank's state_dict)."""
+    entry = opt.state_dict()["state"][index]
+    parts = sokpy.comm().allgather_object((entry["keys"].numpy(), entry[name].numpy()))
+    out = np.full((rows, parts[0][1].shape[1]), np.nan, np.float32)
+    for k, s in parts:
+        out[k] = s
+    assert not np.isnan(out).any(), "the state dicts did not cover every row exactly once"
+    return out
+
+
+@ranks(1, 2, 3, 4)
+def test_optimizers_match_numpy_formulas(rank, world_size, kinds=KINDS, seed=None):
+    """20 steps of each kind on two tables, keys repeated within bags and across ranks: the
+    final tables (and RowWiseAdagrad's per-row accumulators) are the numpy reference's."""
+    seed = 7 + world_size if seed is None else seed
+    specs = _specs(world_size)
+    for kind in kinds:
+        cls, hp = CONFIGS[kind]
+        tables = [
+            sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=seed + i)
+            for i, (r, d, t) in enumerate(specs)
+        ]
+        refs = [NumpyOptimizer(cls.lower(), full_table(sokpy, v).numpy(), **hp) for v in tables]
+        opt = getattr(sokpy.optim, cls)(tables, **hp)
+        for step in range(STEPS):
+            _train_step(tables, opt, _step_inputs(seed, step, rank, specs), _step_upstream(seed, step, rank, specs))
+            for t, ((rows, dim, _), ref) in enumerate(zip(specs, refs)):
+                bags = [_step_inputs(seed, step, r, specs)[t] for r in range(world_size)]
+                upstream = [_step_upstream(seed, step, r, specs)[t] for r in range(world_size)]
+                ref.step(*sum_gradient(rows, dim, bags, upstream))
+        for t, (v, ref) in enumerate(zip(tables, refs)):
+            got = full_table(sokpy, v).numpy()
+            np.testing.assert_allclose(got, ref.w, rtol=2e-4, atol=2e-5, err_msg=f"{kind} table {t}")
+            if cls == "RowWiseAdagrad":
+                acc = _full_slot(opt, t, "sum", v.rows)
+                assert acc.shape == (v.rows, 1)
+                np.testing.assert_allclose(acc[:, 0], ref.acc, rtol=2e-4, atol=2e-5, err_msg=f"{kind} table {t}")
+
+
+def _train_global_batch(rank, world_size):
+    """24 bags per step, split evenly over the ranks, 10 Adagrad steps; the whole tables."""
+    specs = _specs(world_size)
+    tables = [sokpy.Variable(r, d, target_gpu=t, seed=9 + i) for i, (r, d, t) in enumerate(specs)]
+    opt = sokpy.optim.Adagrad(tables, lr=0.2, initial_accumulator_value=0.1)
+    lo, hi = rank * 24 // world_size, (rank + 1) * 24 // world_size
+    for step in range(10):
+        inputs, upstream = [], []
+        for t, (rows, dim, _) in enumerate(specs):
+            v, o, w = make_bags(np.random.default_rng([3, step, t]), rows, 24, 5, weighted=True)
+            inputs.append((v[o[lo] : o[hi]], o[lo : hi + 1] - o[lo], w[o[lo] : o[hi]]))
+            upstream.append(np.random.default_rng([4, step, t]).normal(size=(24, dim)).astype(np.float32)[lo:hi])
+        _train_step(tables, opt, inputs, upstream)
+    return [full_table(sokpy, v).numpy() for v in tables]
+
+
+def test_same_global_batch_same_table_at_1_and_4_ranks():
+    (one,) = on_ranks(_train_global_batch, 1)
+    for four in on_ranks(_train_global_batch, 4):  # every rank's view of the whole tables
+        for a, b in zip(one, four):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(one[0], one[0][0])  # trained, not constant
+
+
+@ranks(2, 3)
+def test_owner_merge_of_sorted_blocks_matches_the_reference(rank, world_size, monkeypatch):
+    """Each rank's gradient rows reach the owner sorted by (table, row), and the owner merges
+    them in the backward, in the lookup's table order: one ascending run per rank, whatever
+    order the optimizer holds the tables in (the same, or reversed). Two runs are merged by a
+    stable sort, three by the radix sort; tables large enough that each owner merges
+    thousands of rows from every rank. Every way must give the reference's tables."""
+    from sokpy.exchange import grad_merge
+
+    seen = []
+    real_sort = grad_merge.sort_by_bits
+
+    def spy(values, lo, hi, runs=None, ascending_runs=0):
+        seen.append((int(values.shape[0]), ascending_runs))
+        return real_sort(values, lo, hi, runs, ascending_runs)
+
+    monkeypatch.setattr(grad_merge, "sort_by_bits", spy)
+    specs = [(30_000, 8, -1), (9_000, 4, 0)]  # spread, and all on rank 0
+    hp = dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)
+    for order in ("same", "reversed"):
+        tables = [
+            sokpy.Variable(r, d, target_gpu=t, initializer=sokpy.initializers.uniform(-1, 1), seed=40 + i)
+            for i, (r, d, t) in enumerate(specs)
+        ]
+        refs = [NumpyOptimizer("adagrad", full_table(sokpy, v).numpy(), **hp) for v in tables]
+        opt = sokpy.optim.Adagrad(tables if order == "same" else tables[::-1], **hp)
+        seen.clear()
+        for step in range(3):
+
+            def bags(r, t, step=step):
+                return make_bags(np.random.default_rng([5, step, r, t]), specs[t][0], 2000, 12, weighted=True)
+
+            def upstream(r, t, step=step):
+                return np.random.default_rng([6, step, r, t]).normal(size=(2000, specs[t][1])).astype(np.float32)
+
+            _train_step(tables, opt, [bags(rank, t) for t in range(2)], [upstream(rank, t) for t in range(2)])
+            for t, ((rows, dim, _), ref) in enumerate(zip(specs, refs)):
+                all_bags, all_upstream = (
+                    [bags(r, t) for r in range(world_size)],
+                    [upstream(r, t) for r in range(world_size)],
+                )
+                ref.step(*sum_gradient(rows, dim, all_bags, all_upstream))
+        for t, (v, ref) in enumerate(zip(tables, refs)):
+            np.testing.assert_allclose(
+                full_table(sokpy, v).numpy(), ref.w, rtol=2e-4, atol=2e-5, err_msg=f"{order} order, table {t}"
+            )
+        assert sorted({runs for _, runs in seen}) == [world_size], f"{order} order: the merges were given {seen}"
+        assert min(n for n, _ in seen) >= 4096, f"{order} order: {seen}"  # past the small-array sort
+
+
+@ranks(1, 2, 3)
+def test_nonfinite_gradient_refused_on_every_rank(rank, world_size):
+    """A NaN gradient on the last rank: the step raises on every rank and changes no row and
+    no state."""
+    specs = _specs(world_size)
+    tables = [sokpy.Variable(r, d, target_gpu=t, seed=1) for r, d, t in specs]
+    opt = sokpy.optim.Adagrad(tables, lr=0.1)
+    _train_step(tables, opt, _step_inputs(1, 0, rank, specs), _step_upstream(1, 0, rank, specs))  # state exists now
+    weights = [v.weight.clone() for v in tables]
+    state = [{k: s.clone() for k, s in opt.state[v.handle].items() if torch.is_tensor(s)} for v in tables]
+    upstream = _step_upstream(1, 1, rank, specs)
+    if rank == world_size - 1:
+        upstream[0][0, 0] = np.nan
+    ids = [
+        sokpy.Ragged(torch.from_numpy(v), torch.from_numpy(o), torch.from_numpy(w))
+        for v, o, w in _step_inputs(1, 1, rank, specs)
+    ]
+    ids[0] = sokpy.Ragged(torch.tensor([0, 1, 2, 3]), torch.tensor([0] + [4] * 6))  # every rank sends NaN somewhere
+    outs = sokpy.lookup_sparse(tables, ids, combiners="sum")
+    sum((o * torch.from_numpy(g)).sum() for o, g in zip(outs, upstream)).backward()
+    with pytest.raises(sokpy.InputError, match="not finite") as refused:
+        opt.step()
+    assert "'table" in str(refused.value)
+    for v, w, s in zip(tables, weights, state):
+        assert torch.equal(v.weight, w), "rows changed by a refused step"
+        for k, old in s.items():
+            assert torch.equal(opt.state[v.handle][k], old), f"state {k} changed by a refused step"
 
 
 # ---- single process: parity with torch's own optimizers --------------------------------------

@@ -6,8 +6,9 @@ resumed at another, the collective contract, the runtime's state, and the main e
 (the same losses, bit for bit, as under sokrun). The failures of a rank are in
 test_reliability.py (its launchers include torchrun), emulated nodes in test_multinode.py.
 
-The workers are the MPI tests' own, run in torchrun rank pools (``run_mpi(...,
-launcher="torchrun")``); the jobs that check start-up itself run fresh.
+The workers and test bodies are the MPI tests' own, run in torchrun rank pools (``run_mpi(...,
+launcher="torchrun")``, ``on_ranks(..., launcher="torchrun")``); the jobs that check start-up
+itself run fresh.
 """
 
 import json
@@ -19,12 +20,17 @@ import sys
 
 import numpy as np
 import pytest
+import test_checkpoint
+import test_contract as contract
+import test_dynamic
+import test_lookup
+import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
+from multirank import on_ranks
 from test_checkpoint import npz
 from test_comm import GROUPS
 from test_contract import CASES
 from test_example_resume import result
-from test_optim import KINDS
 from test_runtime import check_runtime_reports
 
 TORCHRUN = "torchrun"
@@ -194,48 +200,40 @@ def check_comm_job(job, nranks: int) -> None:
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_lookup_values_and_gradients_match_reference(nranks):
-    out = run_mpi(nranks, "lookup_worker.py", "values", 100 + nranks, launcher=TORCHRUN)
-    assert out.count("values ok") == nranks
+    on_ranks(test_lookup.test_values_and_gradients_match_reference, nranks, launcher=TORCHRUN)
 
 
 def test_lookup_bad_input_raises_on_every_rank_and_changes_nothing():
-    out = run_mpi(2, "lookup_worker.py", "errors", launcher=TORCHRUN)
-    assert out.count("errors ok") == 2
+    on_ranks(test_lookup.test_bad_input_raises_on_every_rank_and_changes_nothing, 2, launcher=TORCHRUN)
 
 
 def test_assign_routes_any_keys_to_their_owners():
-    out = run_mpi(3, "lookup_worker.py", "assign", launcher=TORCHRUN)
-    assert out.count("assign ok") == 3
+    on_ranks(test_lookup.test_assign_routes_any_keys_to_their_owners, 3, launcher=TORCHRUN)
 
 
 def test_optimizers_match_numpy_formulas():
-    out = run_mpi(2, "optim_worker.py", "formula", KINDS, 9, launcher=TORCHRUN)
-    for kind in KINDS.split(","):
-        assert out.count(f": {kind} ok") == 2
+    on_ranks(test_optim.test_optimizers_match_numpy_formulas, 2, launcher=TORCHRUN, seed=9)
 
 
 def test_nonfinite_gradient_refused_on_every_rank():
-    out = run_mpi(3, "optim_worker.py", "nonfinite", launcher=TORCHRUN)
-    assert out.count("nonfinite ok") == 3
+    on_ranks(test_optim.test_nonfinite_gradient_refused_on_every_rank, 3, launcher=TORCHRUN)
 
 
 def test_dynamic_tables_match_dict_reference():
-    out = run_mpi(3, "dynamic_worker.py", "train", "adagrad", 33, timeout=300, launcher=TORCHRUN)
-    assert out.count("adagrad ok") == 3
+    on_ranks(test_dynamic.test_training_matches_dict_reference, 3, launcher=TORCHRUN, timeout=300, seed=33)
 
 
 def test_saved_under_torchrun_resumes_under_both_launchers_at_other_world_sizes(tmp_path):
     """Saved by 3 torchrun ranks after 3 steps; loaded by 2 torchrun ranks and by 1 sokrun
     rank (checked inside the jobs against what was saved, bit for bit), and trained on: both
     end exactly where an uninterrupted run at one rank ends."""
-    run_mpi(3, "checkpoint_worker.py", "train", tmp_path, 6, 3, timeout=300, launcher=TORCHRUN)
-    run_mpi(1, "checkpoint_worker.py", "train", tmp_path, 6, timeout=300)
+    on_ranks(test_checkpoint.train_job, 3, launcher=TORCHRUN, timeout=300, folder=tmp_path, steps=6, save_at=3)
+    on_ranks(test_checkpoint.train_job, 1, timeout=300, folder=tmp_path, steps=6)
     uninterrupted = npz(tmp_path / "final-1.npz")
     for k, v in npz(tmp_path / "final-3.npz").items():
         assert np.array_equal(v, uninterrupted[k]), f"3 torchrun ranks and 1 rank differ in {k}"
     for nranks, launcher in ((2, TORCHRUN), (1, "sokrun")):
-        out = run_mpi(nranks, "checkpoint_worker.py", "resume", tmp_path, 6, 3, timeout=300, launcher=launcher)
-        assert out.count("resume ok") == nranks
+        on_ranks(test_checkpoint.resume_job, nranks, launcher=launcher, timeout=300, folder=tmp_path, steps=6, first=3)
         resumed = npz(tmp_path / f"resumed-{nranks}.npz")
         for k, v in uninterrupted.items():
             assert np.array_equal(resumed[k], v), f"resumed at {nranks} ranks ({launcher}): {k} differs"
@@ -243,13 +241,11 @@ def test_saved_under_torchrun_resumes_under_both_launchers_at_other_world_sizes(
 
 @pytest.mark.parametrize("mode", CASES)
 def test_contract(mode):
-    out = run_mpi(2, "contract_worker.py", mode, timeout=120, launcher=TORCHRUN)
-    assert out.count(f"{mode} ok") == 2, out
+    on_ranks(contract.test_contract, 2, launcher=TORCHRUN, timeout=120, mode=mode)
 
 
 def test_every_input_error_on_one_rank_of_three():
-    out = run_mpi(3, "contract_worker.py", "every_error", timeout=120, launcher=TORCHRUN)
-    assert out.count("every_error ok") == 3, out
+    on_ranks(contract.test_contract, 3, launcher=TORCHRUN, timeout=120, mode="every_error")
 
 
 def test_runtime_state():

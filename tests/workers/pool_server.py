@@ -5,9 +5,13 @@ once per pool instead of once per job.
 Run under ``sokrun -np N python pool_server.py CONTROL_DIR HARNESS_PID`` (or torchrun's
 ``--nproc-per-node N pool_server.py ...``). Every rank watches
 CONTROL_DIR for ``task-K.json`` (K = 0, 1, ...): ``{"script": path, "args": [...], "cwd": folder or null}`` runs
-the script as ``__main__`` with that ``sys.argv`` and working directory (as ``python script args`` would), its file
-descriptors 1 and 2 sent to ``task-K.rankR.out`` / ``.err``; then the rank writes its exit
-code to ``task-K.rankR.status``. ``{"exit": true}`` ends the pool.
+the script as ``__main__`` with that ``sys.argv`` and working directory (as ``python script args`` would);
+``{"call": {...}, "cwd": ...}`` calls a ``@ranks`` test's body (``rank_call.py``), its outcome
+written to ``task-K.rankR.outcome``. Either way the rank's file descriptors 1 and 2 go to
+``task-K.rankR.out`` / ``.err``, and the rank then writes its exit code to
+``task-K.rankR.status``; a task that is still running ``timeout`` seconds (its ``timeout``,
+less a margin) after it began writes every thread's stack to ``.err``, for the harness's report
+of the timeout. ``{"exit": true}`` ends the pool.
 
 What a fresh process would have, each task gets again: ``sys.argv``, ``sys.path`` with the
 script's folder first, the working directory, environment variables and tempfile's folder, torch's and numpy's global random states as
@@ -16,12 +20,14 @@ tables it made, and ``sokpy.testing.process.start_over`` numbers the next task's
 again; a task whose tables outlive it (a worker that patched sokpy and left the patch) makes
 the harness end the pool after it. What a fresh process would not do, a task does
 not either: an uncaught exception (or a non-zero ``sys.exit``) prints its traceback and aborts
-the MPI world, exactly as under ``python -m mpi4py``; the harness then starts a new pool.
+the MPI world, exactly as under ``python -m mpi4py`` (a failed call first waits a moment for the
+other ranks' outcomes); the harness then starts a new pool.
 
 While waiting the ranks only poll the folder (no MPI call, so no rank spins in a collective);
 a pool whose harness process is gone, or that waited ``IDLE_LIMIT`` seconds for a task, ends.
 """
 
+import faulthandler
 import gc
 import json
 import os
@@ -33,34 +39,14 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import rank_call
 import torch
+from rank_call import GRACE, end_job, wait_for, world_rank
 
 import sokpy  # noqa: F401 - imported once here, the point of the pool
 from sokpy.testing import process
 
 IDLE_LIMIT = 900.0
-# Under torchrun the ranks start no MPI: their rank is torchrun's, and a failed task ends this
-# process, after which torchrun's agent ends the others.
-TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def world_rank() -> int:
-    if TORCHRUN:
-        return int(os.environ["RANK"])
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank()
-
-
-def end_job(code: int) -> None:
-    """Ends the whole job, as a failed task would have ended its own."""
-    if TORCHRUN:
-        from sokpy.backends import runtime
-
-        runtime.abort(code)  # tells the other ranks this one failed, then ends this process
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(code)
 
 
 def alive(pid: int) -> bool:
@@ -88,9 +74,10 @@ def next_task(control: Path, k: int, harness: int) -> dict:
     return json.loads(path.read_text())
 
 
-def run(task: dict, out: Path, err: Path) -> int:
-    """Runs one script as ``__main__``; returns its exit code (0, or 1 for an exception)."""
-    script = str(task["script"])
+def run(task: dict, out: Path, err: Path, outcome: Path) -> int:
+    """Runs one script as ``__main__``, or calls one test's body; returns its exit code (0, or
+    1 for an exception)."""
+    script = str(task.get("script") or rank_call.__file__)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -100,11 +87,17 @@ def run(task: dict, out: Path, err: Path) -> int:
     with open(out, "w") as o, open(err, "w") as e:
         os.dup2(o.fileno(), 1)
         os.dup2(e.fileno(), 2)
+        if task.get("timeout"):
+            faulthandler.dump_traceback_later(task["timeout"] - min(10.0, task["timeout"] / 10), file=e)
         try:
-            sys.argv = [script, *map(str, task["args"])]
+            sys.argv = [script, *map(str, task.get("args", []))]
             sys.path[:0] = [os.path.dirname(os.path.abspath(script))]
             os.chdir(task.get("cwd") or cwd)
-            runpy.run_path(script, run_name="__main__")
+            if "call" in task:
+                sys.path[:0] = [str(rank_call.TESTS)]
+                code = rank_call.call(task["call"], outcome)
+            else:
+                runpy.run_path(script, run_name="__main__")
         except SystemExit as done:
             code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
             if not isinstance(done.code, int | None):
@@ -113,6 +106,7 @@ def run(task: dict, out: Path, err: Path) -> int:
             traceback.print_exc()
             code = 1
         finally:
+            faulthandler.cancel_dump_traceback_later()
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved[0], 1)
@@ -140,7 +134,8 @@ def main() -> None:
         torch.random.set_rng_state(torch_rng)
         np.random.set_state(numpy_rng)
         torch.set_default_dtype(torch.float32)
-        code = run(task, control / f"task-{k}.rank{rank}.out", control / f"task-{k}.rank{rank}.err")
+        name = f"task-{k}.rank{rank}"
+        code = run(task, control / f"{name}.out", control / f"{name}.err", control / f"{name}.outcome")
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # a new process has no default group
@@ -153,6 +148,8 @@ def main() -> None:
         status.with_suffix(".tmp").write_text(str(code))
         status.with_suffix(".tmp").replace(status)
         if code != 0:
+            if "call" in task:
+                wait_for([control / f"task-{k}.rank{r}.status" for r in range(task["call"]["nranks"])], GRACE)
             end_job(code)
         k += 1
 
