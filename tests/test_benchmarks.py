@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 from conftest import ROOT
 
 
