@@ -22,6 +22,7 @@ import numpy as np
 
 from ..timing import count_traffic, timed
 from . import hostpool
+from .polled import Polled
 
 __all__ = ["Communicator", "MpiComm", "SoloComm", "LeaveNotices", "MpiUnavailable", "mpi_world", "max_count"]
 
@@ -125,6 +126,19 @@ class Communicator:
         """Ends every process of the job with exit code ``code``."""
         raise NotImplementedError
 
+    #: Whether a thread may make collective calls on a :meth:`duplicate` while another
+    #: thread makes them on this communicator (MPI: where it runs ``MPI_THREAD_MULTIPLE``).
+    concurrent: bool = True
+
+    def duplicate(self) -> Communicator:
+        """A communicator of the same ranks whose collectives never pair with this one's, for
+        collective work on another thread while this one's calls go on (``sokpy.nn.TrainPipeline``
+        exchanges the next batch's keys on one). Collective: every rank calls it at the same
+        point. A thread waiting in one of its collectives leaves its core to the others (over
+        MPI, whose blocking calls spin, it polls nonblocking operations with short sleeps).
+        Free it with :meth:`free`."""
+        raise NotImplementedError
+
 
 class SoloComm(Communicator):
     """The communicator of a job of one process where no MPI library is loaded (one GPU
@@ -143,6 +157,9 @@ class SoloComm(Communicator):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+    def duplicate(self) -> SoloComm:
+        return SoloComm(self.xp)
 
     def alltoall_counts(self, counts):
         counts = np.ascontiguousarray(counts, dtype=np.int64)
@@ -193,6 +210,15 @@ class MpiComm(Communicator):
         if self._comm is not None and self._comm != self._MPI.COMM_WORLD:
             self._comm.Free()
         self._comm = None
+
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]
+        return self._MPI.Query_thread() >= self._MPI.THREAD_MULTIPLE
+
+    def duplicate(self) -> MpiComm:
+        """An :class:`MpiComm` over a duplicate of this one's MPI communicator, whose
+        collectives wait by polling (:class:`sokpy.backends.polled.Polled`)."""
+        return MpiComm(Polled(self._comm.Dup()))
 
     def abort(self, code: int) -> None:
         self._MPI.COMM_WORLD.Abort(code)
