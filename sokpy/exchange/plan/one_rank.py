@@ -35,6 +35,9 @@ class OneRank:
         self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
 
+    def send_keys(self, agreement: Agreement, comm=None) -> None:
+        """Nothing: one rank's keys stay where they are."""
+
     def fetch(self, agreement: Agreement) -> Source:
         """Rows by key, no exchange: a dynamic table's found (and grown), a static table's key
         is its stored row (route_keys checked the range)."""
