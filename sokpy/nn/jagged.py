@@ -24,7 +24,7 @@ import torch.utils._pytree
 
 from ..exchange.sparse import Ragged, int_array, kjt_stride, segment_starts
 
-__all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "torchrec_types"]
+__all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "module_inputs", "torchrec_types"]
 
 
 class _Jagged:
@@ -160,3 +160,14 @@ def feature_inputs(features, weights, names: list[str], module: str):
         ids.append(Ragged(values[lo:hi], off - lo, None))
         ws.append(None if w is None else w[lo:hi])
     return ids, (None if w is None else ws)
+
+
+def module_inputs(features, weights, names: list[str], module: str):
+    """:func:`feature_inputs` as ``(ids, weights, fault)``: a fault in the input comes back
+    as its text (``"<module> input: ..."``), for the lookup to raise on every rank alike."""
+    try:
+        ids, ws = feature_inputs(features, weights, names, module)
+        return ids, ws, None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
+        text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+        return None, None, f"{module} input: {text}"

@@ -71,7 +71,7 @@ from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
 from .config import apply_init_fn, table_spec
-from .jagged import JaggedTensor, feature_inputs, torchrec_types
+from .jagged import JaggedTensor, module_inputs, torchrec_types
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TableState", "concat"]
 
@@ -196,15 +196,13 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return self.training if self.insert is None else bool(self.insert)
 
     # ---- forward -----------------------------------------------------------------------------------
+    def _inputs(self, features: Any, weights: Mapping[Any, Any] | None) -> tuple[Any, Any, str | None]:
+        return module_inputs(features, weights, self.feature_names(), type(self).__name__)
+
     def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
         """One lookup call over every feature; a fault in this rank's input is raised by the
-        lookup on every rank alike."""
-        try:
-            ids, ws = feature_inputs(features, weights, self.feature_names(), type(self).__name__)
-            fault = None
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
-            text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
-            ids, ws, fault = None, None, f"{type(self).__name__} input: {text}"
+        lookup on every rank alike (its source: what a training pipeline prepares ahead)."""
+        ids, ws, fault = self._inputs(features, weights)
         return lookup(
             [var for _, var, _ in self.feature_tables],
             ids,
@@ -214,6 +212,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
             grad_reduction=self.grad_reduction,
             wire_dtype=self.wire_dtype,
             input_error=fault,
+            source=(features, weights, self._inputs),
             **kwargs,
         ), ids
 
