@@ -10,7 +10,9 @@
   (:mod:`sokpy.nn.serving`);
 * :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks;
 * :func:`fused_optimizer`: the sokpy optimizer for TorchRec's ``fused_params``
-  (:mod:`sokpy.nn.fused`).
+  (:mod:`sokpy.nn.fused`);
+* :class:`TrainPipeline`: the training loop that exchanges the next batch's keys while this
+  batch trains (TorchRec's ``TrainPipelineSparseDist``; :mod:`sokpy.nn.pipeline`).
 
 Example (any number of ranks)::
 
@@ -28,6 +30,7 @@ from .config import EmbeddingBagConfig, EmbeddingConfig
 from .fused import fused_optimizer
 from .jagged import JaggedTensor, KeyedJaggedTensor
 from .modules import EmbeddingBagCollection, EmbeddingCollection, TableState, concat
+from .pipeline import TrainPipeline
 from .process_group import init_process_group
 from .serving import inference_module
 
@@ -44,4 +47,5 @@ __all__ = [
     "concat",
     "inference_module",
     "init_process_group",
+    "TrainPipeline",
 ]
