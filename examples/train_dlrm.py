@@ -47,10 +47,11 @@ model can score), the training throughput, the wall time, and per training step 
 view) its milliseconds, those spent in sokpy's exchanges and the kilobytes sokpy sent to other
 ranks and the collectives it entered (counted by ``sokpy.timing``; DDP's gloo traffic for the
 dense model is not in it), and the step's lookup phases on the training thread (``keys_ms``:
-the key exchange's wait, the keys' header and all-to-all, or with ``--pipeline`` the wait
-for the next batch's and the calls' agreement; ``rows_ms``: the owners' rows and the row
-exchange; ``grads_ms``: the backward's exchange) with ``ahead_ms``, the key exchanges the
-pipeline ran beside the step (off its critical path)::
+the keys' header and all-to-all, or with ``--pipeline`` only the calls' agreement;
+``wait_ms``: with ``--pipeline``, the wait for the next batch's key exchange at the end of
+the step; ``rows_ms``: the owners' rows and the row exchange; ``grads_ms``: the backward's
+exchange) with ``ahead_ms``, the key exchanges the pipeline ran beside the step (off its
+critical path)::
 
     RESULT auc=0.83 loss_start=0.52 loss_end=0.47 eval_loss=0.47 oracle_auc=0.85 ...
 
@@ -79,7 +80,7 @@ from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 TRAIN, EVAL = 0, 1  # stream ids of the synthetic data
 # The lookup phases RESULT reports, and the sokpy.timing categories that time them.
-PHASES = {"keys": "keys", "rows": "rows", "grads": "grads", "ahead": "prefetch.keys"}
+PHASES = {"keys": "keys", "wait": "keys_wait", "rows": "rows", "grads": "grads", "ahead": "prefetch.keys"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

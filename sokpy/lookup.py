@@ -39,6 +39,7 @@ from .exchange.plan import COMBINERS, LookupPlan
 from .exchange.sparse import BatchError, one_bag_per_key, to_batch
 from .exchange.wire import check_wire_dtype
 from .tables.table import Table
+from .timing import timed
 
 __all__ = [
     "lookup_sparse",
@@ -236,7 +237,8 @@ def lookup(
     hook = _hook if _hook is not None and _hook.thread == threading.get_ident() else None
     plan = None if hook is None else hook.plan_for(call)
     if plan is None:
-        plan = plan_of(call)
+        with timed("keys"):  # the input parsed and checked: the first of the call's keys phase
+            plan = plan_of(call)
     if not plan.grad_mode or plan.error is not None:
         outs = plan.forward()  # with an error: raises it on every rank (the others in the node below)
     else:

@@ -145,10 +145,14 @@ def totals() -> dict:
     return dict(_totals)
 
 
+_traffic_lock = threading.Lock()  # a pipeline's thread counts its exchanges beside the main thread
+
+
 def count_traffic(kind: str, nbytes: int) -> None:
     """Adds one collective of ``kind`` ("alltoall" or "other") sending ``nbytes`` to other ranks."""
-    _traffic[kind + "_bytes"] += int(nbytes)
-    _traffic[kind + "_calls"] += 1
+    with _traffic_lock:
+        _traffic[kind + "_bytes"] += int(nbytes)
+        _traffic[kind + "_calls"] += 1
 
 
 def traffic() -> dict:

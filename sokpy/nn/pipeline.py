@@ -198,11 +198,12 @@ class TrainPipeline:
         self._future = self._prefetcher.start(nxt, [r for r in recipes if r is not None], self._batches + 1)
 
     def _wait(self) -> Prefetched:
-        """The next batch's key exchange, waited for (timed as ``"keys"``: the key exchange's
-        wait on the training thread; the watchdog times it like a collective call)."""
+        """The next batch's key exchange, waited for (timed as ``"keys_wait"``: with the
+        calls' ``"keys"``, their agreement, the key exchange's wait on the training thread;
+        the watchdog times it like a collective call)."""
         future, self._future = self._future, None
         assert future is not None and self._prefetcher is not None
-        with timing.timed("keys"):
+        with timing.timed("keys_wait"):
             done = _waited(future).result()
         if self._prefetcher.side is not None:
             self._prefetcher.side.current_after()  # the main stream's work comes after the side stream's

@@ -76,14 +76,16 @@ class LookupPlan:
     def forward(self) -> list[torch.Tensor]:
         """Runs the call (collective); returns the outputs: one tensor per table, or one
         ``[B, sum(dims)]`` tensor when ``keyed``. Its keys (the stages up to and including the
-        key exchange) are timed as ``"keys"`` and its rows (the owners' rows and the row
-        exchange) as ``"rows"`` (:mod:`sokpy.timing`); where :meth:`agree_keys` and
+        key exchange; ``lookup`` times the input's conversion there too) are timed as
+        ``"keys"`` and its rows (the owners' rows and the row exchange) as ``"rows"``
+        (:mod:`sokpy.timing`); where :meth:`agree_keys` and
         :meth:`send_keys` ran already, only an agreement that every rank is in this call
         precedes the rows."""
         if self.keys_ahead is not None:
             return self._forward_after_keys()
         world = runtime.comm().size
-        error, header, uids = self._group(world)
+        with timed("keys"):
+            error, header, uids = self._group(world)
         with collective.Call(
             "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
         ) as agreeing:
