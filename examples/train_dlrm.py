@@ -286,7 +286,10 @@ class Trainer:
 
     def train_batch(self, step: int) -> TrainBatch:
         """This rank's part of global training batch ``step``."""
-        batch = self.data.batch(TRAIN, step, self.lo, self.hi)
+        return self.as_train_batch(self.data.batch(TRAIN, step, self.lo, self.hi))
+
+    def as_train_batch(self, batch) -> TrainBatch:
+        """A ``SyntheticClicks`` batch as the model reads it."""
         return TrainBatch(batch.dense, keyed(self.features, batch.sparse), batch.labels)
 
     def train_step(self, step: int, batch: TrainBatch | None = None) -> float:
