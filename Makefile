@@ -2,7 +2,8 @@
 #   make demo   a short 2-rank training run on CPU
 #   make test   lint and format check (ruff), type check (mypy), then the whole test suite (its MPICH and
 #               horovodrun tests use the environment launch/install-horovod builds, once
-#               per machine, under ~/.cache/sokpy)
+#               per machine, under ~/.cache/sokpy; its TorchRec tests TorchRec and FBGEMM's
+#               CPU build, which launch/install-torchrec puts in .venv)
 # and, on a GPU node (torch with CUDA and CuPy installed; no network needed):
 #   make gpu-check   the device path's proof (launch/gpu-check), with the node's own python3
 #                    (python3 launch/gpu-check --emulate: all of it but the GPU itself, on any machine)
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.sokpy-installed
 # suite in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint horovod-env gpu-check clean
+.PHONY: demo test lint horovod-env torchrec-env gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +34,12 @@ lint: $(STAMP)
 horovod-env:
 	PYTHON=$(PYTHON) launch/install-horovod >/dev/null
 
-test: lint horovod-env
+# TorchRec and FBGEMM's CPU build, the pair for the venv's torch (launch/install-torchrec), so
+# that the TorchRec tests run.
+torchrec-env: $(STAMP)
+	$(VENV)/bin/python launch/install-torchrec
+
+test: lint horovod-env torchrec-env
 	$(VENV)/bin/python -m pytest -q -ra --durations=40 -n $(TEST_WORKERS) --dist loadgroup
 
 gpu-check:

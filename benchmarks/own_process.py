@@ -117,7 +117,9 @@ def parent(args) -> int:
 
         ok, why = bench_w1.fbgemm_available()
         if not ok:
-            raise SystemExit(f"fbgemm: {why} (pip install -e '.[bench]', or leave it out of --contestants)")
+            raise SystemExit(
+                f"fbgemm: {why} (launch/install-torchrec installs the FBGEMM paired with this torch, or leave it out of --contestants)"
+            )
     workload = [f"--{n}={getattr(args, n)}" for n in WORKLOAD] + [f"--threads={args.threads}"]
     print(
         f"# own_process: {' '.join(workload)}, steps {args.steps}, rounds {args.rounds}, "

@@ -302,7 +302,8 @@ extern "C" __global__ void widen_values(const float* src, i64 src_stride, i64 n,
 // src[t], of type SRC_DTYPE (a half table's own rows are widened as they are read); a negative
 // val_off is a key the table does not hold (looked up without insert): a zero row.
 //   out[b] = sum_j w_j * row_j / den[b],  den = 1 (sum), sum_j w_j (mean), sqrt(sum_j w_j^2) (sqrtn)
-// (tf.nn.embedding_lookup_sparse); w_j = weights[j] for tables with WEIGHTED, else 1. A bag
+// (tf.nn.embedding_lookup_sparse), or the bag's length (length_mean: TorchRec's, FBGEMM's MEAN);
+// w_j = weights[j] for tables with WEIGHTED, else 1. A bag
 // whose den is 0 (an empty bag) gives a zero row. Output row b of table t starts at element
 // OUT_START + (b - bag_start[t]) * OUT_STRIDE of out. Writes den[b], and bag_of[j] = b for
 // the backward.
@@ -335,7 +336,9 @@ extern "C" __global__ void combine_forward(const u64* src, const i64* val_off, c
         }
         const i64 begin = offsets[b], end = offsets[b + 1];
         float denom = 1.0f;
-        if (combiner != SOKPY_SUM) {
+        if (combiner == SOKPY_LENGTH_MEAN) {
+            denom = (float)(end - begin);
+        } else if (combiner != SOKPY_SUM) {
             float acc = 0.0f;
             for (i64 j = begin; j < end; ++j) {
                 const float wj = w ? w[j] : 1.0f;
@@ -594,6 +597,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
 //   sum:   g_b . e_j
 //   mean:  g_b . (e_j - o_b) / den_b
 //   sqrtn: (g_b . e_j - (g_b . o_b) * w_j / den_b) / den_b
+//   length_mean: g_b . e_j / den_b
 // (0 when den_b is 0). One thread per key computes its dot products in column order, so the
 // result does not depend on the launch shape: launch with block.x = 1.
 extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const u64* grad, const float* out,
@@ -623,6 +627,7 @@ extern "C" __global__ void weight_grad(const u64* src, const i64* val_off, const
         }
         if (combiner == SOKPY_SUM) dw[j] = ge;
         else if (combiner == SOKPY_MEAN) dw[j] = (ge - go) / dn;
+        else if (combiner == SOKPY_LENGTH_MEAN) dw[j] = ge / dn;
         else dw[j] = (ge - go * weights[j] / dn) / dn;
     }
 }

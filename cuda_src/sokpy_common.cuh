@@ -71,6 +71,7 @@ __device__ __forceinline__ void sokpy_row_copy(float* o, const float* r, int dim
 #define SOKPY_SUM 0
 #define SOKPY_MEAN 1
 #define SOKPY_SQRTN 2
+#define SOKPY_LENGTH_MEAN 3  // TorchRec's (FBGEMM's) MEAN: a weighted bag divided by its length
 
 // A hint that a row will be read soon. The host has few threads to hide memory latency with,
 // so there it issues a prefetch per cache line; a GPU hides latency with other warps, so

@@ -17,7 +17,7 @@
 #define SOKPY_TAB_ROWS 3        // static tables: the number of keys (valid keys are [0, rows))
 #define SOKPY_TAB_TARGET 4      // localized tables: the rank that holds the whole table
 #define SOKPY_TAB_EXACT 5       // 1 when the local row index fits the sort value bits (route_keys)
-#define SOKPY_TAB_COMBINER 6    // SOKPY_SUM / SOKPY_MEAN / SOKPY_SQRTN
+#define SOKPY_TAB_COMBINER 6    // SOKPY_SUM / SOKPY_MEAN / SOKPY_SQRTN / SOKPY_LENGTH_MEAN
 #define SOKPY_TAB_OUT_START 7   // element offset of the table's first output row
 #define SOKPY_TAB_OUT_STRIDE 8  // elements from one output row (bag) to the next
 #define SOKPY_TAB_INDEX_MASK 9  // dynamic tables: hash index slots - 1 (a power of two minus one)

@@ -10,8 +10,9 @@ What it shows:
   looked up in one call per step (one exchange);
 * the whole model (the module, a bottom MLP over 13 dense features, DLRM's pairwise
   dot-product feature interaction, a top MLP, BCE loss) wrapped in torch
-  ``DistributedDataParallel`` over gloo, next to sokpy's MPI world: DDP averages (here: sums)
-  the dense gradients and never sees the tables, which are not parameters;
+  ``DistributedDataParallel`` over gloo, next to sokpy's world (MPI under sokrun, mpirun or
+  horovodrun; torch.distributed under torchrun): DDP averages (here: sums) the dense
+  gradients and never sees the tables, which are not parameters;
 * the two-optimizer pattern: ``sokpy.optim.Adagrad`` for the tables, ``torch.optim.Adam``
   for the dense parameters;
 * a synthetic Criteo-like stream with a planted signal (``synthetic_data.py``) and a
@@ -24,6 +25,7 @@ What it shows:
 Run it (``make demo`` runs the first line)::
 
     sokrun -np 2 --timeout 900 python examples/train_dlrm.py
+    torchrun --nproc-per-node 2 examples/train_dlrm.py  # the same job, no MPI needed
     python examples/train_dlrm.py                      # one rank, no launcher needed
     sokrun -np 3 python examples/train_dlrm.py --steps 300 --batch-size 2048
     sokrun -np 2 python examples/train_dlrm.py --pipeline     # the next batch's keys exchanged ahead

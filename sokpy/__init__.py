@@ -1,6 +1,6 @@
-"""sokpy: sharded embedding tables for PyTorch, trained across ranks launched by MPI.
+"""sokpy: sharded embedding tables for PyTorch, trained across ranks launched by MPI or torchrun.
 
-Example (``sokrun -np 2 python this.py``)::
+Example (``sokrun -np 2 python this.py``, or ``torchrun --nproc-per-node 2 this.py``)::
 
     import torch, sokpy
     sokpy.init()

@@ -83,7 +83,10 @@ class _LookupFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no rows for it
         ctx.plan = plan
         ctx.nweights = nweights
-        return tuple(plan.forward())
+        outs = tuple(plan.forward())
+        if not plan.keyed:  # a frozen table's output needs no gradient
+            ctx.mark_non_differentiable(*(o for o, trains in zip(outs, plan.trains) if not trains))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -95,7 +98,7 @@ class _LookupFunction(torch.autograd.Function):
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
     needed = [g for g in weight_grads if g is not None][:nweights]
-    return (None, None) + (None,) * min(len(plan.tables), 1) + tuple(needed)
+    return (None, None, None) + tuple(needed)
 
 
 def _as_list(x, n: int, what: str):
@@ -118,12 +121,14 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
         codes = list(map(COMBINERS.get, combs))
         if None in codes:
             i = codes.index(None)
-            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean' or 'sqrtn')")
+            raise BatchError(i, f"unknown combiner {combs[i]!r} (use 'sum', 'mean', 'sqrtn' or 'length_mean')")
         batch = to_batch(sp_ids, sp_weights, len(params))
         if not pooled:
             batch = one_bag_per_key(batch)
         return batch, np.array(codes, np.int64), None
     except BatchError as e:
+        if e.table is None:  # the input as a whole (a KeyedJaggedTensor's bags)
+            return None, None, str(e)
         return None, None, f"table {params[e.table].name!r} (index {e.table}): {e}"
     except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
         return None, None, f"{type(e).__name__}: {e}"
@@ -156,7 +161,8 @@ class LookupCall:
         identity), the combiners and the call's flags."""
         combs = self.combiners if self.combiners is None or isinstance(self.combiners, str) else tuple(self.combiners)
         flags = (self.insert, self.grad_reduction, self.keyed, self.wire_dtype, self.pooled, self.grad_mode)
-        return (tuple(map(id, self.params)), combs, *flags)
+        trains = tuple(bool(getattr(v, "requires_grad", False)) for v in self.params)  # frozen or not
+        return (tuple(map(id, self.params)), combs, trains, *flags)
 
 
 def plan_of(call: LookupCall) -> LookupPlan:
@@ -166,7 +172,12 @@ def plan_of(call: LookupCall) -> LookupPlan:
         batch, codes, error = _prepare(call.params, call.sp_ids, call.sp_weights, call.combiners, call.pooled)
     else:
         batch, codes, error = None, None, call.input_error
-    args = (call.insert, call.grad_reduction, call.keyed, error, call.grad_mode, call.wire_dtype)
+    weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
+    # Frozen tables (requires_grad_(False)) take no gradient: a call of frozen tables alone,
+    # without weights that want one, runs as under no_grad (every rank alike: the tables'
+    # flags are the same everywhere).
+    grad_mode = call.grad_mode and (any(v.requires_grad for v in call.params) or bool(weights))
+    args = (call.insert, call.grad_reduction, call.keyed, error, grad_mode, call.wire_dtype)
     return LookupPlan(call.params, batch, codes, *args)
 
 
@@ -243,7 +254,10 @@ def lookup(
         outs = plan.forward()  # with an error: raises it on every rank (the others in the node below)
     else:
         weights = [] if plan.batch is None else [w for w in plan.batch.weight_grads if w is not None]
-        outs = list(_LookupFunction.apply(plan, len(weights), *(v.handle for v in plan.tables[:1]), *weights))
+        handle = next(
+            (v.handle for v, t in zip(plan.tables, plan.trains) if t), plan.tables[0].handle
+        )  # ties the node in
+        outs = list(_LookupFunction.apply(plan, len(weights), handle, *weights))
     if hook is not None:
         hook.after()
     return outs
@@ -266,7 +280,8 @@ def lookup_sparse(
     ``[B, H]`` or CSR, a 1-D or 2-D integer tensor, or a list of lists), or one
     KeyedJaggedTensor for all tables; ``sp_weights`` the same structure of per-key weights (or
     None: every weight is 1); ``combiners`` one of "sum", "mean" (default) or "sqrtn" per
-    table, as ``tf.nn.embedding_lookup_sparse``. Returns one float32 tensor ``[B_t, dim_t]``
+    table, as ``tf.nn.embedding_lookup_sparse``, or "length_mean" (TorchRec's MEAN: a
+    weighted bag divided by its length; docs/numerics.md). Returns one float32 tensor ``[B_t, dim_t]``
     per table (a single tensor for a single table). Every rank must pass the same tables in
     the same order; batch sizes may differ between tables and ranks. Bad input on any rank
     raises :class:`sokpy.InputError` on every rank before anything is exchanged or changed.

@@ -68,11 +68,18 @@ needs_horovod_env = pytest.mark.skipif(
 
 def launch_command(launcher, nranks, program, timeout):
     """``(command, environment additions)`` that start ``program`` (a list beginning with
-    "python") at ``nranks`` ranks under ``launcher``: "sokrun", "mpich" (MPICH's mpiexec) or
-    "horovodrun" (``--mpi``, on MPICH). The last two take the Horovod environment's Python."""
+    "python") at ``nranks`` ranks under ``launcher``: "sokrun", "torchrun" (``python -m
+    torch.distributed.run --standalone``, under ``timeout``, which ends its agent and so its
+    workers), "mpich" (MPICH's mpiexec) or "horovodrun" (``--mpi``, on MPICH). The last two
+    take the Horovod environment's Python."""
     if launcher == "sokrun":
         sokrun = [sys.executable, str(ROOT / "launch" / "sokrun"), "-np", str(nranks), "--timeout", str(timeout)]
         return [*sokrun, *program], {}
+    if launcher == "torchrun":
+        if program[0] != "python":
+            raise ValueError(f"torchrun runs Python programs: {program}")
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nranks)]
+        return ["timeout", "-k", "10", str(int(timeout)), *torchrun, *program[1:]], {}
     env = horovod_env()
     if env is None:
         pytest.skip("the Horovod/MPICH environment is not built: run launch/install-horovod")
@@ -83,6 +90,19 @@ def launch_command(launcher, nranks, program, timeout):
     return [*head[launcher], str(nranks), python, *program[1:]], extra
 
 
+def no_mpi_library(folder: Path) -> dict:
+    """Environment additions under which mpi4py is there but no MPI library loads (its ``MPI``
+    module raises the ImportError a missing libmpi raises): a stand-in package in ``folder``,
+    first on PYTHONPATH (job_command keeps it ahead of the checkout)."""
+    package = folder / "mpi4py"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""mpi4py whose MPI library is missing (tests/conftest.py)."""\n')
+    (package / "MPI.py").write_text(
+        'raise ImportError("libmpi.so.40: cannot open shared object file: No such file or directory")\n'
+    )
+    return {"PYTHONPATH": str(folder)}
+
+
 def job_command(launcher, nranks, program, timeout, env=None):
     """``(command, full environment)`` of a job: :func:`launch_command`'s, with this
     process's environment, ``env`` and sokpy from this checkout."""
@@ -90,7 +110,8 @@ def job_command(launcher, nranks, program, timeout, env=None):
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.update(extra)
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    paths = [*(env or {}).get("PYTHONPATH", "").split(os.pathsep), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return cmd, full_env
 
 
@@ -108,20 +129,21 @@ POOLED = os.environ.get("SOKPY_TEST_POOLS", "1") != "0"
 def job_result(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
     """The job :func:`run_mpi` runs (in a rank pool unless ``fresh``, another launcher or
     ``SOKPY_TEST_POOLS=0``), its exit code and output returned whether it failed or not."""
-    if launcher == "sokrun" and not fresh and POOLED:
-        return rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd)
+    if launcher in ("sokrun", "torchrun") and not fresh and POOLED:
+        return rank_pool.run_in_pool(nranks, WORKERS / script, args, timeout, env, job_command, cwd, launcher)
     return mpi_job(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, cwd=cwd)
 
 
 def run_mpi(nranks, script, *args, timeout=240, env=None, launcher="sokrun", fresh=False, cwd=ROOT):
     """Runs a worker at ``nranks`` ranks and fails the test if the job fails; returns its
-    stdout. Under sokrun (the default) the worker runs in a resident rank pool of that world
-    size and environment (``rank_pool.py``: the same ranks serve many tests, so start-up is
-    paid once); ``fresh=True``, another launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of
-    its own. ``cwd``: the ranks' working directory (the checkout's root by default)."""
+    stdout. Under sokrun (the default) or torchrun (``launcher="torchrun"``) the worker runs
+    in a resident rank pool of that launcher, world size and environment (``rank_pool.py``:
+    the same ranks serve many tests, so start-up is paid once); ``fresh=True``, another
+    launcher or ``SOKPY_TEST_POOLS=0`` gives it a job of its own. ``cwd``: the ranks' working
+    directory (the checkout's root by default)."""
     res = job_result(nranks, script, *args, timeout=timeout, env=env, launcher=launcher, fresh=fresh, cwd=cwd)
     if res.returncode != 0:
-        how = "sokrun rank pool" if isinstance(res, rank_pool.Result) else launcher
+        how = f"{launcher} rank pool" if isinstance(res, rank_pool.Result) else launcher
         pytest.fail(
             f"{script} {' '.join(map(str, args))} at {nranks} ranks ({how}) failed (exit {res.returncode})\n"
             f"--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"

@@ -1,5 +1,5 @@
-"""Resident rank pools: one ``sokrun -np N`` job per (world size, environment) that runs many
-tests' worker scripts one after another (``workers/pool_server.py``).
+"""Resident rank pools: one ``sokrun -np N`` (or torchrun) job per (launcher, world size,
+environment) that runs many tests' worker scripts one after another (``workers/pool_server.py``).
 
 Nearly all of a short job's time here is start-up: every rank starts Python and imports
 torch and sokpy. ``conftest.run_mpi`` sends a worker to a pool by default, so a test pays
@@ -47,21 +47,22 @@ class Result:
 
 
 class RankPool:
-    """``nranks`` resident ranks started with ``env`` (added to this process's environment)."""
+    """``nranks`` resident ranks started with ``env`` (added to this process's environment)
+    under ``launcher``: "sokrun" or "torchrun"."""
 
-    def __init__(self, nranks: int, env: dict[str, str], job_command):
-        self.nranks = nranks
+    def __init__(self, nranks: int, env: dict[str, str], job_command, launcher: str = "sokrun"):
+        self.nranks, self.launcher = nranks, launcher
         self.dir = Path(tempfile.mkdtemp(prefix=f"sokpy-pool{nranks}-"))
         self.tasks = 0
         program = ["python", str(SERVER), str(self.dir), str(os.getpid())]
-        cmd, full_env = job_command("sokrun", nranks, program, 24 * 3600, env)
+        cmd, full_env = job_command(launcher, nranks, program, 24 * 3600, env)
         self.log = open(self.dir / "pool.log", "w")  # noqa: SIM115 - open for the pool's life
         self.proc = subprocess.Popen(
             cmd, env=full_env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         began = time.monotonic()
         self._wait(lambda: all((self.dir / f"ready.rank{r}").exists() for r in range(nranks)), START_TIMEOUT)
-        _note(f"start {nranks} ranks {sorted(env.items())} in {time.monotonic() - began:.1f} s")
+        _note(f"start {nranks} ranks ({launcher}) {sorted(env.items())} in {time.monotonic() - began:.1f} s")
         if not self.alive():
             raise RuntimeError(f"a {nranks}-rank pool did not start:\n{self._log_tail()}")
 
@@ -105,12 +106,16 @@ class RankPool:
     def close(self) -> None:
         if self.alive():
             self.ask_to_exit()
-            if not self._wait(lambda: not self.alive(), 10):
+            # torchrun's agent ends its workers (each in a session of its own) on SIGTERM only.
+            signals = [signal.SIGTERM, signal.SIGKILL] if self.launcher == "torchrun" else [signal.SIGKILL]
+            for sig in signals:
+                if self._wait(lambda: not self.alive(), 10):
+                    break
                 try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    os.killpg(self.proc.pid, sig)
                 except ProcessLookupError:
                     pass
-                self.proc.wait()
+            self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -143,16 +148,19 @@ def _note(line: str) -> None:
             f.write(line + "\n")
 
 
-def run_in_pool(nranks: int, script, args, timeout: float, env: dict | None, job_command, cwd=None) -> Result:
-    """The job ``sokrun -np nranks python script args`` with ``env``, run by a resident pool."""
-    key = (nranks, tuple(sorted((env or {}).items())))
+def run_in_pool(
+    nranks: int, script, args, timeout: float, env: dict | None, job_command, cwd=None, launcher: str = "sokrun"
+) -> Result:
+    """The job ``sokrun -np nranks python script args`` (or torchrun's) with ``env``, run by a
+    resident pool."""
+    key = (launcher, nranks, tuple(sorted((env or {}).items())))
     pool = _pools.pop(key, None)
     if pool is None or not pool.alive():
         while len(_pools) >= MAX_POOLS:
             old_key, old = _pools.popitem(last=False)
             _note(f"evict {old_key}")
             old.close()
-        pool = RankPool(nranks, dict(env or {}), job_command)
+        pool = RankPool(nranks, dict(env or {}), job_command, launcher)
     _pools[key] = pool
     result = pool.run(script, args, timeout, cwd)
     if not pool.alive():

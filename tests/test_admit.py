@@ -102,7 +102,11 @@ def test_nn_config_and_state_dict_keep_the_counters(sokpy_host, tmp_path):
         ebc({"admit_state": [keys]})
     torch.save(ebc.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    assert tuple(state["admit_state"]["sightings"].shape) == (1, d.admission.depth, d.admission.width)
+    assert tuple(state["embedding_bags.admit_state.weight"]["sightings"].shape) == (
+        1,
+        d.admission.depth,
+        d.admission.width,
+    )
     counters = d.admission.counters.copy()
     ebc({"admit_state": [[4, 5, 6]]})
     ebc.load_state_dict(state)

@@ -1,6 +1,7 @@
 """The package's shape holds its rules (docs/architecture.md): every module in one layer and
 no import from a lower layer to a higher one, no import circle (imports inside functions
-included), MPI only in comm (and the test doubles), the test doubles imported only when
+included), MPI only in comm (and the test doubles), torch.distributed only in torch_comm (and
+DDP's process group), the test doubles imported only when
 asked for, and no module reading a backend setting at import."""
 
 import ast
@@ -158,6 +159,25 @@ def test_mpi_only_in_comm_and_the_test_doubles():
     }
     allowed = {"sokpy.backends.comm"} | {m for m in MODULES if m.startswith("sokpy.testing")}
     assert users and users <= allowed, f"mpi4py imported outside comm: {sorted(users - allowed)}"
+
+
+def test_torch_distributed_only_in_its_communicator_and_ddps_group():
+    """torch.distributed is TorchComm's transport: only backends/torch_comm.py talks to it
+    (and torch_world.py, which joins its world), beside sokpy.nn's process_group (which
+    starts DDP's group)."""
+
+    def uses(node) -> bool:
+        if isinstance(node, ast.Import):
+            return any(a.name.startswith("torch.distributed") for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            return module.startswith("torch.distributed") or (
+                module == "torch" and "distributed" in {a.name for a in node.names}
+            )
+        return False
+
+    users = {name for name, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text())) if uses(node)}
+    assert users == {"sokpy.backends.torch_comm", "sokpy.backends.torch_world", "sokpy.nn.process_group"}, sorted(users)
 
 
 def test_the_test_doubles_are_imported_only_when_asked_for():

@@ -2,6 +2,7 @@
 the device path on: it must refuse what CuPy refuses (else the emulation proves nothing) and
 allow what CuPy allows (else it flags correct code)."""
 
+import re
 import threading
 
 import numpy as np
@@ -205,3 +206,129 @@ def test_host_synchronisations_per_step_do_not_grow_with_tables(nranks):
         )
         most = HOST_SYNCS[1 if nranks == 1 else "W", "dynamic" if case == "dynamic" else "static"]
         assert all(g <= m for g, m in zip(got, most)), f"rank {rank}, {case}, {ntab} tables: {got} > {most}"
+
+
+# ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------
+
+
+@pytest.fixture
+def stream_check():
+    """The check of every queued item against torch's current stream, on for one test."""
+    xp.check_streams(True)
+    yield
+    xp.check_streams(False)
+    xp.synchronize()  # nothing a test left behind reaches the next one
+
+
+def test_get_copies_on_the_stream_it_names():
+    side = xp.Stream("side")
+    with xp.use(side):
+        a = xp.arange(3, dtype=np.float32) + 1  # queued on the side stream
+    assert np.isnan(a.get(stream=xp.DEFAULT_STREAM)).all()  # the default stream's copy does not wait for it
+    assert a.get(stream=side).tolist() == [1, 2, 3]
+    out = np.zeros(3, np.float32)
+    with xp.use(side):
+        b = a * 2
+    assert b.get(stream=side, out=out, blocking=False) is out and not out.any()  # queued, not waited for
+    side.synchronize()
+    assert out.tolist() == [2, 4, 6]
+
+
+def test_events_and_waits_behave_as_on_cuda():
+    side = xp.Stream("side")
+    never = xp.Event()
+    assert never.query() and never.done  # never recorded: complete, and waiting for it is no wait
+    side.wait_event(never)
+    a = xp.arange(4, dtype=np.float32) + 1
+    ev = xp.Event()
+    ev.record()
+    assert not ev.query(), "an event is complete before the host or a stream waited for its work"
+    side.wait_event(ev)  # waits for the event as recorded now, not as recorded later
+    c = xp.zeros(4, np.float32) + 7
+    ev.record()
+    with xp.use(side):
+        b = a + c  # c is not ordered before side: still poison when side runs
+        got = b.get()
+    assert got[:1].tolist() != [8.0] and np.isnan(got).all()
+    assert xp.cuda.get_current_stream() is xp.DEFAULT_STREAM
+    ev.synchronize()
+    assert ev.query() and _peek(c).tolist() == [7.0] * 4
+
+
+def test_every_queued_item_goes_to_torchs_current_stream(stream_check):
+    side = xp.Stream("side")
+    with xp.torch_stream(side), xp.use(side):
+        a = xp.arange(4, dtype=np.int64)  # on torch's current stream: fine
+        xp.Event().record()
+        assert int(a.sum()) == 6
+    calls = {
+        "cupy.arange": lambda: xp.arange(4),
+        "operator __mul__": lambda: a * 2,
+        "copy to the device": lambda: xp.asarray(np.arange(3)),
+        "event record": lambda: xp.Event().record(),
+        "int() of a device array": lambda: int(a[0]),
+        "ndarray.get (a copy to the host)": lambda: a.get(stream=xp.DEFAULT_STREAM),
+    }
+    with xp.torch_stream(side):  # CuPy's current stream is still the default one
+        for what, call in calls.items():
+            with pytest.raises(xp.StreamError, match=rf"{re.escape(what)} was queued on default stream, but torch's"):
+                call()
+        xp.DEFAULT_STREAM.wait_event(xp.Event())  # a wait orders streams: it may go to another one
+
+
+def _address(a) -> int:
+    return a.__cuda_array_interface__["data"][0]
+
+
+def test_memory_freed_on_its_own_stream_is_handed_out_again_poisoned():
+    side = xp.Stream("side")
+    with xp.use(side):
+        a = xp.arange(1000, dtype=np.float32)
+        total = a.sum()
+        side.run_until(side.enqueued)  # the emulation ran it; the host has not waited for it
+        address = _address(a)
+        del a  # freed: the work that used it is on its own stream
+        b = xp.empty(1000, np.float32)
+        assert _address(b) == address, "the pool did not hand the block out again"
+        assert np.isnan(b.get()).all(), "memory handed out again is not poisoned"
+        assert float(total) == 999 * 1000 / 2
+
+
+def _used_on(stream, a) -> int:
+    """Queues on ``stream`` an item that uses ``a``'s memory by its address (as a kernel reads
+    a table through a pointer, holding no reference to it); returns the address. The queue
+    that filled ``a`` has run (the emulation's order: the host has waited for nothing), so
+    nothing queued holds ``a`` any more."""
+    xp.DEFAULT_STREAM.run_until(xp.DEFAULT_STREAM.enqueued)
+    address = _address(a)
+    stream.enqueue(lambda: None, "a kernel reading it", uses=[address])
+    return address
+
+
+def test_memory_freed_under_work_on_another_stream_fails_the_next_allocation():
+    side = xp.Stream("side")
+    a = xp.zeros(1000, np.float32)  # the default stream's memory
+    _used_on(side, a)  # the host has not waited for that work, nor the default stream
+    del a
+    with pytest.raises(xp.MemoryHazardError, match="allocated on default stream and used on side by a kernel reading"):
+        xp.empty(8, np.float32)
+    side.synchronize()  # the host waited for it: the memory is free for the default stream again
+    assert xp.empty(8, np.float32).shape == (8,)
+
+
+@pytest.mark.parametrize("order", ["record_stream", "event"])
+def test_record_stream_or_an_event_keeps_freed_memory_from_reuse(order):
+    side = xp.Stream("side")
+    a = xp.zeros(1000, np.float32)
+    if order == "record_stream":
+        xp.record_stream(a, side)  # the side stream uses a: its block waits for the side stream's work
+    address = _used_on(side, a)
+    if order == "event":
+        xp.DEFAULT_STREAM.wait_event(side.record())  # the default stream's later work comes after it
+    del a
+    b = xp.empty(1000, np.float32)  # no hazard
+    assert (_address(b) == address) == (order == "event"), "a recorded block was handed out before its stream ran"
+    if order == "record_stream":
+        del b
+        side.run_until(side.enqueued)  # the side stream ran past the work: the block is free again
+        assert _address(xp.empty(1000, np.float32)) == address

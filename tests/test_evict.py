@@ -196,7 +196,8 @@ def test_state_dict_keeps_scores_and_step(sokpy_host, tmp_path):
     torch.save(ebc.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     held, scores, step = _keys(sokpy, d), d.storage.scores().tolist(), d.storage.step
-    assert state["evict_state"]["evict_step"] == step == 4 and tuple(state["evict_state"]["scores"].shape) == (4, 2)
+    entry = state["embedding_bags.evict_state.weight"]  # TorchRec's key; a dynamic table's whole state
+    assert entry["evict_step"] == step == 4 and tuple(entry["scores"].shape) == (4, 2)
     for keys in ([6, 7], [8]):  # changes everything
         ebc({"evict_state": [keys]})
     ebc.load_state_dict(state)

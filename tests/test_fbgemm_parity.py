@@ -14,7 +14,9 @@ try:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 except Exception as e:  # noqa: BLE001 - any import failure means: no FBGEMM here
-    pytest.skip(f"fbgemm_gpu not importable ({type(e).__name__}); pip install '.[bench]'", allow_module_level=True)
+    pytest.skip(
+        f"fbgemm_gpu not importable ({type(e).__name__}); launch/install-torchrec installs it", allow_module_level=True
+    )
 
 ROWS, DIMS, BATCH, STEPS = 40, (8, 4), 6, 4
 

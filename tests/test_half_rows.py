@@ -706,14 +706,28 @@ def test_state_dict_holds_half_weights_in_their_type(sokpy_host):
     opt.step()
     saved = [rows_bits(t) for t in ebc.tables()]
     sd = ebc.state_dict()
-    assert sd["sd_f16"]["values"].dtype == torch.float16 and sd["sd_bf16"]["values"].dtype == torch.bfloat16
-    assert all(s.dtype == torch.float32 for e in (sd["sd_f16"], sd["sd_bf16"]) for s in e["slots"].values())
-    assert np.array_equal(sd["sd_f16"]["values"].float().numpy().view(np.uint32), saved[0][1])
+    f16, bf16 = "embedding_bags.sd_f16.weight", "embedding_bags.sd_bf16.weight"  # TorchRec's keys
+    assert sd[f16].dtype == torch.float16 and sd[bf16]["values"].dtype == torch.bfloat16
+    slots = [sd["embedding_bags.sd_f16.optimizer"]["slots"], sd[bf16]["slots"]]
+    assert all(s.dtype == torch.float32 for e in slots for s in e.values())
+    assert np.array_equal(sd[f16].float().numpy().view(np.uint32), saved[0][1])
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    old = {k: {**e, "values": e["values"].float()} for k, e in loaded.items()}  # as state_dict gave them before
+    # As state_dict gave them before TorchRec's keys: one entry per table, float32 values.
+    whole = {
+        "format": "sokpy.table/1",
+        "kind": "static",
+        "rows": 12,
+        "dim": 5,
+        "dtype": "float16",
+        "keys": torch.arange(12),
+    }
+    old = {
+        "sd_f16": {**whole, "values": loaded[f16].float(), **loaded["embedding_bags.sd_f16.optimizer"]},
+        "sd_bf16": {**loaded[bf16], "values": loaded[bf16]["values"].float()},
+    }
     del ebc, opt, out
 
     for state in (loaded, old):
@@ -723,16 +737,17 @@ def test_state_dict_holds_half_weights_in_their_type(sokpy_host):
             assert same_rows(t, w)
         del ebc, t
     ebc = make()
-    bad = {**loaded, "sd_bf16": {**loaded["sd_bf16"], "values": loaded["sd_bf16"]["values"].half()}}
+    bad = {**loaded, bf16: {**loaded[bf16], "values": loaded[bf16]["values"].half()}}
     with pytest.raises(sokpy.CheckpointError, match="the state's values are float16, but its dtype is bfloat16"):
         ebc.load_state_dict(bad)
     # TorchRec's weight of an FP16 table: exact into a float16 table.
-    weight = loaded["sd_f16"]["values"].clone()  # keys 0 .. 11 in order
-    ebc.load_state_dict({"embedding_bags.sd_f16.weight": weight}, strict=False)
+    ebc.load_state_dict({f16: loaded[f16].clone()}, strict=False)
     assert same_rows(ebc.tables()[0], saved[0])
     del ebc
     ebc = make(f16="float32", bf16="float32")
-    with pytest.raises(sokpy.CheckpointError, match="float32 here but float16 in the state; pass convert=True"):
+    # A static table's weight is a plain tensor (TorchRec's): float16 widens into float32 exactly, as
+    # TorchRec's copy_ does; the dynamic table's state declares its bfloat16.
+    with pytest.raises(sokpy.CheckpointError, match="float32 here but bfloat16 in the state; pass convert=True"):
         ebc.load_state_dict(loaded)
     del ebc
 

@@ -1,9 +1,10 @@
 """Jobs across emulated nodes (sokpy/launch/emulated_nodes/: network namespaces joined by
-rate-limited links, Open MPI over TCP between them): 2 nodes x 2 ranks give the results of
-the independent references and of a 1-rank run, node-local ranks follow the node, and a
-failure on one node ends the job on both, leaving no process on either node, as a timeout
-does (signals and --cleanup: tests/test_nodes_interrupt.py). Skipped, saying why, where
-namespaces cannot be made (not root, no `ip`)."""
+rate-limited links, Open MPI over TCP between them, or torchrun's agent on every node): 2
+nodes x 2 ranks give the results of the independent references and of a 1-rank run,
+node-local ranks follow the node, and a failure on one node ends the job on both (under
+either launcher), leaving no process on either node, as a timeout does (signals and
+--cleanup: tests/test_nodes_interrupt.py). Skipped, saying why, where namespaces cannot be
+made (not root, no `ip`)."""
 
 import json
 import os
@@ -207,3 +208,42 @@ def test_command_line_tool_runs_and_cleans_up(tmp_path):
     assert named, res.stderr[-3000:]
     left = leftovers(named.group(1))  # namespaces, record, folder
     assert not left, f"the tool left its run's {left} behind"
+
+
+# ---- torchrun across the nodes: an agent on every node, no MPI ---------------------------------
+
+
+def test_torchrun_ranks_join_one_world_across_the_nodes(cluster):
+    """Under torchrun's agents (node0's holding the store) the 4 ranks are one world with
+    node-local ranks that follow the node, and lookups and gradients match the reference."""
+    res = cluster.run(["python", str(WORKERS / "where_worker.py")], ranks_per_node=2, timeout=300, launcher="torchrun")
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    where = sorted(tuple(line.split()[1:]) for line in res.stdout.splitlines() if line.startswith("where "))
+    assert where == [("0", "node0", "0"), ("1", "node0", "1"), ("2", "node1", "0"), ("3", "node1", "1")], res.stdout
+    args = ["python", str(WORKERS / "lookup_worker.py"), "values", "104"]
+    res = cluster.run(args, ranks_per_node=2, timeout=300, launcher="torchrun")
+    assert res.returncode == 0 and res.stdout.count("values ok") == 4, res.stdout[-4000:] + res.stderr[-4000:]
+    assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"
+
+
+def test_torchrun_failure_on_one_node_ends_the_job_on_both(cluster):
+    """Rank 1 (on node0, beside the store) fails between a lookup and its backward: the ranks
+    on node1, in the next collective call with it, end the job naming it, within seconds."""
+    start = time.monotonic()
+    prog = ["python", str(WORKERS / "failure_worker.py"), "between"]
+    res = cluster.run(prog, ranks_per_node=2, timeout=120, launcher="torchrun")
+    took, ended = time.monotonic() - start, time.time()
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "finished" not in out, out[-3000:]
+    assert "uncaught exception on rank 1 of 4 (host node0" in out, out[-3000:]
+    # node1's ranks end on rank 1's notice (or, were the store gone first, on the closed connections)
+    assert re.search(
+        r"rank [23] of 4 \(host node1.*(which rank 1 will never make: rank 1 failed|lost another rank)", out
+    )
+    failed = re.search(r"rank 1: fails at ([0-9.]+)", out)
+    assert failed, out[-3000:]
+    assert ended - float(failed.group(1)) < 15, (
+        f"the job ended {ended - float(failed.group(1)):.1f} s after the failure"
+    )
+    assert took < 90, f"the job took {took:.0f} s\n{out[-3000:]}"
+    assert not any(emulated_nodes.pids_in(ns) for ns in cluster.namespaces), "processes left on the nodes"

@@ -32,7 +32,8 @@ def test_state_dict_saved_at_two_ranks_resumed_at_one(tmp_path):
     assert "resumed ok" in out, out
     whole, resumed = np.load(tmp_path / "uninterrupted.npz"), np.load(tmp_path / "resumed.npz")
     assert sorted(whole.files) == sorted(resumed.files)
-    assert "ebc.r_dyn.exp_avg_sq" in whole.files  # Adam's state travels with the rows
+    assert "ebc.embedding_bags.r_dyn.weight.exp_avg_sq" in whole.files  # Adam's state travels with the rows
+    assert "ebc.embedding_bags.r_shared.optimizer.exp_avg_sq" in whole.files
     for name in whole.files:  # equal up to the order of sums over ranks
         np.testing.assert_allclose(resumed[name], whole[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
@@ -71,16 +72,18 @@ def test_single_process_state_dict_and_errors(sokpy_host):
     same = ebc({"user": [[1], [2]], "item": [[5, 5], []], "seen": [[], [9]]})
     assert torch.equal(concat(same), concat(out))
     sd = ebc.state_dict()
-    assert sorted(sd) == ["nn1_item", "nn1_user"] and sd["nn1_user"]["keys"].tolist() == list(range(10))
+    user, item = "embedding_bags.nn1_user.weight", "embedding_bags.nn1_item.weight"  # TorchRec's keys
+    assert sorted(sd) == [item, user] and torch.equal(sd[user], sokpy.export(ebc.tables()[0])[1])
+    assert sd[item]["keys"].tolist() == [5, 9]  # a dynamic table: its keys and rows
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
-    loaded = torch.load(buf)  # weights_only: the entries are plain ordered dicts of tensors
-    with pytest.raises(RuntimeError, match='Missing key.*"nn1_item"'):
-        ebc.load_state_dict({"nn1_user": loaded["nn1_user"]})
-    bad = {**loaded, "nn1_user": {**loaded["nn1_user"], "values": loaded["nn1_user"]["values"][:, :2]}}
+    loaded = torch.load(buf)  # weights_only: tensors and plain ordered dicts of tensors
+    with pytest.raises(RuntimeError, match=f'Missing key.*"{item}"'):
+        ebc.load_state_dict({user: loaded[user]})
+    bad = {**loaded, user: loaded[user][:, :2]}
     before = sokpy.export(ebc.tables()[0])[1].clone()
-    with pytest.raises(sokpy.CheckpointError, match="table 'nn1_user'.*values of shape"):
+    with pytest.raises(sokpy.CheckpointError, match="table 'nn1_user': the state holds a static table of dim 2"):
         ebc.load_state_dict(bad)
     assert torch.equal(sokpy.export(ebc.tables()[0])[1], before)
     with pytest.raises(sokpy.InputError, match="rank 0: .*no feature 'seen'"):
@@ -118,8 +121,9 @@ def test_rowwise_adagrad_state_travels_in_the_module_state_dict(sokpy_host):
     torch.save(a.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf)
-    assert tuple(sd["rw_a_user"]["slots"]["sum"].shape) == (10, 1) and sd["rw_a_user"]["optimizer"] == "RowWiseAdagrad"
-    assert tuple(sd["rw_a_item"]["slots"]["sum"].shape) == (5, 1) and (sd["rw_a_item"]["slots"]["sum"] > 0).all()
+    user_opt, item = sd["embedding_bags.rw_a_user.optimizer"], sd["embedding_bags.rw_a_item.weight"]
+    assert tuple(user_opt["slots"]["sum"].shape) == (10, 1) and user_opt["optimizer"] == "RowWiseAdagrad"
+    assert tuple(item["slots"]["sum"].shape) == (5, 1) and (item["slots"]["sum"] > 0).all()
 
     def renamed(tag):  # the state under the names of another module's tables (unique in a job)
         return {k.replace("rw_a_", f"rw_{tag}_"): v for k, v in sd.items()}
@@ -137,10 +141,11 @@ def test_rowwise_adagrad_state_travels_in_the_module_state_dict(sokpy_host):
         assert torch.equal(ea["keys"][oa], eb["keys"][ob]) and torch.equal(ea["sum"][oa], eb["sum"][ob])
     c, opt_c = module("c", sokpy.optim.Adagrad)
     c.load_state_dict(renamed("c"))  # Adagrad's sum is per element: the row-wise one is not taken
-    assert torch.equal(sokpy.export(c.tables()[0])[1], sd["rw_a_user"]["values"])
+    assert torch.equal(sokpy.export(c.tables()[0])[1], sd["embedding_bags.rw_a_user.weight"])
     assert not opt_c.state[c.tables()[0].handle]["sum"].any() and opt_c.state[c.tables()[0].handle]["step"] == 0
     bad = renamed("b")
-    bad["rw_b_user"] = {**bad["rw_b_user"], "slots": {"sum": torch.zeros(10, 4)}}
+    key = "embedding_bags.rw_b_user.optimizer"
+    bad[key] = {**bad[key], "slots": {"sum": torch.zeros(10, 4)}}
     before = sokpy.export(b.tables()[0])[1].clone()
     with pytest.raises(sokpy.CheckpointError, match=r"slot 'sum' of shape \[10, 4\], expected \[10, 1\]"):
         b.load_state_dict(bad)
@@ -173,8 +178,11 @@ def test_migration_guide_counts_its_diff():
     import re
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "migration.md").read_text()
-    torchrec_program = re.search(r"```py\n(.*?)```", text, re.S).group(1).splitlines()
-    sokpy_program = re.findall(r"```python\n(.*?)```", text, re.S)[1].splitlines()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    torchrec_program = next(
+        b for b in blocks if "from torchrec.distributed import DistributedModelParallel" in b
+    ).splitlines()
+    sokpy_program = next(b for b in blocks if "from sokpy.nn import DistributedModelParallel" in b).splitlines()
     diff = [
         line
         for line in difflib.unified_diff(torchrec_program, sokpy_program, lineterm="", n=0)
@@ -185,7 +193,8 @@ def test_migration_guide_counts_its_diff():
     claim = re.search(r"(\d+) of the TorchRec program's (\d+) lines are replaced by (\d+) lines", text)
     assert claim, "the migration guide no longer states its diff count"
     assert tuple(map(int, claim.groups())) == (removed, len(torchrec_program), added)
-    assert "from sokpy.nn import EmbeddingBagCollection" in "\n".join(sokpy_program)
+    assert "EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor" in "\n".join(sokpy_program)
+    assert "from torchrec.models.dlrm import DLRM" in "\n".join(torchrec_program)  # TorchRec's own model class
 
 
 def test_any_object_with_the_accessors_is_an_input(sokpy_host):
@@ -213,7 +222,8 @@ def test_any_object_with_the_accessors_is_an_input(sokpy_host):
             return self.w
 
     ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig("nn1_duck_a", 3, 20, ["a"], "sum"), EmbeddingBagConfig("nn1_duck_b", 2, 20, ["b"], "mean")]
+        [EmbeddingBagConfig("nn1_duck_a", 3, 20, ["a"], "sum"), EmbeddingBagConfig("nn1_duck_b", 2, 20, ["b"], "mean")],
+        is_weighted=True,
     )
     w = torch.tensor([0.5, 2.0, 1.0, 3.0, 1.5])
     want = concat(

@@ -36,13 +36,22 @@ def test_torchrec_state_dict_loads_at_any_world_size():
         assert out.count("torchrec_sd ok") == nranks, out
 
 
-def test_init_fn_gives_the_same_table_at_every_world_size(tmp_path):
+def test_init_fn_gives_torchrecs_values_at_every_world_size(tmp_path):
+    """An init_fn fills the whole table as TorchRec's unsharded module does (torch's generator,
+    config order, the table's shape), whatever the world size and the ranks' own seeds."""
     for nranks in (1, 3):
         run_mpi(nranks, "fidelity_worker.py", "init_fn", tmp_path, timeout=240)
-    one, three = np.load(tmp_path / "init_1.npy"), np.load(tmp_path / "init_3.npy")
-    np.testing.assert_array_equal(one, three)
-    assert 0.09 < one[:, 0].std() < 0.11 and 0.09 < one[-1000:].std() < 0.11  # trunc_normal_(std=0.1) on every row
-    assert not np.array_equal(one[:65536][:10], one[65536:65546])  # chunks differ
+    one, three = np.load(tmp_path / "init_1.npz"), np.load(tmp_path / "init_3.npz")
+    torch.manual_seed(7)  # rank 0's seed: TorchRec's module, built under it, draws these
+    want = {"initfn_x": torch.empty(200000, 4), "initfn_t": torch.empty(70000, 3)}
+    torch.nn.init.xavier_uniform_(want["initfn_x"])
+    torch.nn.init.trunc_normal_(want["initfn_t"], std=0.1)
+    want["initfn_r"] = torch.arange(70000.0)[:, None].expand(70000, 2)
+    for name, w in want.items():
+        np.testing.assert_array_equal(one[name], w.numpy(), err_msg=name)
+        np.testing.assert_array_equal(three[name], w.numpy(), err_msg=name)
+    bound = (6 / (200000 + 4)) ** 0.5  # xavier's bound of the whole table's shape
+    assert np.abs(one["initfn_x"]).max() <= bound
 
 
 # ---- one process -----------------------------------------------------------------------------------
@@ -94,9 +103,14 @@ def test_torchrec_config_fields_are_honoured_or_refused(sokpy_host):
     sokpy = sokpy_host
     from sokpy.nn import EmbeddingBagCollection, EmbeddingCollection
 
+    torch.manual_seed(3)
     ebc = EmbeddingBagCollection([TorchRecBagConfig(16, 3, "fid_tr", feature_names=["f"], weight_init_max=0.01)])
     (t,) = ebc.tables()
-    assert t.initializer == sokpy.initializers.uniform(-0.25, 0.01)  # TorchRec's partial(uniform_) became ours
+    torch.manual_seed(3)  # TorchRec's default partial(uniform_, -sqrt(1/16), 0.01) on the whole table
+    assert torch.equal(sokpy.export(t)[1], torch.nn.init.uniform_(torch.empty(16, 3), -0.25, 0.01))
+    cleared = TorchRecBagConfig(16, 3, "fid_tr_none", feature_names=["g"], weight_init_max=0.01)
+    cleared.init_fn = None  # sokpy's counter-based uniform in the same bounds
+    assert EmbeddingBagCollection([cleared]).tables()[0].initializer == sokpy.initializers.uniform(-0.25, 0.01)
     for field, value, words in [
         ("data_type", DataType.INT8, "data_type=INT8 is not supported"),
         ("need_pos", True, "need_pos=True is not supported"),
@@ -131,8 +145,17 @@ def test_init_fn_and_data_type_of_sokpy_configs(sokpy_host):
     )
     fn, normal, zeros = ebc.tables()
     assert torch.equal(sokpy.export(fn)[1], torch.arange(10.0).reshape(5, 2))
-    assert normal.initializer == sokpy.initializers.normal(0.0, 0.5)
-    assert zeros.initializer == sokpy.initializers.constant(0.0)
+    assert torch.isfinite(sokpy.export(normal)[1]).all() and sokpy.export(normal)[1].std() > 0
+    assert zeros.initializer == sokpy.initializers.constant(0.0)  # a dynamic table: sokpy's own
+    import sokpy.nn.config as config
+
+    limit = config.init_fn_limit_bytes
+    config.init_fn_limit_bytes = lambda: 5 * 2 * 4 - 1  # a 5 x 2 table does not fit
+    try:
+        with pytest.raises(sokpy.InputError, match="table 'fid_big': init_fn needs the whole table in every rank"):
+            EmbeddingBagCollection([EmbeddingBagConfig("fid_big", 2, 5, init_fn=torch.nn.init.ones_)])
+    finally:
+        config.init_fn_limit_bytes = limit
     with pytest.raises(ValueError, match="table 'fid_dyn_fn': init_fn cannot initialise a dynamic table"):
         EmbeddingBagCollection([EmbeddingBagConfig("fid_dyn_fn", 2, None, init_fn=lambda w: w.fill_(1))])
     with pytest.raises(sokpy.InputError, match="table 'fid_bad_fn': init_fn failed: .*shape"):
@@ -162,8 +185,10 @@ def test_dtype_and_device_moves_raise_or_pass(sokpy_host):
     with pytest.raises(RuntimeError, match="tables live on cpu and cannot move to meta"):
         model.to("meta")
     assert model.float() is model and model.to("cpu", torch.float32) is model
-    with pytest.raises(ValueError, match="device='meta'.*tables live on cpu"):
-        EmbeddingBagCollection([EmbeddingBagConfig("fid_meta", 2, 5)], device="meta")
+    with pytest.raises(ValueError, match="device='cuda:3'.*tables live on cpu"):
+        EmbeddingBagCollection([EmbeddingBagConfig("fid_cuda", 2, 5)], device="cuda:3")
+    (meta,) = EmbeddingBagCollection([EmbeddingBagConfig("fid_meta", 2, 5)], device="meta").tables()  # TorchRec's
+    assert meta.weight.device == torch.device("cpu")  # deferred placement: sokpy places the tables at once
     EmbeddingBagCollection([EmbeddingBagConfig("fid_cpu", 2, 5)], device="cpu")
 
 
@@ -187,6 +212,9 @@ def test_gradient_edits_apply_to_the_step(sokpy_host):
 
 def test_clip_grad_norm_one_process(sokpy_host):
     sokpy = sokpy_host
+    import gc
+
+    gc.collect()  # tables of earlier tests, left holding gradients, are gone
     from sokpy.nn import clip_grad_norm_
 
     v = sokpy.Variable(4, 2, initializer=1.0, name="fid_clip")
@@ -204,6 +232,13 @@ def test_clip_grad_norm_one_process(sokpy_host):
     v.grad.values[0, 0] = float("inf")
     with pytest.raises(RuntimeError, match="not finite"):
         clip_grad_norm_([v], 1.0, error_if_nonfinite=True)
+    # The torch habit, model.parameters(): the table holding a gradient is named, nothing is scaled.
+    before = lin.weight.grad.clone()
+    with pytest.raises(sokpy.InputError, match=r"tables \[.*'fid_clip'.*\] hold gradients and are not among"):
+        clip_grad_norm_(lin.parameters(), max_norm=1e-3)
+    assert torch.equal(lin.weight.grad, before)
+    v.zero_grad()
+    torch.testing.assert_close(clip_grad_norm_(lin.parameters(), max_norm=1e9), before.norm())  # none holds one
 
 
 def test_eval_mode_does_not_grow_dynamic_tables(sokpy_host):
@@ -262,7 +297,15 @@ def test_sequence_lookup_and_collection_one_process(sokpy_host):
         sokpy.lookup_sequence([t], KeyedJaggedTensor(["h"], torch.tensor([1]), lengths=[1], weights=torch.ones(1)))
 
 
+def _dict_of(out):
+    """A pooled module's output as a dict feature -> tensor (TorchRec's KeyedTensor or ours)."""
+    return out.to_dict() if hasattr(out, "to_dict") else out
+
+
 def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
+    """The served module takes every input the sharded one takes (dict, dict + weights, triples,
+    Ragged, KJT: TorchRec's when it imports, and sokpy's), gives the same outputs, and exports
+    (torch.export, a dynamic batch through sokpy.nn.export) with a dict or a KJT input."""
     sokpy = sokpy_host
     from sokpy.nn import (
         EmbeddingBagCollection,
@@ -270,27 +313,63 @@ def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
         EmbeddingCollection,
         EmbeddingConfig,
         KeyedJaggedTensor,
+        export,
         inference_module,
     )
 
-    configs = [EmbeddingBagConfig("fid_srv", 4, 20, ["a"], "sqrtn"), EmbeddingBagConfig("fid_srv_d", 2, None, ["b"])]
-    ebc = EmbeddingBagCollection(configs)
-    ebc({"a": [[1]], "b": [[3, 4]]})
+    configs = [
+        EmbeddingBagConfig("fid_srv", 4, 20, ["a"], "sqrtn"),
+        EmbeddingBagConfig("fid_srv_d", 2, None, ["b"]),
+        EmbeddingBagConfig("fid_srv_m", 3, 20, ["c"], "mean"),
+    ]
+    ebc = EmbeddingBagCollection(configs, is_weighted=True)
+    ebc({"a": [[1]], "b": [[3, 4]], "c": [[1]]})
     sokpy.save(tmp_path / "ckpt", ebc.tables())
     ebc.eval()
     feats = {
         "a": (torch.tensor([1, 2, 19]), torch.tensor([0, 2, 2, 3]), torch.tensor([0.5, 2.0, 1.0])),
         "b": (torch.tensor([3, 5, 4]), torch.tensor([0, 1, 1, 3])),
+        "c": (torch.tensor([7, 8, 9]), torch.tensor([0, 2, 3, 3]), torch.tensor([0.25, 4.0, 2.0])),
     }
-    want = ebc({"a": sokpy.Ragged(*feats["a"]), "b": feats["b"]})
-    for served in (inference_module(ebc), inference_module(tmp_path / "ckpt", configs)):
-        got = served(feats)
-        for f in want:
-            torch.testing.assert_close(got[f], want[f], rtol=1e-6, atol=0)
+    want = _dict_of(ebc(feats))
+    as_weights = ({f: v[:2] for f, v in feats.items()}, {f: v[2] for f, v in feats.items() if len(v) == 3})
+    kjt = KeyedJaggedTensor(
+        ["b", "a", "c"],
+        torch.tensor([3, 5, 4, 1, 2, 19, 7, 8, 9]),
+        torch.tensor([1.0, 1, 1, 0.5, 2.0, 1.0, 0.25, 4.0, 2.0]),
+        lengths=torch.tensor([1, 0, 2, 2, 0, 1, 2, 1, 0]),
+    )
+    kjts = [kjt]
+    if sokpy.nn.jagged.torchrec_types() is not None:
+        from torchrec import KeyedJaggedTensor as TorchRecKJT
+
+        kjts.append(TorchRecKJT(kjt.keys(), kjt.values(), kjt.weights(), lengths=kjt.lengths()))
+    for served in (inference_module(ebc), inference_module(tmp_path / "ckpt", configs, is_weighted=True)):
+        for args in [(feats,), as_weights, *[(k,) for k in kjts]]:
+            got = _dict_of(served(*args))
+            sharded = _dict_of(ebc(*args))
+            for f in want:
+                torch.testing.assert_close(got[f], want[f], rtol=1e-6, atol=0)
+                torch.testing.assert_close(sharded[f], want[f], rtol=1e-6, atol=0)
         program = torch.export.export(served, (feats,))
-        torch.testing.assert_close(program.module()(feats)["a"], want["a"], rtol=1e-6, atol=0)
-        kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 19, 3, 5, 4]), lengths=torch.tensor([2, 0, 1, 1, 0, 2]))
-        torch.testing.assert_close(served(kjt)["b"], ebc(kjt)["b"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(_dict_of(program.module()(feats))["a"], want["a"], rtol=1e-6, atol=0)
+        for example in kjts:
+            program = export(served, (example,))  # dynamic: another batch size and number of ids
+            lengths = torch.tensor([1, 1, 0, 0, 2, 0, 1, 0, 1, 0, 0, 0])
+            bigger = type(example)(["b", "a", "c"], torch.arange(6), torch.ones(6), lengths=lengths)
+            bigger.offsets()  # TorchRec's KJT keeps the offsets it computed: the same fields as the example's
+            torch.testing.assert_close(_dict_of(program.module()(bigger))["c"], _dict_of(ebc(bigger))["c"])
+
+    class Model(torch.nn.Module):  # a forward that calls self.ebc(ids, weights), as in training
+        def __init__(self):
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, ids, weights):
+            return self.ebc(ids, weights).values().sum(1)
+
+    model = Model()
+    torch.testing.assert_close(inference_module(model)(*as_weights), model(*as_weights), rtol=1e-6, atol=1e-6)
     ec = EmbeddingCollection([EmbeddingConfig("fid_srv_seq", 2, 6, ["s"])])
     served = inference_module(ec)
     pair = (torch.tensor([5, 0, 5]), torch.tensor([0, 1, 3]))
@@ -298,3 +377,10 @@ def test_served_module_exports_and_reads_a_checkpoint(sokpy_host, tmp_path):
     assert torch.equal(out.values(), ec({"s": pair})["s"].values())
     with pytest.raises(ValueError, match="needs the configs"):
         inference_module(tmp_path / "ckpt")
+    unweighted = inference_module(tmp_path / "ckpt", configs)  # is_weighted=False: a KJT's weights ignored
+    torch.testing.assert_close(
+        _dict_of(unweighted(kjt))["c"], _dict_of(served_c := unweighted({f: v[:2] for f, v in feats.items()}))["c"]
+    )
+    with pytest.raises(ValueError, match="is_weighted=False"):
+        unweighted(feats)
+    assert served_c is not None

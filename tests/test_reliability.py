@@ -1,5 +1,6 @@
-"""A failed rank ends the job promptly, under plain mpirun and sokrun (Open MPI) and under
-MPICH's mpiexec and ``horovodrun --mpi`` (the environment launch/install-horovod builds): an uncaught
+"""A failed rank ends the job promptly, under plain mpirun and sokrun (Open MPI), torchrun
+(``--standalone``: no MPI, the agent's own handling of failed workers) and under MPICH's
+mpiexec and ``horovodrun --mpi`` (the environment launch/install-horovod builds): an uncaught
 exception before, between and inside collective calls, a rank killed mid-step, a rank that
 leaves the loop early with sys.exit(0) (told to the others at its exit, long before the
 collective timeout), and a rank that stalls (collective timeout). A job whose ranks end
@@ -29,6 +30,7 @@ LEAVE_BOUND_S = 10
 LAUNCHERS = [
     "mpirun",
     "sokrun",
+    "torchrun",
     pytest.param("mpich", marks=needs_horovod_env),
     pytest.param("horovodrun", marks=needs_horovod_env),
 ]
@@ -50,7 +52,7 @@ def run_job(launch: str, mode: str, env=None, nranks: int = 2, worker: str = "fa
         cmd = [launcher._mpirun(), "-np", np_, "-x", "OMP_NUM_THREADS", "-x", "PATH"]
         cmd += ["-x", "SOKPY_COLLECTIVE_TIMEOUT"] if "SOKPY_COLLECTIVE_TIMEOUT" in full_env else []
         cmd += [sys.executable, *prog[1:]]
-    elif launch in ("mpich", "horovodrun"):  # plain `mpiexec -n 2 python ...`, `horovodrun --mpi -np 2 python ...`
+    elif launch in ("mpich", "horovodrun", "torchrun"):  # `mpiexec -n 2 python ...`, `torchrun ... script`, ...
         cmd, extra = launch_command(launch, nranks, prog, 3 * BOUND_S[mode] + 20)
         full_env = dict(os.environ, **(env or {}), **extra)
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")

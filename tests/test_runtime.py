@@ -113,36 +113,103 @@ def test_uninitialised_state(uninitialised):
     assert uninitialised["initialized_after_bogus"] is False
 
 
-# ---- launched by something MPI does not see ------------------------------------------------
+# ---- a launcher says several, and there is no world to join ----------------------------------
 
 LAUNCH_SCRIPT = """
-import json, sokpy
+import json, sys
+if {block_mpi}:
+    sys.modules["mpi4py"] = None  # as where no MPI library can be loaded
+import sokpy
 try:
     sokpy.init()
-    out = {"error": None}
+    out = {{"error": None, "world": sokpy.world_size(), "comm": type(sokpy.comm()).__name__}}
 except sokpy.LaunchError as e:
-    out = {"error": str(e)}
+    out = {{"error": str(e)}}
 out["initialized"] = sokpy.is_initialized()
+out["mpi_started"] = "mpi4py.MPI" in sys.modules
 print("launch " + json.dumps(out))
 """
+
+# (environment, the launcher the error must name): each says this process is one of several.
+SEVERAL = {
+    "torchrun-world-size": ({"WORLD_SIZE": "2"}, "torchrun (torch.distributed's variables): WORLD_SIZE=2"),
+    "torchrun-rank": ({"RANK": "1", "MASTER_ADDR": "x"}, "torchrun (torch.distributed's variables): RANK=1"),
+    "horovodrun-gloo": ({"HOROVOD_SIZE": "2", "HOROVOD_RANK": "0"}, "horovodrun: HOROVOD_SIZE=2"),
+    "horovod-size-4-world-1": ({"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}, "horovodrun: HOROVOD_SIZE=4"),
+    "open-mpi": (
+        {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"},
+        "mpirun (or sokrun): OMPI_COMM_WORLD_SIZE=2",
+    ),
+    "open-mpi-rank": ({"OMPI_COMM_WORLD_RANK": "1"}, "mpirun (or sokrun): OMPI_COMM_WORLD_RANK=1"),
+    "pmi-hydra": (
+        {"PMI_SIZE": "2", "PMI_RANK": "0", "PMI_FD": "5"},
+        "mpiexec, Cray PALS, srun --mpi=pmi2): PMI_SIZE=2",
+    ),
+    "hydra-local": ({"MPI_LOCALNRANKS": "3", "MPI_LOCALRANKID": "0"}, "mpiexec (Hydra): MPI_LOCALNRANKS=3"),
+    "pmix": ({"PMIX_RANK": "1", "PMIX_NAMESPACE": "job"}, "srun --mpi=pmix): PMIX_RANK=1"),
+    "mvapich": ({"MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_RANK": "0"}, "mpirun_rsh: MV2_COMM_WORLD_SIZE=2"),
+    "slurm-srun": (
+        {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+        "Slurm's srun: SLURM_STEP_NUM_TASKS=2",
+    ),
+    "slurm-srun-ntasks": (
+        {"SLURM_NTASKS": "4", "SLURM_STEPID": "1", "SLURM_PROCID": "3"},
+        "Slurm's srun: SLURM_NTASKS=4",
+    ),
+    "cray-alps": ({"ALPS_APP_PE": "1"}, "Cray's aprun (ALPS): ALPS_APP_PE=1"),
+    "cray-pals": ({"PALS_RANKID": "2", "PALS_NODEID": "0"}, "Cray PALS (mpiexec): PALS_RANKID=2"),
+    "lsf-jsrun": ({"JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_RANK": "0"}, "LSF's jsrun: JSM_NAMESPACE_SIZE=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(SEVERAL))
+def test_a_process_called_one_of_several_without_a_world_to_join_raises(case):
+    """No MPI library loads here: every launcher's variables that call this process one of
+    several make init raise LaunchError naming the launcher, the variable and what joins the
+    world, and the process is not initialised (it does not train alone)."""
+    env, names = SEVERAL[case]
+    out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), env), "launch")[0]
+    assert out["error"] is not None, f"init under {env} ran as a world of one: {out}"
+    assert names in out["error"] and "would train alone" in out["error"], out["error"]
+    for line in ("torchrun --nproc-per-node N train.py", "sokrun -np N", "mpirun -np N", "horovodrun --mpi"):
+        assert line in out["error"], f"{line!r} not in: {out['error']}"
+    assert out["initialized"] is False and out["mpi_started"] is False, out
+
+
+def test_the_missing_torch_variables_are_named():
+    out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), {"RANK": "1", "MASTER_ADDR": "x"}), "launch")[0]
+    assert "torch.distributed's WORLD_SIZE, MASTER_PORT are not set." in out["error"], out
+
+
+def test_the_missing_mpi_library_is_named():
+    out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), {"OMPI_COMM_WORLD_SIZE": "2"}), "launch")[0]
+    assert "no MPI library can be loaded here" in out["error"], out
+    assert 'pip install "sokpy-embeddings[mpi]"' in out["error"], out
+
+
+def test_an_mpi_world_of_one_under_a_launcher_of_two_raises():
+    """MPI loads (SOKPY_USE_MPI=1) but makes a world of one process, while WORLD_SIZE says 2."""
+    out = json_from(
+        run_python(LAUNCH_SCRIPT.format(block_mpi=False), {"SOKPY_USE_MPI": "1", "WORLD_SIZE": "2"}), "launch"
+    )[0]
+    assert "MPI sees a world of 1 process" in out["error"] and "WORLD_SIZE=2" in out["error"], out
+    assert out["initialized"] is False, out
 
 
 @pytest.mark.parametrize(
     "env",
-    [{"WORLD_SIZE": "2"}, {"HOROVOD_SIZE": "2"}, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "4"}],
-    ids=["torchrun", "horovod", "horovod-gloo"],
+    [
+        {"WORLD_SIZE": "1", "HOROVOD_SIZE": "1"},
+        {"RANK": "0", "WORLD_SIZE": "1"},
+        # a batch script's own process: its allocation's task count, rank 0, outside any job step
+        {"SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
+        {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"},
+    ],
+    ids=["sizes-of-one", "torch-world-of-one", "slurm-batch-script", "open-mpi-of-one"],
 )
-def test_launcher_mismatch_raises(env):
-    out = json_from(run_python(LAUNCH_SCRIPT, env), "launch")[0]
-    assert out["error"] is not None, f"init under {env} with a 1-process MPI world did not raise LaunchError"
-    for hint in ("sokrun", "mpirun", "horovodrun --mpi"):
-        assert hint in out["error"], f"{hint!r} not in: {out['error']}"
-    assert out["initialized"] is False
-
-
-def test_matching_launcher_size_is_accepted():
-    out = json_from(run_python(LAUNCH_SCRIPT, {"WORLD_SIZE": "1", "HOROVOD_SIZE": "1"}), "launch")[0]
-    assert out == {"error": None, "initialized": True}
+def test_a_launcher_of_one_process_runs_as_a_world_of_one(env):
+    out = json_from(run_python(LAUNCH_SCRIPT.format(block_mpi=True), env), "launch")[0]
+    assert out == {"error": None, "world": 1, "comm": "SoloComm", "initialized": True, "mpi_started": False}, out
 
 
 # ---- several ranks under mpirun --------------------------------------------------------------
@@ -154,10 +221,17 @@ def test_ranks_under_mpirun(nranks):
     res = mpi_job(
         nranks, "runtime_worker.py", timeout=120, env={"WORLD_SIZE": str(nranks), "HOROVOD_SIZE": str(nranks)}
     )
+    check_runtime_reports(res, nranks, "MpiComm")
+
+
+def check_runtime_reports(res, nranks: int, comm_class: str) -> None:
+    """runtime_worker.py's job at ``nranks`` ranks saw what its launcher says, on a
+    ``comm_class`` communicator, and init, shutdown and init again behaved."""
     assert res.returncode == 0 and "sokpy:" not in res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
     reports = sorted(json_from(res, "runtime_worker"), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == list(range(nranks))
     for r in reports:
+        assert r["comm_class"] == comm_class, r
         assert r["rank"] == r["launcher_rank"] == r["comm_rank"]
         assert r["world_size"] == r["launcher_size"] == r["comm_size"] == nranks
         # One node: the local rank is the rank. (Open MPI's own OMPI_COMM_WORLD_LOCAL_RANK may
@@ -281,8 +355,3 @@ def test_a_process_no_launcher_started_starts_no_mpi(use_mpi):
         assert out == {"comm": "MpiComm", "world": 1, "mpi_started": True}, out
     else:
         assert out == {"comm": "SoloComm", "world": 1, "mpi_started": False}, out
-
-
-def test_several_processes_without_an_mpi_library_are_refused():
-    out = json_from(run_python(NO_MPI_SCRIPT, {"OMPI_COMM_WORLD_SIZE": "2"}), "no_mpi")[0]
-    assert "MPI cannot be loaded" in out["error"] and "sokpy-embeddings[mpi]" in out["error"], out

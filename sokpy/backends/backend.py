@@ -9,7 +9,7 @@ optimizers, checkpoints, nn) is written once against it. It owns:
 * the kernel loader and the launch shapes (:meth:`~Backend.launch`);
 * the stream: every public entry of sokpy runs inside :meth:`~Backend.stream_scope`, which on
   a GPU queues all of the entry's kernels, array operations and NCCL calls on torch's current
-  stream of that moment;
+  stream of that moment; :meth:`~Backend.record_stream` where a buffer crosses streams;
 * the torch hand-off (:meth:`~Backend.from_torch`, :meth:`~Backend.to_torch`) and the reads
   back to the host (:meth:`~Backend.to_host`, the only place sokpy waits for a device);
 * input staging (:meth:`~Backend.on_device`: whether a tensor's ids stay where they are and
@@ -127,6 +127,12 @@ class Backend:
         what torch's current stream of the calling thread has queued) and
         ``current_after()`` (the reverse). None on the host: its work runs as it is called."""
         return None
+
+    def record_stream(self, *arrays) -> None:
+        """Marks the memory of ``arrays`` (arrays of the backend, or tensors on its device) as
+        used by the current stream, where it was allocated on another: the allocator hands it
+        out again only after the work queued there so far has run (torch's
+        ``Tensor.record_stream``). Nothing on the host."""
 
     # ---- torch hand-off ---------------------------------------------------------------------
     def torch_device(self) -> torch.device:
@@ -314,6 +320,14 @@ class DeviceBackend(Backend):
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()
 
+    def record_stream(self, *arrays) -> None:
+        stream = torch.cuda.current_stream(self._device)
+        for a in arrays:
+            if not isinstance(a, torch.Tensor):  # a CuPy array: the tensor our allocator took its memory from
+                a = getattr(getattr(getattr(a, "data", None), "mem", None), "_owner", None)
+            if isinstance(a, torch.Tensor) and a.is_cuda:
+                a.record_stream(stream)
+
     def torch_device(self) -> torch.device:
         return self._device
 
@@ -326,7 +340,9 @@ class DeviceBackend(Backend):
     def from_torch(self, x, dtype=None):
         xp = self.xp
         if isinstance(x, torch.Tensor):
-            x = xp.from_dlpack(x.detach().to(self._device).contiguous())
+            t = x.detach().to(self._device).contiguous()
+            self.record_stream(t)  # the caller's memory, read by the work queued here
+            x = xp.from_dlpack(t)
         return xp.ascontiguousarray(xp.asarray(x, dtype=None if dtype is None else np.dtype(dtype)))
 
     def to_torch(self, a) -> torch.Tensor:

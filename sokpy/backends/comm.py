@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
 from ..timing import count_traffic, timed
 from . import hostpool
+from .notices import LeaveNotices
 from .polled import Polled
 
 __all__ = ["Communicator", "MpiComm", "SoloComm", "LeaveNotices", "MpiUnavailable", "mpi_world", "max_count"]
 
 _SPLIT_TAG = 7301
-_LEAVE_TAG = 7302
 
 
 _MAX_COUNT = int(os.environ.get("SOKPY_MPI_MAX_COUNT", 2**31 - 1))
@@ -55,6 +54,35 @@ def receive_buffer(out, shape: tuple, dtype, empty):
             f"alltoallv: out must be C-contiguous {dtype} of shape {tuple(shape)}, got {out.dtype} {out.shape}"
         )
     return out
+
+
+def check_count_rows(counts, size: int) -> np.ndarray:
+    """``counts`` as C-contiguous int64, checked to hold one row per rank (alltoall_counts)."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if counts.shape[0] != size:
+        raise ValueError(f"alltoall_counts: need one row per rank ({size}), got {counts.shape[0]}")
+    return counts
+
+
+def check_send_counts(send_counts, rows: int, size: int) -> np.ndarray:
+    """``send_counts`` as int64, checked to hold one count per rank that sum to ``rows`` (the
+    rows of the send buffer); raises ValueError otherwise."""
+    send_counts = np.asarray(send_counts, dtype=np.int64)
+    if send_counts.shape != (size,):
+        raise ValueError(f"alltoallv: send_counts must have one entry per rank ({size})")
+    if int(send_counts.sum()) != int(rows):
+        raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {rows} rows")
+    return send_counts
+
+
+def pieces(buf, displ, rank: int, limit: int):
+    """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]`` (``displ``:
+    one more entry than there are ranks), in pieces of at most ``limit`` elements: a transfer
+    split so that no message needs a count above ``limit``."""
+    for peer in range(len(displ) - 1):
+        if peer != rank:
+            for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
+                yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
 
 
 class MpiUnavailable(RuntimeError):
@@ -139,6 +167,16 @@ class Communicator:
         Free it with :meth:`free`."""
         raise NotImplementedError
 
+    def leave_notices(self):
+        """The side channel on which ranks that leave tell the others (see
+        :class:`LeaveNotices`), or None where there is none (one rank)."""
+        return None
+
+    def lost_peer(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by one of this communicator's collectives, says that the
+        transport lost a peer (it ended or failed): the job cannot go on."""
+        return False
+
 
 class SoloComm(Communicator):
     """The communicator of a job of one process where no MPI library is loaded (one GPU
@@ -162,10 +200,7 @@ class SoloComm(Communicator):
         return SoloComm(self.xp)
 
     def alltoall_counts(self, counts):
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        if counts.shape[0] != 1:
-            raise ValueError(f"alltoall_counts: need one row per rank (1), got {counts.shape[0]}")
-        return counts.copy()
+        return check_count_rows(counts, 1).copy()
 
     def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         send_counts = np.asarray(send_counts, dtype=np.int64)
@@ -230,14 +265,12 @@ class MpiComm(Communicator):
         thread waits in a collective; mpi4py asks for that level by default)."""
         if self.size <= 1 or self._MPI.Query_thread() < self._MPI.THREAD_MULTIPLE:
             return None
-        return LeaveNotices(self._comm.Dup())
+        return LeaveNotices(self._comm.Dup(), self._MPI)
 
     def alltoall_counts(self, counts):
         """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)
         goes to rank d; returns what every rank sent to this one, ``[size, ...]``."""
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        if counts.shape[0] != self.size:
-            raise ValueError(f"alltoall_counts: need one row per rank ({self.size}), got {counts.shape[0]}")
+        counts = check_count_rows(counts, self.size)
         recv = np.empty_like(counts)
         if self.size == 1:
             recv[...] = counts
@@ -249,11 +282,7 @@ class MpiComm(Communicator):
 
     def alltoallv(self, send, send_counts, recv_counts=None, large=None, *, out=None, skip_self=False):
         send = np.ascontiguousarray(send)
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        if send_counts.shape != (self.size,):
-            raise ValueError(f"alltoallv: send_counts must have one entry per rank ({self.size})")
-        if send_counts.sum() != send.shape[0]:
-            raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {send.shape[0]} rows")
+        send_counts = check_send_counts(send_counts, send.shape[0], self.size)
         if recv_counts is None:
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
@@ -296,18 +325,10 @@ class MpiComm(Communicator):
         me = self.rank
         if not skip_self:
             rbuf[rd[me] : rd[me + 1]] = sbuf[sd[me] : sd[me + 1]]
-        requests = [self._comm.Irecv(piece, source=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(rbuf, rd)]
-        requests += [self._comm.Isend(piece, dest=peer, tag=_SPLIT_TAG) for peer, piece in self._pieces(sbuf, sd)]
-        self._MPI.Request.Waitall(requests)
-
-    def _pieces(self, buf, displ):
-        """``(peer, slice)`` of every other peer's part ``buf[displ[p]:displ[p+1]]``, in pieces
-        of at most ``max_count()`` elements."""
         limit = max_count()
-        for peer in range(self.size):
-            if peer != self.rank:
-                for lo in range(int(displ[peer]), int(displ[peer + 1]), limit):
-                    yield peer, buf[lo : min(lo + limit, int(displ[peer + 1]))]
+        requests = [self._comm.Irecv(p, source=peer, tag=_SPLIT_TAG) for peer, p in pieces(rbuf, rd, me, limit)]
+        requests += [self._comm.Isend(p, dest=peer, tag=_SPLIT_TAG) for peer, p in pieces(sbuf, sd, me, limit)]
+        self._MPI.Request.Waitall(requests)
 
     def allreduce(self, arr, op: str = "sum"):
         arr = _contiguous(arr)
@@ -341,60 +362,3 @@ class MpiComm(Communicator):
     def barrier(self) -> None:
         count_traffic("other", 0)
         self._comm.Barrier()
-
-
-class LeaveNotices:
-    """A side channel on which a rank that leaves tells every other rank so: one small
-    point-to-point message per peer, on a private duplicate of the world, which needs no
-    matching collective call on the peers. The message carries how many collective calls the
-    leaving rank completed; a peer waiting in a later call knows it waits in vain
-    (``sokpy.backends.watchdog``). A peer reads the notices with :meth:`poll`, from the watchdog's
-    thread, while its main thread may be blocked in a collective on another communicator.
-
-    Unread notices (every rank sends them at the end of a normal run, when nobody polls any
-    more) stay in MPI's queue of unexpected messages. MPI may hand such a message to a later
-    communicator that reuses the freed one's context (``sokpy.shutdown()`` then ``init()``
-    in one process: the peers' notices of the first run arrive on the second run's channel),
-    so every channel has an identity that its ranks agree on when it is made, each notice
-    carries it, and :meth:`poll` drops notices of another channel."""
-
-    def __init__(self, mpi_comm):
-        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
-
-        self._MPI = MPI
-        self._comm = mpi_comm
-        self.rank = mpi_comm.Get_rank()
-        self.size = mpi_comm.Get_size()
-        self._sending = None  # the last notices' buffer and requests, kept until sent
-        # Rank 0 draws the channel's identity and every rank learns it (collective, like the Dup).
-        self.identity = int(mpi_comm.bcast(int.from_bytes(os.urandom(8), "little") >> 1, root=0))
-
-    def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
-        """Tells every other rank that this one leaves after ``completed_calls`` collective
-        calls; waits at most ``wait_s`` seconds for the messages to leave (they are tiny, so
-        MPI sends them eagerly without waiting for the peers)."""
-        if self._MPI.Is_finalized():
-            return
-        msg = np.array([self.identity, completed_calls], np.int64)
-        requests = [self._comm.Isend(msg, dest=p, tag=_LEAVE_TAG) for p in range(self.size) if p != self.rank]
-        self._sending = (msg, requests)
-        deadline = time.monotonic() + wait_s
-        while not self._MPI.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def poll(self) -> dict[int, int]:
-        """The notices of this channel that arrived since the last poll: ``{rank: collective
-        calls it completed}`` (a stale notice of an earlier channel is read and dropped)."""
-        MPI = self._MPI
-        arrived, status, buf = {}, MPI.Status(), np.empty(2, np.int64)
-        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_LEAVE_TAG, status=status):
-            source = status.Get_source()
-            self._comm.Recv(buf, source=source, tag=_LEAVE_TAG)
-            if int(buf[0]) == self.identity:
-                arrived[source] = int(buf[1])
-        return arrived
-
-    def free(self) -> None:
-        if self._comm is not None and not self._MPI.Is_finalized():
-            self._comm.Free()
-        self._comm = None

@@ -6,7 +6,8 @@ that ``sokpy.init`` made (``sokpy/backends/backend.py``):
 
 * host backend: numpy arrays, CPU tensors, ``torch.from_numpy`` / ``Tensor.numpy()``.
 * device backend: CuPy arrays on this rank's GPU, ``cuda`` tensors, exchanged through DLPack,
-  with work ordered on torch's current stream.
+  with work ordered on torch's current stream; :func:`record_stream` where memory made on
+  one stream is used on another (torch's rule for its caching allocator).
 
 :func:`to_host` is the one way sokpy reads device values on the host (the host then waits
 for the device): the device double of ``sokpy.testing`` counts these reads, and tests hold
@@ -28,7 +29,7 @@ import torch
 
 from . import runtime
 
-__all__ = ["from_torch", "to_torch", "to_host", "device"]
+__all__ = ["from_torch", "to_torch", "to_host", "record_stream", "device"]
 
 
 def device() -> torch.device:
@@ -54,3 +55,12 @@ def to_host(a) -> np.ndarray:
 def to_torch(a) -> torch.Tensor:
     """A tensor sharing ``a``'s memory (an array of the backend)."""
     return runtime.current().to_torch(a)
+
+
+def record_stream(*arrays) -> None:
+    """Marks the memory of ``arrays`` (arrays of the backend, or tensors on its device) as used
+    by the current stream: where it was allocated on another stream (a gradient made in a
+    backward on one stream, read by a step on another), the allocator hands it out again
+    only after the work queued here so far has run (torch's ``Tensor.record_stream``).
+    Nothing on the host."""
+    runtime.current().record_stream(*arrays)

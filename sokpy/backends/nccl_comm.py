@@ -8,6 +8,11 @@ Counts and small host values (the collective header, a dynamic table's row count
 MPI: they live on the host, and sending them over NCCL would cost a copy to the device and
 a synchronisation back.
 
+An NCCL call returns before it runs, so the collective watchdog times it on the device: after
+each one an event on its stream tells ``sokpy.backends.watchdog.device_work`` when it has
+completed, and one that has not after the collective timeout (a rank that never made the
+same call) ends the job naming it (where ``xp`` has events: CuPy and the device double).
+
 NCCL is reached only through the object passed as ``nccl`` (default ``cupy.cuda.nccl``).
 ``sokpy.testing.nccl_double.MpiBackedNccl`` is a test double with the same calls that
 moves host buffers over MPI: with it, every line of this module runs on a machine without a
@@ -33,8 +38,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..timing import count_traffic, timed
+from . import watchdog
 from .arrays import address_of
-from .comm import Communicator, MpiComm, receive_buffer
+from .comm import Communicator, MpiComm, check_send_counts, receive_buffer
 
 __all__ = ["NcclComm", "NCCL_TYPES", "NCCL_OPS"]
 
@@ -89,6 +95,7 @@ class NcclComm(Communicator):
         self.rank, self.size = mpi.rank, mpi.size
         self._is_device = is_device or (lambda a: isinstance(a, xp.ndarray) and xp is not np)
         self._stream = stream or (lambda: 0)
+        self._event = getattr(getattr(xp, "cuda", None), "Event", None)  # CuPy's (or the double's) events
         uid = mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
 
@@ -112,6 +119,9 @@ class NcclComm(Communicator):
         exchanges apart from the main stream's)."""
         return NcclComm(self.mpi.duplicate(), self.nccl, self.xp, self._is_device, self._stream)
 
+    def leave_notices(self):
+        return self.mpi.leave_notices()
+
     # ---- host values: over MPI ---------------------------------------------------------------
     def alltoall_counts(self, counts):
         return self.mpi.alltoall_counts(counts)
@@ -128,11 +138,7 @@ class NcclComm(Communicator):
         counts are 64-bit). One NCCL group: a send and a receive per peer with data."""
         xp = self.xp
         send = xp.ascontiguousarray(send)
-        send_counts = np.asarray(send_counts, dtype=np.int64)
-        if send_counts.shape != (self.size,):
-            raise ValueError(f"alltoallv: send_counts must have one entry per rank ({self.size})")
-        if int(send_counts.sum()) != int(send.shape[0]):
-            raise ValueError(f"alltoallv: send_counts sum to {send_counts.sum()} but send has {send.shape[0]} rows")
+        send_counts = check_send_counts(send_counts, send.shape[0], self.size)
         if recv_counts is None:
             recv_counts = self.alltoall_counts(send_counts)
         recv_counts = np.asarray(recv_counts, dtype=np.int64)
@@ -159,6 +165,7 @@ class NcclComm(Communicator):
                         self._comm.recv(rbase + int(rd[peer]) * item, int(rc[peer]), dtype, peer, stream)
             finally:
                 self.nccl.groupEnd()
+        self._watch(lambda: f"the NCCL alltoallv ({int(sc.sum()) * item} bytes sent, {int(rc.sum()) * item} received)")
         return recv, recv_counts
 
     def allreduce(self, arr, op: str = "sum"):
@@ -172,6 +179,7 @@ class NcclComm(Communicator):
                 self._comm.allReduce(
                     address_of(arr), address_of(out), arr.size, _nccl_type(arr.dtype), NCCL_OPS[op], self._stream()
                 )
+            self._watch(lambda: f"the NCCL allreduce ({op}) of {arr.size} elements")
         return out
 
     def allgather(self, arr):
@@ -183,6 +191,7 @@ class NcclComm(Communicator):
             count_traffic("other", arr.nbytes)
             with timed("exchange"):
                 self._comm.allGather(address_of(arr), address_of(out), arr.size, _nccl_type(arr.dtype), self._stream())
+            self._watch(lambda: f"the NCCL allgather of {arr.size} elements")
         return out
 
     def bcast(self, obj, root: int = 0):
@@ -197,4 +206,14 @@ class NcclComm(Communicator):
                 self._comm.broadcast(
                     address_of(out), address_of(out), out.size, _nccl_type(out.dtype), root, self._stream()
                 )
+            self._watch(lambda: f"the NCCL broadcast of {out.size} elements from rank {root}")
         return out
+
+    def _watch(self, what: Callable[[], str]) -> None:
+        """Has the watchdog time the NCCL call just queued (``what()`` names it) until an event
+        after it on the current stream completes."""
+        if self._event is None or watchdog.timeout() <= 0:
+            return
+        event = self._event(disable_timing=True)
+        event.record()
+        watchdog.device_work(what(), lambda: event.done)

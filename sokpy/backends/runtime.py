@@ -1,4 +1,4 @@
-"""Process-wide state: the MPI world, this rank's place in it, and the backend.
+"""Process-wide state: the job's world (over MPI or torch.distributed), this rank's place in it, and the backend.
 
 Example::
 
@@ -15,10 +15,13 @@ import os
 import numpy as np
 
 from .. import timing
-from . import watchdog
+from . import launchers, watchdog
 from .backend import DeviceBackend, HostBackend, check_device, device_shapes_requested
 from .comm import MpiUnavailable, SoloComm, mpi_world
+from .launchers import LaunchError, started_by_launcher
 from .nccl_comm import NcclComm
+from .torch_comm import TorchComm
+from .torch_world import torch_world, torch_world_ready
 
 __all__ = [
     "init",
@@ -39,15 +42,12 @@ __all__ = [
     "abort",
     "NotInitializedError",
     "LaunchError",
+    "started_by_launcher",
 ]
 
 
 class NotInitializedError(RuntimeError):
     """An API that needs the runtime was called before ``sokpy.init()``."""
-
-
-class LaunchError(RuntimeError):
-    """The processes were started in a way sokpy cannot train under (e.g. one MPI world per process)."""
 
 
 class _State:
@@ -58,39 +58,8 @@ class _State:
 
 _state = _State()
 
-# Launchers that set a world size of their own. Under them, every process may see an MPI
-# world of 1 and would silently train its own model.
+# Launchers whose own world size must be MPI's when MPI runs the job.
 _LAUNCHER_SIZE_VARS = ("HOROVOD_SIZE", "WORLD_SIZE")
-# Variables by which MPI launchers tell a process the size of its world; used only when no
-# MPI library can be loaded, to tell a one-process run from a broken multi-process launch.
-_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
-# Names and prefixes of the variables by which a launcher tells a process that it is one of a
-# job: Open MPI and PMIx, MPICH's Hydra and PMI (Intel MPI, Slurm's srun, MVAPICH), Cray's
-# ALPS and PALS, and the launchers above. MPI itself finds its job through these, so a process
-# that has none of them would start an MPI world of itself alone (a singleton). sokpy then
-# starts no MPI and runs on SoloComm: Open MPI 5.0's singletons leave a 16 MB segment in
-# /dev/shm and a folder in /tmp behind at every start. SOKPY_USE_MPI=1 starts MPI anyway.
-_LAUNCH_MARKS = (
-    "OMPI_COMM_WORLD_",
-    "PMIX_",
-    "PMI_",
-    "HYDI_",
-    "HYDRA_",
-    "MPI_LOCALNRANKS",
-    "I_MPI_",
-    "MV2_COMM_WORLD_",
-    "SLURM_PROCID",
-    "ALPS_APP_PE",
-    "PALS_",
-    *_LAUNCHER_SIZE_VARS,
-)
-
-
-def started_by_launcher() -> bool:
-    """Whether a launcher started this process (or SOKPY_USE_MPI=1 asks for MPI anyway)."""
-    if os.environ.get("SOKPY_USE_MPI", "").strip() == "1":
-        return True
-    return any(name.startswith(_LAUNCH_MARKS) for name in os.environ)
 
 
 # Whether "auto" picks the device backend when a GPU is usable. The device path is proven
@@ -119,32 +88,55 @@ def _check_launch(mpi_size: int) -> None:
         if int(value) != mpi_size:
             raise LaunchError(
                 f"sokpy.init: the launcher says {var}={value} but MPI sees a world of {mpi_size} "
-                f"process(es), so the processes cannot exchange embeddings. Launch with MPI: "
-                f"`sokrun -np N python train.py`, `mpirun -np N python train.py`, or "
-                f"`horovodrun --mpi -np N python train.py` (not horovodrun's gloo mode or torchrun)."
+                f"process(es), so the processes cannot exchange embeddings. {launchers.LAUNCH_LINES}"
             )
 
 
-def _mpi_world():
-    """``(MpiComm over a duplicate of the world, node-local rank)``, or ``(None, 0)`` for a
-    single process: one no launcher started (:func:`started_by_launcher`), or one where no MPI library
-    can be loaded (one GPU checked where only torch and CuPy are installed); a launch that
-    asked for several processes then fails clearly."""
-    if not started_by_launcher():
+def _join_torch_world(device: bool):
+    """:func:`torch_world`, refused (LaunchError) where it is a world of one process while a
+    launcher says this process is one of several (``srun -n 2 torchrun --standalone ...``:
+    each torchrun makes a world of its own)."""
+    world, local_rank = torch_world(device)
+    if world.size == 1:
+        try:
+            launchers.refuse_alone("torch.distributed's world has 1 process (a torchrun --standalone makes its own)")
+        except LaunchError:
+            world.free()
+            raise
+    return world, local_rank
+
+
+def _join_world(device: bool):
+    """``(communicator of the job's world, node-local rank)``, or ``(None, 0)`` for a world of
+    one. torchrun's processes (and those of a program that started torch.distributed, or
+    gives its variables without an MPI launcher) join over torch.distributed; those an MPI
+    launcher started keep MPI, or join over torch.distributed where MPI cannot give them
+    their world. A process no launcher started starts no MPI (``launchers.mpi_launched``),
+    and one where no MPI library can be loaded needs none. A process that a launcher calls
+    one of several never runs alone: it raises LaunchError (``launchers.refuse_alone``)."""
+    if launchers.torchrun_started() or (not launchers.mpi_launched() and torch_world_ready()):
+        return _join_torch_world(device)
+    if not launchers.mpi_launched():
+        launchers.refuse_alone("it joins no world: no MPI launcher started it", launchers.torch_missing())
         return None, 0
     try:
         mpi, local_rank = mpi_world()
     except MpiUnavailable as e:
-        sizes = {v: os.environ[v] for v in _MPI_SIZE_VARS if os.environ.get(v, "").strip() not in ("", "1")}
-        if sizes:
-            raise LaunchError(
-                f"sokpy.init: the launcher started several processes ({sizes}) but MPI cannot be loaded here "
-                f"({e}); install mpi4py with an MPI library (pip install "
-                f'"sokpy-embeddings[mpi]")'
-            ) from e
+        if torch_world_ready():
+            return _join_torch_world(device)
+        launchers.refuse_alone(f"no MPI library can be loaded here ({e})", launchers.torch_missing())
         return None, 0
     try:
-        _check_launch(mpi.size)
+        if mpi.size > 1:
+            _check_launch(mpi.size)
+            return mpi, local_rank
+        if torch_world_ready():
+            mpi.free()
+            return _join_torch_world(device)
+        launchers.refuse_alone(
+            "MPI sees a world of 1 process (the MPI library mpi4py loaded is not the one of the launcher)",
+            launchers.torch_missing(),
+        )
     except LaunchError:
         mpi.free()
         raise
@@ -152,7 +144,14 @@ def _mpi_world():
 
 
 def init(backend: str = "auto", timeout: float | None = None) -> str:
-    """Initialises MPI (through mpi4py) and picks the backend; returns the backend's name.
+    """Joins the job's world and picks the backend; returns the backend's name.
+
+    The world: a process that torchrun started (or whose program started torch.distributed,
+    or that has torch.distributed's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` without an MPI launcher) joins over torch.distributed (``TorchComm``: gloo,
+    and NCCL on the device backend; no MPI library needed), starting its default process group
+    when the program has not; one that mpirun, sokrun, horovodrun --mpi or another MPI
+    launcher started joins over MPI (mpi4py).
 
     ``backend`` is ``"auto"``, ``"host"`` (numpy arrays, kernels compiled for the CPU, MPI
     exchange) or ``"device"`` (CuPy arrays on this rank's GPU, kernels compiled by NVRTC,
@@ -163,8 +162,10 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
     before anything is allocated; if torch's CUDA, CuPy, NVRTC or (on several ranks) NCCL is
     missing, one error names them all and the pip line that installs them. A process that no
     launcher started (``python train.py``) is a world of one and starts no MPI
-    (``SOKPY_USE_MPI=1`` starts it anyway); it needs no MPI library. Idempotent: a second call with the same or ``"auto"``
-    backend returns the first one's choice.
+    (``SOKPY_USE_MPI=1`` starts it anyway); it needs no MPI library. A process that a
+    launcher calls one of several (``sokpy.backends.launchers``) joins that world or raises
+    :class:`LaunchError` naming the launcher and what is missing; it never trains alone.
+    Idempotent: a second call with the same or ``"auto"`` backend returns the first one's choice.
 
     A failed rank then ends the whole job (``sokpy.backends.watchdog``): an uncaught exception aborts
     the MPI world after printing the traceback (``SOKPY_ABORT_ON_ERROR=0`` turns this off),
@@ -196,37 +197,46 @@ def init(backend: str = "auto", timeout: float | None = None) -> str:
         backend = "device" if AUTO_PICKS_DEVICE and _gpu_usable() else "host"
     if backend == "device" and not _gpu_usable():
         check_device(1)  # names what is missing
-    mpi, local_rank = _mpi_world()
-    world = 1 if mpi is None else mpi.size
+    world, local_rank = _join_world(backend == "device")
     emulated = backend == "host" and os.environ.get("SOKPY_EMULATE_DEVICE") == "1"
     try:
-        be, comm = _make_backend(backend, emulated, mpi, local_rank, world)
+        be, comm = _make_backend(backend, emulated, world, local_rank)
     except BaseException:
-        if mpi is not None:
-            mpi.free()
+        if world is not None:
+            world.free()
         raise
     _state.comm, _state.local_rank, _state.backend = comm, local_rank, be
-    watchdog.install(timeout, comm, notices=None if mpi is None else mpi.leave_notices())
+    watchdog.install(timeout, comm, notices=comm.leave_notices())
     return be.name
 
 
-def _make_backend(backend: str, emulated: bool, mpi, local_rank: int, world: int):
-    """The backend object and its communicator."""
+def _make_backend(backend: str, emulated: bool, world, local_rank: int):
+    """The backend object and its communicator; ``world`` is the job's MpiComm or TorchComm
+    (None: a world of one)."""
+    size = 1 if world is None else world.size
     if backend == "device":
-        check_device(world)
+        check_device(1 if isinstance(world, TorchComm) else size)  # torch's NCCL moves TorchComm's arrays, not CuPy's
         import cupy  # optional dependency, imported only on the device path
 
         be = DeviceBackend(device_index(local_rank, cupy.cuda.runtime.getDeviceCount()))
-        if mpi is None:
+        if world is None:
             return be, SoloComm(be.xp)
-        return be, NcclComm(mpi, stream=be.stream_handle)
+        if isinstance(world, TorchComm):
+            world.use_device(be.xp)  # NCCL, through torch's process group
+            return be, world
+        return be, NcclComm(world, stream=be.stream_handle)
     if emulated:  # the device code path on host memory (sokpy.testing), imported only when asked
+        if isinstance(world, TorchComm):
+            raise LaunchError(
+                "sokpy.init: SOKPY_EMULATE_DEVICE=1 moves the emulated device's buffers over MPI (the NCCL test "
+                "double); launch it with sokrun or mpirun, not torchrun"
+            )
         from ..testing.emulated import EmulatedDeviceBackend
 
         emulated_be = EmulatedDeviceBackend()
-        return emulated_be, emulated_be.communicator(mpi)
+        return emulated_be, emulated_be.communicator(world)
     host_be = HostBackend(device_shapes=device_shapes_requested())
-    return host_be, mpi if mpi is not None else SoloComm(np)
+    return host_be, world if world is not None else SoloComm(np)
 
 
 def device_index(local_rank: int, device_count: int) -> int:

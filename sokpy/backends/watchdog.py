@@ -19,12 +19,17 @@ ranks that leave while others wait for them.
   turns it off) prints which call this rank is in (``lookup_sparse tables=[...]``,
   ``Adagrad.step``, ...) and for how long, then aborts the job with exit code 3. This is
   what ends a job where one rank hangs, or stops making collective calls without ending.
+  Work a collective call queued on a GPU is timed too (:func:`device_work`: every NCCL call
+  of ``NcclComm``): an NCCL call still not complete on the device after the timeout (a rank
+  that never made the same call leaves it waiting there, while the host has left the call
+  and waits elsewhere, or not at all) ends the job the same way, naming the NCCL call and the
+  collective call that queued it.
 * **A rank that leaves.** A rank whose program ends while others still make collective
   calls (``sys.exit`` in the training loop on uneven data, or its script simply ended)
   would otherwise leave them waiting for the whole timeout: MPI's launchers only notice a
   rank that ends once all have ended. So when a process ends (``atexit``, which covers
   ``sys.exit`` and the normal end of the script) or calls ``sokpy.shutdown()``, it tells
-  every other rank, on a side channel (:class:`sokpy.backends.comm.LeaveNotices`), how many
+  every other rank, on a side channel (:class:`sokpy.backends.notices.LeaveNotices`), how many
   collective calls it completed. A rank waiting in a later call, or entering one, prints
   which call it waits in, that every rank must make it, which rank had left the job and
   what to do (for ``state_dict``: call it on every rank, save on one), then aborts the job
@@ -36,6 +41,16 @@ ranks that leave while others wait for them.
 
 A rank that dies (killed, out of memory) is noticed by the MPI launcher itself, which ends
 the job.
+
+Under torchrun (``TorchComm``, no MPI) the same three hold. The abort is the communicator's:
+the rank writes a notice that it failed into the job's store, then exits with its code, and
+torchrun's agent ends the other workers of its node; ranks elsewhere end on that notice,
+naming the rank and their call. The notices of ranks that leave are keys in that store
+(:class:`sokpy.backends.notices.StoreNotices`). There a peer's end also closes its
+connections, so a collective call of a rank still waiting for it fails at once: the call's
+exception passes :func:`call`, which, when the communicator says the transport lost a peer,
+ends the job as for a rank that left, naming it once its notice is there (it waits up to
+``LOST_PEER_WAIT_S`` for one), or saying that another rank was lost.
 
 Example::
 
@@ -53,12 +68,19 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from contextlib import contextmanager
+
+from .reports import every_rank_hint
+from .reports import flush as _flush
+from .reports import report as _report
+from .reports import stderr_fd as _stderr_fd
 
 __all__ = [
     "install",
     "leave",
     "call",
+    "device_work",
     "timeout",
     "every_rank_hint",
     "DEFAULT_TIMEOUT_S",
@@ -71,6 +93,7 @@ TIMEOUT_EXIT_CODE = 3
 PEER_LEFT_EXIT_CODE = 4
 ABORT_GRACE_S = 1.0  # between the report of a failure and MPI_Abort (see _abort)
 ABORT_WAIT_S = 20.0  # after MPI_Abort: a process it has not ended ends itself (see _abort)
+LOST_PEER_WAIT_S = 3.0  # for the notice of a rank whose connections closed (see _lost_peer)
 
 _lock = threading.Lock()
 # (call, start) of the calls this rank is in, outermost first; a call is its description or a
@@ -83,45 +106,17 @@ _comm = None  # the job's communicator: who this rank is, and how to end the job
 # Outermost collective calls this rank entered since install (under _lock). Every rank makes the
 # same calls, so the n-th call is the same call on every rank.
 _calls = 0
-# The side channel on which ranks that leave say so (sokpy.backends.comm.LeaveNotices), while the
+# The side channel on which ranks that leave say so (sokpy.backends.notices.LeaveNotices), while the
 # runtime is initialised; None for one rank or without MPI_THREAD_MULTIPLE. The watchdog's
 # thread polls it only under _notices_lock, and leave() takes it away under the same lock.
 _notices = None
 _notices_lock = threading.Lock()
 _left: dict[int, int] = {}  # rank -> collective calls it completed before it left
+# Device work not yet seen complete, oldest first (under _lock): (what, the collective call
+# that queued it or None, that call's number, when it was queued, a function: complete?).
+_device: deque = deque()
 _exit_hook_registered = False
-
-
-def _stderr_fd() -> int:
-    """The file descriptor of stderr: ``sys.stderr``'s, else the interpreter's original
-    stream's, else 2. A program (torch, while its own error handler runs) may have replaced
-    ``sys.stderr`` by a stream without a file descriptor; the report must still get out."""
-    for stream in (sys.stderr, sys.__stderr__):
-        try:
-            return stream.fileno()  # type: ignore[union-attr]
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
-            continue
-    return 2
-
-
-def _report(text: str) -> None:
-    """Writes ``text`` to ``sys.stderr``, or to stderr's file descriptor where that stream fails."""
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a crash report must not fail on the stream it is given
-        try:
-            os.write(_stderr_fd(), text.encode(errors="replace"))
-        except OSError:
-            pass
-
-
-def _flush() -> None:
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - nothing left to report it on
-            pass
+_ending = False  # a thread is ending the job for a peer that is gone (see _claim_the_end)
 
 
 def _abort(code: int) -> None:
@@ -168,7 +163,7 @@ def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
     """Installs the exception hook and starts the watchdog's thread (idempotent);
     ``timeout_s`` overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator
     (its rank and size for reports, its ``abort`` to end the job); ``notices`` is the job's
-    :class:`sokpy.backends.comm.LeaveNotices` channel (None: no other rank to tell), on which this
+    :class:`sokpy.backends.notices.LeaveNotices` channel (None: no other rank to tell), on which this
     rank says when it leaves and hears when others do."""
     global _timeout_s, _thread, _installed_hook, _comm, _notices, _calls, _exit_hook_registered
     if comm is not None:
@@ -182,6 +177,8 @@ def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
     if timeout_s < 0:
         raise ValueError(f"the collective timeout must be >= 0 seconds (0: none), not {timeout_s}")
     _timeout_s = float(timeout_s)
+    with _lock:
+        _device.clear()
     if os.environ.get("SOKPY_ABORT_ON_ERROR", "1") != "0" and sys.excepthook is not _installed_hook:
         _installed_hook = _excepthook(sys.excepthook)
         sys.excepthook = _installed_hook
@@ -228,23 +225,50 @@ def _watch() -> None:
     while True:
         time.sleep(min(1.0, max(_timeout_s / 10, 0.05)) if _timeout_s > 0 else 1.0)
         _check()  # its own frame: nothing of the call it looked at stays referenced while the thread sleeps
+        _check_device()
 
 
-def every_rank_hint(what: str) -> str:
-    """What to do about a collective call (described by ``what``) that some ranks did not make."""
-    op = what.split(" ", 1)[0].split("(", 1)[0]
-    if op.endswith("load_state_dict"):
-        return f"{op}() is collective: call it on every rank, each with the state it loads."
-    if op == "state_dict":
-        return (
-            "state_dict() is collective (it gathers every rank's rows): call state_dict() on every rank, and "
-            "write the file on one only (state = model.state_dict() on every rank, then "
-            "if rank == 0: torch.save(state, path))."
+def device_work(what: str, done) -> None:
+    """Work just queued on the device for the collective call this rank is in (``what``, e.g.
+    an NCCL call), complete when ``done()`` (called from the watchdog's thread) says so: if
+    it is not after the timeout, the job ends naming it and that call. Nothing while the
+    timeout is off."""
+    if _timeout_s <= 0:
+        return
+    with _lock:
+        _device.append((what, _current[0][0] if _current else None, _calls, time.monotonic(), done))
+
+
+def _check_device() -> None:
+    """Forgets the device work that completed; ends the job when the oldest has waited past
+    the timeout."""
+    while True:
+        with _lock:
+            if not _device:
+                return
+            what, call, index, start, done = _device[0]
+        try:
+            complete = bool(done())
+        except Exception:  # noqa: BLE001 - a device that cannot say (it failed): the host's waits report that
+            complete = True
+        if complete:
+            with _lock:
+                if _device and _device[0][4] is done:
+                    _device.popleft()
+            continue
+        waited = time.monotonic() - start
+        if waited <= _timeout_s:
+            return
+        call = call() if callable(call) else call
+        where = f"the collective call {call} (its collective call #{index})" if call else "no collective call"
+        hint = every_rank_hint(call) + " " if call else ""
+        _report(
+            f"sokpy: {_where()} has waited {waited:.0f} s for {what}, queued on the device in {where}, to complete "
+            f"(timeout {_timeout_s:g} s, SOKPY_COLLECTIVE_TIMEOUT): another rank did not make the same call (it "
+            f"left the training loop early, hangs, or failed). {hint}Ending the whole job.\n"
         )
-    return (
-        "Every rank must make the same collective calls in the same order: not under `if rank == 0:`, "
-        "and on uneven data every rank's loop stops at the same step."
-    )
+        _abort(TIMEOUT_EXIT_CODE)
+        return
 
 
 def _check() -> None:
@@ -257,14 +281,7 @@ def _check() -> None:
         return
     gone = _gone_before(index)
     if gone:
-        what = first[0]() if callable(first[0]) else first[0]
-        left = "; ".join(f"rank {r} had left the job after completing {c} collective calls" for r, c in gone)
-        _report(
-            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
-            f"which every rank must make: {left} (its program ended: sys.exit, the end of its script, or "
-            f"sokpy.shutdown), so it will never make this call. {every_rank_hint(what)} Ending the whole job.\n"
-        )
-        _abort(PEER_LEFT_EXIT_CODE)
+        _end_for_gone(first[0], index, gone)
     if _timeout_s <= 0:
         return
     what, start = first
@@ -278,6 +295,63 @@ def _check() -> None:
             f"{every_rank_hint(what)} Ending the whole job.\n"
         )
         _abort(TIMEOUT_EXIT_CODE)
+
+
+def _end_for_gone(what, index: int, gone: list[tuple[int, int]]) -> None:
+    """Reports that this rank waits in call #``index`` (``what``) for ranks that left or
+    failed (``gone``: each rank and the calls it completed, negative for a failure), and ends
+    the job."""
+    _claim_the_end()
+    what = what() if callable(what) else what
+    failed = [r for r, completed in gone if completed < 0]
+    if failed:
+        _report(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), which rank "
+            f"{failed[0]} will never make: rank {failed[0]} failed and ends the job (its own report says why). "
+            f"Ending the whole job.\n"
+        )
+    else:
+        left = "; ".join(f"rank {r} had left the job after completing {c} collective calls" for r, c in gone)
+        _report(
+            f"sokpy: {_where()} is in the collective call {what} (its collective call #{index}), "
+            f"which every rank must make: {left} (its program ended: sys.exit, the end of its script, or "
+            f"sokpy.shutdown), so it will never make this call. {every_rank_hint(what)} Ending the whole job.\n"
+        )
+    _abort(PEER_LEFT_EXIT_CODE)
+
+
+def _claim_the_end() -> None:
+    """Returns in the first thread that ends the job for a peer that is gone; in another (the
+    watchdog's thread and the main thread may find it at once) it waits for the first to end
+    the process, so the job's end is reported once."""
+    global _ending
+    with _lock:
+        first, _ending = not _ending, True
+    if not first:
+        time.sleep(ABORT_GRACE_S + ABORT_WAIT_S + 5)
+        os._exit(PEER_LEFT_EXIT_CODE)
+
+
+def _lost_peer(what, exc: BaseException) -> None:
+    """The transport lost a peer while this rank was in the collective call ``what`` (its
+    processes ended: a torch.distributed job's connections close with them). Ends the job,
+    naming the rank when its notice that it left or failed arrives within ``LOST_PEER_WAIT_S``."""
+    with _lock:
+        index = _calls
+    deadline = time.monotonic() + LOST_PEER_WAIT_S
+    gone = _gone_before(index)
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gone = _gone_before(index)
+    if gone:
+        _end_for_gone(what, index, gone)
+    _claim_the_end()
+    what = what() if callable(what) else what
+    _report(
+        f"sokpy: {_where()} lost another rank in the collective call {what} (its collective call #{index}): "
+        f"{exc}. That rank ended or failed (its own report says why, if it could make one). Ending the whole job.\n"
+    )
+    _abort(PEER_LEFT_EXIT_CODE)
 
 
 def _gone_before(index: int) -> list[tuple[int, int]]:
@@ -301,6 +375,10 @@ def call(what):
         _current.append(entry)
     try:
         yield
+    except BaseException as exc:
+        if _comm is not None and _comm.lost_peer(exc):
+            _lost_peer(what, exc)
+        raise
     finally:
         with _lock:
             _current.remove(entry)

@@ -204,8 +204,8 @@ class Call:
 
     def __exit__(self, *exc) -> None:
         if self._stack is not None:
-            self._stack.close()
-            self._stack = None
+            stack, self._stack = self._stack, None
+            stack.__exit__(*exc)  # the watchdog sees the call's exception (a transport that lost a peer)
 
     def agree(
         self, error: str | None, counts=None, volume: int = 0, error_type: type = InputError, replies=None

@@ -77,7 +77,11 @@ class GradChunk:
     is a table index. ``rows_found``: no row is -1 (static tables, or rows kept by a step),
     so :meth:`entries` need not look. ``runs``: the entries come as this many runs, each
     ascending by (table index, row) (the blocks of the ranks that sent them, when every
-    table's keys were sorted by row); 0: no known order."""
+    table's keys were sorted by row); 0: no known order.
+
+    Its arrays belong to the stream it was made on (the backward's); a reader on another
+    stream (a step, ``var.grad``) records its own on them first (:meth:`entries` does), so
+    that dropping the chunk later does not hand their memory out again under its work."""
 
     def __init__(
         self,
@@ -104,6 +108,15 @@ class GradChunk:
         self.used, self.tables_used = used, tables_used
         self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
         self.runs = runs
+        self.streams = {runtime.current().stream_handle()}  # the streams its arrays are recorded on (made on)
+
+    def used_here(self) -> None:
+        """Records the current stream on the chunk's arrays, once per stream
+        (``handoff.record_stream``)."""
+        stream = runtime.current().stream_handle()
+        if stream not in self.streams:
+            handoff.record_stream(self.buffer, self.keys, self.rows, self.group, self.offsets)
+            self.streams.add(stream)
 
     def table_used(self) -> np.ndarray:
         """bool ``[ntables]``: the table's outputs got a gradient on some rank. The same on every
@@ -116,7 +129,9 @@ class GradChunk:
 
     def entries(self, index: np.ndarray):
         """The entries of the tables that ``index`` maps (chunk table -> caller's index, -1 to
-        skip): ``(caller index, rows, offsets, keys)``, skipping unused ones and rows < 0."""
+        skip): ``(caller index, rows, offsets, keys)``, skipping unused ones and rows < 0. Its
+        reader, on the current stream, may also read ``buffer``."""
+        self.used_here()
         xp = runtime.xp()
         index = np.asarray(index)
         every_entry = self.rows_found and (self.used is None or bool(self.used.all()))

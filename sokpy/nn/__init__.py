@@ -2,13 +2,16 @@
 
 * :class:`EmbeddingBagCollection` (pooled bags) and :class:`EmbeddingCollection` (one row per
   id), built from :class:`EmbeddingBagConfig` / :class:`EmbeddingConfig` or TorchRec's configs
-  (:mod:`sokpy.nn.modules`, :mod:`sokpy.nn.config`);
-* :class:`KeyedJaggedTensor` and :class:`JaggedTensor` for use without torchrec
-  (:mod:`sokpy.nn.jagged`);
+  (:mod:`sokpy.nn.modules`, :mod:`sokpy.nn.sequence`, :mod:`sokpy.nn.config`; state_dict:
+  :mod:`sokpy.nn.state`);
+* :class:`KeyedJaggedTensor`, :class:`JaggedTensor` and :class:`KeyedTensor` for use without torchrec, with TorchRec's
+  constructors and methods (:mod:`sokpy.nn.kjt`; inputs: :mod:`sokpy.nn.jagged`);
 * :func:`clip_grad_norm_` over dense and sparse gradients together (:mod:`sokpy.nn.clip`);
-* :func:`inference_module`: a plain torch module of a trained model for serving
-  (:mod:`sokpy.nn.serving`);
+* :func:`inference_module`: a plain torch module of a trained model for serving, and
+  :func:`export` (``torch.export`` with a dynamic batch) (:mod:`sokpy.nn.serving`);
 * :func:`init_process_group`: ``torch.distributed`` for DDP over sokpy's ranks;
+* :class:`DistributedModelParallel`: TorchRec's wrapper (the sharders' ``fused_params`` stepped
+  inside backward, DDP for the dense part) (:mod:`sokpy.nn.model_parallel`);
 * :func:`fused_optimizer`: the sokpy optimizer for TorchRec's ``fused_params``
   (:mod:`sokpy.nn.fused`);
 * :class:`TrainPipeline`: the training loop that exchanges the next batch's keys while this
@@ -29,23 +32,29 @@ from .clip import clip_grad_norm_
 from .config import EmbeddingBagConfig, EmbeddingConfig
 from .fused import fused_optimizer
 from .jagged import JaggedTensor, KeyedJaggedTensor
-from .modules import EmbeddingBagCollection, EmbeddingCollection, TableState, concat
+from .kjt import KeyedTensor
+from .model_parallel import DistributedModelParallel
+from .modules import EmbeddingBagCollection, TableState, concat
 from .pipeline import TrainPipeline
 from .process_group import init_process_group
-from .serving import inference_module
+from .sequence import EmbeddingCollection
+from .serving import export, inference_module
 
 __all__ = [
     "EmbeddingBagConfig",
     "EmbeddingConfig",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
+    "DistributedModelParallel",
     "KeyedJaggedTensor",
     "JaggedTensor",
+    "KeyedTensor",
     "TableState",
     "clip_grad_norm_",
     "fused_optimizer",
     "concat",
     "inference_module",
+    "export",
     "init_process_group",
     "TrainPipeline",
 ]

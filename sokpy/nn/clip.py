@@ -7,7 +7,11 @@ ranks), and both are scaled by the same factor. The scaled table gradients are w
 sokpy optimizer step applies (``table.grad`` is edited in place).
 
 TorchRec clips its fused tables inside the optimizer (``GradientClippingOptimizer``); here the
-tables' gradients sit in ``table.grad`` between backward and step, so one call clips all.
+tables' gradients sit in ``table.grad`` between backward and step, so one call clips all. The
+torch habit, ``clip_grad_norm_(model.parameters(), ...)``, names no table (they are not
+parameters): while some table holds a gradient the call refuses, naming the tables it would
+leave out (pass the model, or add ``ebc.tables()``; ``torch.nn.utils.clip_grad_norm_`` clips the
+dense part alone, if that is what is meant).
 
 Example::
 
@@ -34,7 +38,7 @@ import torch
 
 from ..backends import runtime
 from ..exchange import collective
-from ..tables.table import Table
+from ..tables.table import Table, live_tables
 from .modules import EmbeddingCollectionBase
 
 __all__ = ["clip_grad_norm_"]
@@ -75,7 +79,18 @@ def clip_grad_norm_(
     table gradients are each row's, summed over ranks on its owner, and their norm covers
     every rank's rows. ``error_if_nonfinite`` raises (on every rank) when the norm is NaN or
     infinite."""
+    given_module = isinstance(parameters, torch.nn.Module)
     dense, tables = _split(parameters)
+    named = {id(t) for t in tables}
+    left_out = sorted(t.name for t in live_tables() if t.grad_refs and id(t) not in named)
+    error = None
+    if left_out and not given_module:
+        error = (
+            f"clip_grad_norm_: the sokpy tables {left_out} hold gradients and are not among the parameters given "
+            "(tables are not model.parameters()); pass the model itself, clip_grad_norm_(model, max_norm), or "
+            "add their tables (list(model.parameters()) + ebc.tables()); torch.nn.utils.clip_grad_norm_ clips "
+            "the dense gradients alone"
+        )
     p = float(norm_type)
     grads = [t.grad for t in dense if t.grad is not None]
     sparse = [g.values for g in (t.grad for t in tables) if g is not None]
@@ -88,7 +103,7 @@ def clip_grad_norm_(
 
     local = norm(sparse)
     with collective.Call("clip_grad_norm_", tables) as call:
-        call.agree(None)
+        call.agree(error)
         if math.isinf(p):
             sparse_norm = float(runtime.comm().allreduce(np.array([local], np.float64), op="max")[0])
         else:

@@ -7,14 +7,19 @@ have TorchRec's field names. A TorchRec config is read field by field: ``name``,
 refused) are honoured, and any other field set away from its default is refused with an
 error naming the field; nothing is dropped in silence.
 
-``init_fn`` (TorchRec's, ``torch.nn.init`` style: fills a tensor in place) is honoured with
-results that do not depend on the world size: ``torch.nn.init.uniform_``, ``normal_``,
-``constant_``, ``zeros_`` and ``ones_`` (bare or as a ``functools.partial``, TorchRec's
-default is ``partial(uniform_, a=-sqrt(1/rows), b=sqrt(1/rows))``) become sokpy's own
-counter-based initializers; any other function is called on the table in key order, in
-chunks of :data:`INIT_CHUNK_ROWS` rows, each chunk under torch's generator seeded from the
-table's seed and the chunk's index, and every rank keeps its own rows. A dynamic table has no
-whole to call it on: it takes ``initializer`` instead.
+``init_fn`` (TorchRec's, ``torch.nn.init`` style: fills a tensor in place) gives a static
+table the values TorchRec's unsharded module gives it for the same torch seed, at any world
+size: as TorchRec's module does, every rank calls it on the whole ``[rows, dim]`` table (in the
+table's type) in config order, under torch's own generator, and the rows rank 0 drew are
+kept (so ranks whose generators differ still agree). That needs the whole table in every
+rank's memory, as TorchRec's unsharded module does; a table larger than
+:func:`init_fn_limit_bytes` is refused by name (sokpy's counter-based ``initializer`` fills a
+table of any size, with its own values). TorchRec's configs always carry one (its default,
+``partial(uniform_, ±sqrt(1 / rows))``); a TorchRec config whose ``init_fn`` was set to None
+takes sokpy's counter-based uniform in the same bounds. A dynamic table has no whole to call
+it on: ``torch.nn.init.uniform_``, ``normal_``, ``constant_``, ``zeros_`` and ``ones_`` (bare
+or as a ``functools.partial``) become sokpy's own counter-based initializers there, any other
+function is refused.
 
 Example::
 
@@ -26,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,17 +40,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import initializers
-from ..backends import handoff
+from ..backends import runtime
 from ..exchange import collective
+from ..tables.access import assign
 
 if TYPE_CHECKING:
     from ..tables.static import Variable
 
-__all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "TableSpec", "table_spec", "apply_init_fn", "INIT_CHUNK_ROWS"]
+__all__ = ["EmbeddingBagConfig", "EmbeddingConfig", "TableSpec", "table_spec", "apply_init_fn", "init_fn_limit_bytes"]
 
 POOLINGS = ("sum", "mean", "sqrtn")
-
-INIT_CHUNK_ROWS = 65536  # rows per call of a general init_fn (part of what its results are)
 
 
 @dataclass
@@ -228,6 +232,13 @@ def table_spec(c: Any, pooled: bool) -> TableSpec:
     sequence (EmbeddingCollection) module; raises ValueError naming the table and the field
     for a config the module cannot honour."""
     name: str | None = getattr(c, "name", None)
+    if name is not None and not isinstance(name, str):
+        raise ValueError(
+            f"table {name!r}: name must be a string (sokpy's order is (name, embedding_dim, num_embeddings, ...), "
+            "TorchRec's (num_embeddings, embedding_dim, name, ...): pass the fields by name)"
+        )
+    if name == "":
+        raise ValueError("table '': a table's name must not be empty (TorchRec refuses it too)")
     has_pooling = hasattr(c, "pooling")
     pooling = _field_name(getattr(c, "pooling", "none")).lower()
     if pooled and (not has_pooling or pooling == "none"):
@@ -258,7 +269,7 @@ def table_spec(c: Any, pooled: bool) -> TableSpec:
     if init_fn is not None:
         if initializer is not None:
             raise ValueError(f"table {name!r}: give initializer or init_fn, not both")
-        native = _native(init_fn)
+        native = _native(init_fn) if rows is None else None  # a static table: the function itself, on the whole
         if native is not None:
             initializer, init_fn = native, None
         elif rows is None:
@@ -295,35 +306,40 @@ def table_spec(c: Any, pooled: bool) -> TableSpec:
     )
 
 
-def _chunk_seed(table_seed: int, chunk: int) -> int:
-    digest = hashlib.blake2b(f"{table_seed}|init_fn|{chunk}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+def init_fn_limit_bytes() -> int:
+    """The largest table (``rows * dim * 4`` bytes) an ``init_fn`` is called on: every rank
+    holds it whole once, as TorchRec's unsharded module does, so a quarter of this machine's
+    memory shared by the job's ranks."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return memory // (4 * max(1, runtime.world_size()))
 
 
 def apply_init_fn(var: Variable, init_fn: Callable[[torch.Tensor], Any]) -> None:
-    """Sets the rows of the static table ``var`` by ``init_fn``; collective (a fault on any
-    rank raises the same error on every rank). Chunk c (keys ``[c * INIT_CHUNK_ROWS, ...)``)
-    is a float32 CPU tensor ``init_fn`` fills in place (or returns), made under torch's
-    generator seeded from the table's seed and c, so every rank computes the same values for
-    a key whatever the world size; each rank computes only the chunks holding its rows and
-    leaves torch's own generator as it was."""
-    error = None
-    try:
-        keys = torch.from_numpy(handoff.to_host(var.local_keys()))
-        weight = var.weight
-        for c in sorted(set((keys // INIT_CHUNK_ROWS).tolist())):
-            lo = c * INIT_CHUNK_ROWS
-            n = min(INIT_CHUNK_ROWS, var.rows - lo)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_chunk_seed(var.init_spec.seed, c))
-                chunk = torch.empty(n, var.dim, dtype=torch.float32)
-                out = init_fn(chunk)
-            chunk = out if isinstance(out, torch.Tensor) else chunk
-            if chunk.shape != (n, var.dim) or not bool(torch.isfinite(chunk).all()):
-                raise ValueError(f"init_fn gave a tensor of shape {list(chunk.shape)} or values that are not finite")
-            mine = torch.nonzero((keys >= lo) & (keys < lo + n)).reshape(-1)
-            weight[mine.to(weight.device)] = chunk[keys[mine] - lo].to(weight.device, torch.float32)
-    except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
-        error = f"table {var.name!r}: init_fn failed: {type(e).__name__}: {e}"
+    """Sets the rows of the static table ``var`` by ``init_fn`` as TorchRec's unsharded module
+    does (see the module's text); collective: a fault on any rank (the table too large, the
+    function failing or giving a tensor of another shape or values that are not finite)
+    raises the same error on every rank, naming the table, and changes nothing."""
+    error, whole = None, None
+    need, limit = var.rows * var.dim * 4, init_fn_limit_bytes()
+    if need > limit:
+        error = (
+            f"table {var.name!r}: init_fn needs the whole table in every rank's memory, as TorchRec's unsharded "
+            f"module does ({var.rows} x {var.dim}: {need / 2**30:.1f} GiB; at most {limit / 2**30:.1f} GiB here); "
+            "give an initializer instead (sokpy's counter-based uniform/normal/constant fill any size; for a "
+            "TorchRec config: config.init_fn = None takes the uniform of weight_init_min/max)"
+        )
+    else:
+        try:
+            whole = torch.empty(var.rows, var.dim, dtype=var.weight.dtype)
+            out = init_fn(whole)
+            whole = out if isinstance(out, torch.Tensor) else whole
+            if whole.shape != (var.rows, var.dim) or not bool(torch.isfinite(whole).all()):
+                raise ValueError(f"init_fn gave a tensor of shape {list(whole.shape)} or values that are not finite")
+        except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
+            error = f"table {var.name!r}: init_fn failed: {type(e).__name__}: {e}"
     with collective.Call("init_fn", [var]) as call:
         call.agree(error)
+    assert whole is not None  # no rank had an error
+    mine = runtime.rank() == 0  # rank 0's draw for every row: one table whatever the ranks' generators
+    keys = torch.arange(var.rows if mine else 0, dtype=torch.int64)
+    assign(var, keys, whole.float() if mine else torch.empty(0, var.dim))

@@ -1,10 +1,13 @@
 """Jagged inputs and outputs of the torch modules: KeyedJaggedTensor in, JaggedTensor out.
 
-TorchRec's own types are used when torchrec is installed; without it,
-:class:`KeyedJaggedTensor` and :class:`JaggedTensor` here have the accessors sokpy and its
-users read. :func:`feature_inputs` turns a module's input (a KeyedJaggedTensor, or a dict
-feature -> ids, where ids is anything ``lookup_sparse`` takes for one table or a
-``(values, offsets)`` pair) into what one lookup call takes.
+TorchRec's own types are used when torchrec imports; without it (not installed, or installed
+and failing to import, whatever the error), sokpy's :class:`KeyedJaggedTensor` and
+:class:`JaggedTensor` (:mod:`sokpy.nn.kjt`, TorchRec's constructors and methods) take their
+place, and a TorchRec object given as input is refused with the import's error.
+:func:`feature_inputs` turns a module's input (a KeyedJaggedTensor, TorchRec's or ours, or a
+dict feature -> ids, where ids is anything ``lookup_sparse`` takes for one table, a
+``(values, offsets)`` pair or a ``(values, offsets, weights)`` triple) into what one lookup
+call takes.
 
 Example::
 
@@ -18,128 +21,113 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
-import torch.utils._pytree
 
-from ..exchange.sparse import Ragged, int_array, kjt_stride, segment_starts
+from ..exchange.sparse import Ragged, int_array, kjt_fault, kjt_stride, segment_starts
+from .kjt import JaggedTensor, KeyedJaggedTensor
 
-__all__ = ["KeyedJaggedTensor", "JaggedTensor", "feature_inputs", "module_inputs", "torchrec_types"]
+__all__ = [
+    "KeyedJaggedTensor",
+    "JaggedTensor",
+    "feature_inputs",
+    "module_inputs",
+    "torchrec_types",
+    "torchrec_import_error",
+]
 
-
-class _Jagged:
-    """Values in bags given by offsets: the accessors both jagged types share."""
-
-    def __init__(self, values: torch.Tensor, offsets: torch.Tensor):
-        self._values, self._offsets = values, offsets
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def offsets(self) -> torch.Tensor:
-        return self._offsets
-
-    def lengths(self) -> torch.Tensor:
-        return self._offsets.diff()
-
-
-class KeyedJaggedTensor(_Jagged):
-    """A minimal KeyedJaggedTensor for use without torchrec (TorchRec's own works the same):
-    ``keys`` the feature names; ``values`` the ids of every feature's bags, feature after
-    feature; ``lengths`` the bag sizes (``len(keys) * B`` of them) or ``offsets`` (one more);
-    optional per-id ``weights``.
-
-    Example::
-
-        import torch
-        from sokpy.nn import KeyedJaggedTensor
-        # 2 samples; "user": [1], []; "item": [7], [8]
-        kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 7, 8]), lengths=torch.tensor([1, 0, 1, 1]))
-        assert kjt.keys() == ["user", "item"] and kjt.stride() == 2
-    """
-
-    def __init__(self, keys, values: torch.Tensor, lengths=None, offsets=None, weights=None):
-        if (lengths is None) == (offsets is None):
-            raise ValueError("give lengths or offsets")
-        if offsets is None:
-            lengths = torch.as_tensor(lengths, dtype=torch.int64)
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-        super().__init__(values, torch.as_tensor(offsets, dtype=torch.int64))
-        self._keys, self._weights = list(keys), weights
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def stride(self) -> int:
-        return (self._offsets.numel() - 1) // max(1, len(self._keys))
-
-
-class JaggedTensor(_Jagged):
-    """One feature's rows of a sequence lookup without torchrec (TorchRec's ``JaggedTensor``
-    has the same accessors): ``values()`` ``[N, dim]``, one row per id in input order, and
-    ``offsets()`` / ``lengths()`` of the bags they came in.
-
-    Example::
-
-        import torch
-        from sokpy.nn import JaggedTensor
-        jt = JaggedTensor(torch.ones(3, 2), offsets=torch.tensor([0, 1, 3]))   # bags of 1 and 2 rows
-        assert jt.to_padded_dense().shape == (2, 2, 2)
-    """
-
-    def to_dense(self) -> list[torch.Tensor]:
-        """One ``[len, dim]`` tensor per bag."""
-        return list(torch.split(self._values, self.lengths().tolist()))
-
-    def to_padded_dense(self, padding_value: float = 0.0) -> torch.Tensor:
-        """``[bags, longest bag, dim]``, short bags padded."""
-        return torch.nn.utils.rnn.pad_sequence(self.to_dense(), batch_first=True, padding_value=padding_value)
-
-    def __repr__(self) -> str:
-        return f"JaggedTensor(values={list(self._values.shape)}, offsets={self._offsets.tolist()})"
-
-
-torch.utils._pytree.register_pytree_node(  # so torch.export and torch.compile see through it
-    JaggedTensor,
-    lambda jt: ([jt.values(), jt.offsets()], None),
-    lambda children, _: JaggedTensor(*children),
-    serialized_type_name="sokpy.nn.JaggedTensor",
-)
+_TORCHREC: list[Any] = []  # [TorchRec's sparse types module or None, the import's error or None], once tried
 
 
 def torchrec_types():
-    """TorchRec's sparse types module, or None when torchrec is not installed."""
-    try:
-        from torchrec.sparse import jagged_tensor  # optional dependency (the torchrec extra)
-    except ImportError:
-        return None
-    return jagged_tensor
+    """TorchRec's sparse types module, or None when torchrec does not import (not installed,
+    or failing with any error: see :func:`torchrec_import_error`). Tried once per process."""
+    if not _TORCHREC:
+        try:
+            from torchrec.sparse import jagged_tensor  # optional dependency (the torchrec extra)
+        except ImportError:
+            _TORCHREC[:] = [None, None]
+        except Exception as e:  # noqa: BLE001 - installed but broken (an OSError of FBGEMM's library, say)
+            _TORCHREC[:] = [None, f"{type(e).__name__}: {e}"]
+        else:
+            _TORCHREC[:] = [jagged_tensor, None]
+    return _TORCHREC[0]
+
+
+def torchrec_import_error() -> str | None:
+    """Why an installed torchrec did not import (None: it imported, or is not installed)."""
+    torchrec_types()
+    return _TORCHREC[1]
+
+
+def _refuse_broken_torchrec(x: object) -> None:
+    """Refuses a TorchRec object when TorchRec itself does not import here."""
+    error = torchrec_import_error()
+    if error is not None and type(x).__module__.split(".")[0] == "torchrec":
+        raise TypeError(
+            f"the input is TorchRec's {type(x).__name__}, but torchrec does not import here ({error}); "
+            "use sokpy.nn.KeyedJaggedTensor or a dict, or install the TorchRec that pairs with this torch"
+        )
 
 
 def _one(x):
-    """A ``(values, offsets)`` pair as a Ragged; any other input as it is."""
-    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x):
-        return Ragged(x[0], x[1], None)
+    """A ``(values, offsets)`` pair or ``(values, offsets, weights)`` triple as a Ragged; any
+    other input as it is."""
+    if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
+        return Ragged(x[0], x[1], x[2] if len(x) == 3 else None)
     return x
 
 
-def feature_inputs(features, weights, names: list[str], module: str):
+def _carries_weights(x) -> bool:
+    """Whether one feature's dict input holds per-id weights (a Ragged's, or a COO tensor's)."""
+    return isinstance(x, Ragged) and x.weights is not None
+
+
+def _kjt_without_weights(kjt):
+    """The KeyedJaggedTensor's bags without its weights (TorchRec's unweighted modules ignore them)."""
+    kjt_stride(kjt, _offsets(kjt).numel() - 1, len(list(kjt.keys())))  # a VBE KJT is refused, not rebuilt
+    return KeyedJaggedTensor(list(kjt.keys()), kjt.values(), None, offsets=_offsets(kjt))
+
+
+def _offsets(kjt) -> torch.Tensor:
+    offsets = kjt.offsets() if callable(getattr(kjt, "offsets", None)) else None
+    if offsets is None:
+        offsets = torch.from_numpy(segment_starts(int_array(kjt.lengths(), "lengths")))
+    return offsets
+
+
+def feature_inputs(features, weights, names: list[str], module: str, weighted: bool = False):
     """(ids per feature, weights per feature or None) in the order of ``names``, or the
     KeyedJaggedTensor itself when its keys are ``names`` in order (the lookup reads it in one
-    pass). Raises KeyError for a missing feature and ValueError for weights beside a KJT."""
+    pass). ``weighted``: the module's ``is_weighted`` (False: a KJT's weights are ignored and
+    a dict input's refused; True: a KJT must carry them). Raises KeyError for a missing
+    feature and ValueError (or TypeError) for any other fault, naming it."""
     if isinstance(features, Mapping):
         missing = [f for f in names if f not in features]
         if missing:
             raise KeyError(f"the input has no feature {missing[0]!r} (the module reads {names})")
+        ids = [_one(features[f]) for f in names]
         ws = None if weights is None else [weights.get(f) for f in names]
-        return [_one(features[f]) for f in names], ws
+        if not weighted:
+            given = [
+                f for f, x, w in zip(names, ids, ws or [None] * len(names)) if w is not None or _carries_weights(x)
+            ]
+            if given:
+                raise ValueError(
+                    f"feature {given[0]!r} has weights, and {module} was built with is_weighted=False (TorchRec's "
+                    f"default: weights are not pooled); build it with is_weighted=True to pool them"
+                )
+        return ids, ws
+    _refuse_broken_torchrec(features)
     if weights is not None:
         raise ValueError("a KeyedJaggedTensor carries its own weights; pass weights=None")
     keys = list(features.keys())
+    w = features.weights_or_none()
+    if weighted and w is None:
+        raise ValueError(f"{module} was built with is_weighted=True, and the KeyedJaggedTensor carries no weights")
+    if not weighted and w is not None:
+        features, w = _kjt_without_weights(features), None
     if keys == names:
         return features, None
     # Another order, or more features: one Ragged per feature of the module.
@@ -147,11 +135,11 @@ def feature_inputs(features, weights, names: list[str], module: str):
     if missing:
         raise KeyError(f"the KeyedJaggedTensor has no feature {missing[0]!r} ({module} reads {names})")
     values = features.values()
-    offsets = features.offsets() if callable(getattr(features, "offsets", None)) else None
-    if offsets is None:
-        offsets = torch.from_numpy(segment_starts(int_array(features.lengths(), "lengths")))
-    w = features.weights_or_none()
+    offsets = _offsets(features)
     stride = kjt_stride(features, offsets.numel() - 1, len(keys))
+    fault = kjt_fault(keys, int_array(offsets, "offsets"), int(values.shape[0]), stride)
+    if fault is not None:
+        raise ValueError(fault[1])
     ids, ws = [], []
     for f in names:
         k = keys.index(f)
@@ -162,11 +150,11 @@ def feature_inputs(features, weights, names: list[str], module: str):
     return ids, (None if w is None else ws)
 
 
-def module_inputs(features, weights, names: list[str], module: str):
+def module_inputs(features, weights, names: list[str], module: str, weighted: bool = False):
     """:func:`feature_inputs` as ``(ids, weights, fault)``: a fault in the input comes back
     as its text (``"<module> input: ..."``), for the lookup to raise on every rank alike."""
     try:
-        ids, ws = feature_inputs(features, weights, names, module)
+        ids, ws = feature_inputs(features, weights, names, module, weighted)
         return ids, ws, None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
         text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes

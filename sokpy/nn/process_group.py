@@ -18,13 +18,19 @@ import torch.distributed as dist
 
 from ..backends import runtime
 
-__all__ = ["init_process_group"]
+__all__ = ["init_process_group", "group_running"]
+
+
+def group_running() -> bool:
+    """Whether torch.distributed's default group runs in this process (DDP can wrap a model)."""
+    return dist.is_initialized()
 
 
 def init_process_group(backend: str = "gloo") -> None:
     """Starts ``torch.distributed`` (for DDP) over the ranks sokpy already knows, without
     torchrun's variables: rank 0 picks a free port and sends it to the others over sokpy's
-    communicator. The address is ``MASTER_ADDR`` when set (across nodes gloo may also need
+    communicator. Where torch.distributed runs already (under torchrun ``sokpy.init()``
+    starts it, or the program did) it is kept as it is, over the same ranks. The address is ``MASTER_ADDR`` when set (across nodes gloo may also need
     ``GLOO_SOCKET_IFNAME``), 127.0.0.1 when all ranks share a node, else the address rank 0's
     hostname resolves to. Collective; call it after :func:`sokpy.init`.
 
@@ -42,6 +48,13 @@ def init_process_group(backend: str = "gloo") -> None:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     """
     comm = runtime.comm()
+    if dist.is_initialized():  # the program's, or the one sokpy.init started under torchrun: DDP uses it
+        if (dist.get_rank(), dist.get_world_size()) != (comm.rank, comm.size):
+            raise RuntimeError(
+                f"sokpy.nn.init_process_group: torch.distributed runs already, as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but sokpy's world is rank {comm.rank} of {comm.size}"
+            )
+        return
     host = socket.gethostname()
     one_node = len(set(comm.allgather_object(host))) == 1
     addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))

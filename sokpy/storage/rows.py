@@ -273,6 +273,15 @@ class Storage:
     def reserve(self, incoming: int) -> None:
         """Makes room for ``incoming`` new keys before a lookup that may insert them."""
 
+    def record_stream(self) -> None:
+        """Marks this shard's arrays as used by the current stream (``handoff.record_stream``):
+        where that is not the stream they were made on, the allocator keeps their memory from
+        reuse, when a growth replaces them or the table goes, until the work queued here has
+        run. A call records them once per stream (``TableSet``, which every call that reads or
+        writes rows builds)."""
+        xp = runtime.xp()
+        handoff.record_stream(*[v for v in vars(self).values() if isinstance(v, xp.ndarray)])
+
     def find(self, keys: Any, insert: bool) -> Any:
         """The stored rows of ``keys`` (int64, all owned by this rank and valid for the table):
         -1 for a key a dynamic table does not hold, unless ``insert`` creates its row."""

@@ -21,7 +21,7 @@ from ..exchange.gradients import SparseGrad, table_grad
 from ..initializers import Initializer, resolve
 from ..storage import InitSpec, Storage
 
-__all__ = ["Table", "live_table_names"]
+__all__ = ["Table", "live_table_names", "live_tables"]
 
 _names: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -31,6 +31,11 @@ def _init_seed(seed: int, name: str) -> int:
     across processes, world sizes and checkpoints), so no two tables start alike."""
     digest = hashlib.blake2b(f"{int(seed)}|{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def live_tables() -> list[Table]:
+    """The tables alive in this process (without a garbage collection first)."""
+    return list(_names.values())
 
 
 def live_table_names() -> list[str]:
@@ -128,6 +133,18 @@ class Table:
 
     def zero_grad(self) -> None:
         self.grad_refs = ()
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether lookups give this table's rows gradients (torch's name; True unless frozen)."""
+        return self.handle.requires_grad
+
+    def requires_grad_(self, requires_grad: bool = True) -> Table:
+        """Freezes (False) or unfreezes the table, as ``param.requires_grad_`` does: a frozen
+        table's lookup outputs need no gradient and its rows get none, so no optimizer step
+        moves them. Takes effect from the next lookup."""
+        self.handle.requires_grad_(bool(requires_grad))
+        return self
 
     def __repr__(self) -> str:
         return f"sokpy.{type(self).__name__}(name={self.name!r}, dim={self.dim}, target_gpu={self.target_gpu})"

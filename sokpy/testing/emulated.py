@@ -5,12 +5,18 @@ instead of the host backend. It runs exactly the code the device backend runs, a
 doubles of what a GPU provides:
 
 * the array module is ``sokpy.testing.device_double`` (CuPy's rules, work queued on streams
-  that run only when something waits for them, poisoned memory, counted host reads);
+  that run only when something waits for them, memory reused as torch's allocator reuses it
+  and poisoned, counted host reads), with its check of streams on: every item queued must go
+  to torch's current stream of its thread, where a public entry puts all of its work;
 * kernels are the host build that runs the device's launch shapes, and each launch is queued
-  on the current stream like a GPU launch; a host (numpy) pointer among a kernel's arguments
-  is refused, as a GPU kernel could not read it;
+  on the current stream like a GPU launch, using its array arguments and the buffers its
+  tables of addresses point to; a host (numpy) pointer among a kernel's arguments is refused,
+  as a GPU kernel could not read it;
 * the communicator is ``NcclComm`` over ``sokpy.testing.nccl_double`` (NCCL's calls moving
-  buffers over MPI), its calls queued on the stream they name;
+  buffers over MPI), its calls queued on the stream they name; a group left open fails before
+  any queue runs and at the end of the entry;
+* ``record_stream`` is the double's (:func:`sokpy.testing.device_double.record_stream`), and
+  ``from_torch`` records it on the caller's tensors it reads, as the device backend does;
 * torch's side: the double's ``torch_current_stream()`` stands for
   ``torch.cuda.current_stream()`` (a current stream per thread, changed with
   ``device_double.torch_stream(s)``), tensors in emulated device memory
@@ -21,8 +27,9 @@ doubles of what a GPU provides:
 
 Torch's own operations run at once on the host, so a hand-off to torch (``to_torch``) and the
 end of every public entry run the work queued on torch's current stream first: torch's next
-operation on a GPU would be queued after it on that stream. Work that sokpy wrongly put on
-another stream stays queued, and whatever read its results read poison.
+operation on a GPU would be queued after it on that stream. That is the emulation's order:
+the host has not waited for that work, and the double's memory checks do not count it as
+done.
 
 This module is imported only when asked for (``SOKPY_EMULATE_DEVICE=1``, or a test).
 
@@ -73,7 +80,11 @@ class _QueuedKernel:
         conv = self._kernel.convert(args)
         run = self._kernel.run_converted
         # The arguments stay referenced until the launch has run (their memory must live).
-        device_double.enqueue(lambda args=args: run(grid, block, conv), f"kernel {self.name}")
+        uses: list = [x for x in args if isinstance(x, device_double.ndarray)]
+        for p, x in zip(self.params, args):  # tables of addresses: the buffers they point to
+            if p.pointer and p.dtype == np.uint64 and isinstance(x, device_double.ndarray):
+                uses += device_double.pointed_to(x)
+        device_double.enqueue(lambda args=args: run(grid, block, conv), f"kernel {self.name}", uses=uses)
 
 
 class _QueuedKernels:
@@ -91,9 +102,13 @@ class _QueuedKernels:
 class _Scope:
     """A public entry's stream scope: its array work and kernels go to torch's current stream
     (of this thread, now); on leaving, that stream's queue runs (torch's later operations,
-    which run at once here, would follow it on that stream)."""
+    which run at once here, would follow it on that stream: the emulation's order, not a wait
+    of the host), and an NCCL group left open fails the entry."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "nccl")
+
+    def __init__(self, nccl):
+        self.nccl = nccl
 
     def __enter__(self):
         self.stream = device_double.torch_current_stream()
@@ -102,7 +117,13 @@ class _Scope:
 
     def __exit__(self, *exc) -> None:
         self.stream.__exit__(*exc)
-        self.stream.synchronize()
+        try:
+            if self.nccl is not None:
+                self.nccl.check_closed()
+            self.stream.run_until(self.stream.enqueued)
+        except Exception:
+            if exc[0] is None:  # else the entry's own error goes on (its cause may be why this failed)
+                raise
 
 
 class _SideStream:
@@ -130,11 +151,11 @@ class _SideStream:
         device_double.torch_current_stream().wait_event(event)
 
 
-def _enqueue_on(handle: int, fn, what: str) -> None:
+def _enqueue_on(handle: int, fn, what: str, uses=()) -> None:
     stream = device_double.stream_of(handle)
     if stream is None:
         raise RuntimeError(f"emulated NCCL: no emulated stream has the handle {handle:#x}")
-    stream.enqueue(fn, what)
+    stream.enqueue(fn, what, uses)
 
 
 _READS = ("cpu", "numpy", "item", "tolist", "__int__", "__float__", "__bool__", "__index__")
@@ -152,9 +173,9 @@ def _count_torch_reads() -> None:
         original = getattr(torch.Tensor, name)
 
         @functools.wraps(original)
-        def read(self, *args, __original=original, **kwargs):
+        def read(self, *args, __original=original, __what=f"torch's Tensor.{name}", **kwargs):
             if self.numel() and device_double.is_device_address(self.data_ptr()):
-                device_double.host_read(device_double.torch_current_stream())
+                device_double.host_read(device_double.torch_current_stream(), __what)
             return __original(self, *args, **kwargs)
 
         setattr(torch.Tensor, name, read)
@@ -173,6 +194,9 @@ class EmulatedDeviceBackend(Backend):
     def __init__(self):
         self.xp = device_double
         self.kernels = _QueuedKernels(HostKernels(emulate_blocks=True))
+        self._nccl: MpiBackedNccl | None = None
+        # Every item queued from now on must go to torch's current stream of its thread.
+        device_double.check_streams(True)
         # SOKPY_EMULATE_DEVICE_IDS=1: every tensor of ids counts as one on the device, so that
         # any script's ids take the device's parsing (tests run whole suites that way).
         self._all_ids_on_device = os.environ.get("SOKPY_EMULATE_DEVICE_IDS") == "1"
@@ -183,16 +207,18 @@ class EmulatedDeviceBackend(Backend):
         one-process communicator without MPI."""
         if mpi is None:
             return SoloComm(device_double)
+        self._nccl = MpiBackedNccl(enqueue=_enqueue_on)
+        device_double.before_runs(self._nccl.check_closed)  # an open group's calls were never launched
         return NcclComm(
             mpi,
-            MpiBackedNccl(enqueue=_enqueue_on),
+            self._nccl,
             xp=device_double,
             is_device=lambda a: isinstance(a, device_double.ndarray),
             stream=self.stream_handle,
         )
 
     def stream_scope(self):
-        return _Scope()
+        return _Scope(self._nccl)
 
     def stream_handle(self) -> int:
         return device_double.current_stream().handle
@@ -218,10 +244,15 @@ class EmulatedDeviceBackend(Backend):
             return False
         return self._all_ids_on_device or (t.numel() > 0 and device_double.is_device_address(t.data_ptr()))
 
+    def record_stream(self, *arrays) -> None:
+        for a in arrays:
+            device_double.record_stream(a)
+
     def from_torch(self, x, dtype=None):
         xp = self.xp
         if isinstance(x, torch.Tensor):
             x = xp.from_dlpack(x.detach().contiguous())
+            self.record_stream(x)  # the caller's memory, read by the work queued here
         return xp.ascontiguousarray(xp.asarray(x, dtype=None if dtype is None else np.dtype(dtype)))
 
     def to_torch(self, a) -> torch.Tensor:

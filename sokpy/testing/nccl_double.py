@@ -9,10 +9,15 @@ byte offsets, counts, dtypes) runs and is checked on machines without a GPU. Wha
 show: NCCL's own behaviour, device memory, and stream ordering on a GPU.
 
 Like NCCL, sends and receives between ``groupStart()`` and ``groupEnd()`` are collected and
-run together (so every rank may post its sends first); a group is open in one thread only. Given ``enqueue(stream, fn, what)``
-(``sokpy.testing.emulated`` passes the device double's), every call is queued on the
-stream it names and runs when that stream runs, reading its send buffer then, as NCCL's
-kernels do on a GPU; without it a call runs at once.
+run together (so every rank may post its sends first); a group is open in one thread only.
+What hangs on a GPU fails here with an error instead: a send or receive outside a group (two
+ranks that send to each other first wait for each other's receive forever), a group started
+inside an open one, a collective call inside a group, a group whose calls name different
+streams, and a group left open (:meth:`MpiBackedNccl.check_closed`, which the emulated device
+backend calls at the end of every public entry; ``destroy`` too). Given ``enqueue(stream, fn, what, buffers)``
+(``sokpy.testing.emulated`` passes the device double's), every call is queued on the stream
+it names and runs when that stream runs, reading its send buffer then, as NCCL's kernels do
+on a GPU; without it a call runs at once.
 
 Example::
 
@@ -71,15 +76,18 @@ class _Communicator:
         self._ops = {0: MPI.SUM, 1: MPI.PROD, 2: MPI.MAX, 3: MPI.MIN}
 
     def destroy(self) -> None:
+        self._owner.check_closed()
         if self._comm != self._MPI.COMM_NULL:
             self._comm.Free()  # leaves it MPI.COMM_NULL
 
     def _post(self, kind: str, address: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        view = _view(address, count, datatype)
-        if self._owner._group is not None:
-            self._owner._group.append((self, kind, view, peer, stream))
-        else:
-            self._owner._submit(stream, lambda: _run([(self, kind, view, peer, stream)]), f"NCCL {kind}")
+        if self._owner._group is None:
+            raise RuntimeError(
+                f"emulated NCCL: a {kind} {'to' if kind == 'send' else 'from'} rank {peer} ({count} elements) outside "
+                "a group (groupStart ... groupEnd): on a GPU the paired sends and receives of two ranks wait for "
+                "each other's and hang"
+            )
+        self._owner._group.append((self, kind, _view(address, count, datatype), peer, stream))
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._post("send", sendbuf, count, datatype, peer, stream)
@@ -89,12 +97,20 @@ class _Communicator:
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
         send, recv = _view(sendbuf, count, datatype), _view(recvbuf, count, datatype)
-        self._owner._submit(stream, lambda: self._comm.Allreduce(send.copy(), recv, op=self._ops[op]), "NCCL allReduce")
+
+        def run():
+            self._comm.Allreduce(send.copy(), recv, op=self._ops[op])
+
+        self._owner._submit(stream, run, "NCCL allReduce", (send, recv), collective=True)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         send = _view(sendbuf, count, datatype)
         recv = _view(recvbuf, count * self._comm.Get_size(), datatype)
-        self._owner._submit(stream, lambda: self._comm.Allgather(send.copy(), recv), "NCCL allGather")
+
+        def run():
+            self._comm.Allgather(send.copy(), recv)
+
+        self._owner._submit(stream, run, "NCCL allGather", (send, recv), collective=True)
 
     def broadcast(self, sendbuf: int, recvbuf: int, count: int, datatype: int, root: int, stream: int) -> None:
         recv = _view(recvbuf, count, datatype)
@@ -105,7 +121,7 @@ class _Communicator:
                 recv[...] = send
             self._comm.Bcast(recv, root=root)
 
-        self._owner._submit(stream, run, "NCCL broadcast")
+        self._owner._submit(stream, run, "NCCL broadcast", (send, recv), collective=True)
 
 
 def _run(ops) -> None:
@@ -137,26 +153,47 @@ class MpiBackedNccl:
     def _group(self, ops: list | None) -> None:
         self._groups.ops = ops
 
-    def _submit(self, stream: int, fn, what: str) -> None:
+    def _submit(self, stream: int, fn, what: str, buffers=(), collective: bool = False) -> None:
+        if collective and self._group is not None:
+            raise RuntimeError(f"emulated NCCL: {what} inside a group (the double runs only sends and receives there)")
         if self._enqueue is None:
             fn()
         else:
-            self._enqueue(stream, fn, what)
+            self._enqueue(stream, fn, what, buffers)
+
+    def check_closed(self, when: str = "") -> None:
+        """Raises when a group was started and not ended: its calls would never be launched,
+        and every rank would wait for them. The group stays open: every later check raises
+        too, as a GPU's queue behind it would never run."""
+        if self._group is not None:
+            raise RuntimeError(
+                f"emulated NCCL: a group was left open (groupStart without groupEnd; {len(self._group)} sends and "
+                f"receives collected and never launched){when}: on a GPU every rank would wait for them forever"
+            )
 
     def get_unique_id(self) -> tuple:
         return tuple(range(128))  # NCCL's ids are 128 bytes; any fixed value identifies this double
 
     def groupStart(self) -> None:
         self.calls.append("groupStart")
-        if self._group is not None:
-            raise RuntimeError("MpiBackedNccl: groups do not nest here")
+        self.check_closed(" when another groupStart came (groups do not nest here)")
         self._group = []
 
     def groupEnd(self) -> None:
         self.calls.append("groupEnd")
-        ops, self._group = self._group or [], None
-        if ops:
-            self._submit(ops[0][4], lambda: _run(ops), "NCCL group")
+        if self._group is None:
+            raise RuntimeError("emulated NCCL: groupEnd without groupStart")
+        ops, self._group = self._group, None
+        if not ops:
+            return
+        streams = {op[4] for op in ops}
+        if len(streams) > 1:
+            raise RuntimeError(
+                f"emulated NCCL: one group's calls name {len(streams)} streams (the double runs a group on one)"
+            )
+        sends = sum(op[1] == "send" for op in ops)
+        what = f"NCCL group ({sends} sends, {len(ops) - sends} receives)"
+        self._submit(ops[0][4], lambda: _run(ops), what, [op[2] for op in ops])
 
     def NcclCommunicator(self, ndev: int, uid, rank: int) -> _Communicator:
         return _Communicator(self, ndev, uid, rank)

@@ -7,7 +7,7 @@ node, and the same scripts on the emulated device on every commit.
 streams, waits for the device, times work on torch's current stream (CUDA events on a GPU)
 and counts the host's reads of device values (:meth:`ScriptDevice.reads`).
 
-Example (``SOKPY_EMULATE_DEVICE=1 python ...``, or on a GPU with ``SOKPY_BACKEND=device``)::
+Example (``SOKPY_EMULATE_DEVICE=1 python ...``; on a GPU, the same with the device backend)::
 
     import torch, sokpy
     from sokpy.testing.script_device import ScriptDevice

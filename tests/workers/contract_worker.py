@@ -286,7 +286,7 @@ def twin_tables(tag):
         sokpy.DynamicVariable(4, initializer=0.05, name=f"{tag}_d"),  # new rows alike in both twins
     ]
     ebc = sokpy.nn.EmbeddingBagCollection(
-        [sokpy.nn.EmbeddingBagConfig(f"{tag}_m", 2, 12, ["u", "v"], pooling="sum")], seed=4
+        [sokpy.nn.EmbeddingBagConfig(f"{tag}_m", 2, 12, ["u", "v"], pooling="sum")], seed=4, grad_reduction="sum"
     )
     opt = sokpy.optim.Adagrad(tables + ebc.tables(), lr=0.1)
     return tables, ebc, opt

@@ -62,7 +62,9 @@ def ragged_batch(rng, nbags, high, extra=()):
 def sequence():
     rng = np.random.default_rng(5)
     ec = EmbeddingCollection(
-        [EmbeddingConfig("seq_s", 4, 30, ["h", "g"]), EmbeddingConfig("seq_d", 3, None, ["q"])], insert=True
+        [EmbeddingConfig("seq_s", 4, 30, ["h", "g"]), EmbeddingConfig("seq_d", 3, None, ["q"])],
+        insert=True,
+        grad_reduction="sum",
     )
     static, dyn = ec.tables()
     ref = {"seq_s": set_rows(static, np.arange(30), rng, 4), "seq_d": set_rows(dyn, np.arange(0, 200, 10), rng, 3)}
@@ -116,7 +118,8 @@ def sequence():
 def clip():
     rng = np.random.default_rng(9)
     ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig("clip_a", 4, 40, ["a"]), EmbeddingBagConfig("clip_b", 2, None, ["b"])]
+        [EmbeddingBagConfig("clip_a", 4, 40, ["a"]), EmbeddingBagConfig("clip_b", 2, None, ["b"])],
+        grad_reduction="sum",
     )
     dense = torch.nn.Linear(3, 2)
     model = torch.nn.ModuleDict({"ebc": ebc, "dense": dense})
@@ -226,14 +229,27 @@ def torchrec_sd():
 
 
 def init_fn(folder):
-    def fill(t):  # draws from torch's generator: the chunks' seeds decide every value
-        return torch.nn.init.trunc_normal_(t, std=0.1)
+    """TorchRec's init_fns on whole tables: a shape-dependent one (xavier_uniform_ of a 200,000 x 4
+    table), a random one (trunc_normal_) and one that depends on the row, with every rank's
+    generator seeded differently (rank 0's draw is the table's)."""
 
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig("initfn_t", 3, 70000, ["x"], init_fn=fill)])
-    torch.manual_seed(RANK)  # the ranks' own generators differ; the table must not
-    got = everything(ebc.tables()[0])
+    def rows_of(t):  # row k holds k
+        return t.copy_(torch.arange(t.shape[0], dtype=t.dtype)[:, None].expand_as(t))
+
+    torch.manual_seed(7 + RANK)
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig("initfn_x", 4, 200000, ["x"], init_fn=torch.nn.init.xavier_uniform_),
+            EmbeddingBagConfig("initfn_t", 3, 70000, ["t"], init_fn=lambda t: torch.nn.init.trunc_normal_(t, std=0.1)),
+            EmbeddingBagConfig("initfn_r", 2, 70000, ["r"], init_fn=rows_of),
+        ]
+    )
+    tables = {}
+    for var in ebc.tables():
+        got = everything(var)
+        tables[var.name] = np.stack([got[k] for k in range(len(got))])
     if RANK == 0:
-        np.save(f"{folder}/init_{WORLD}.npy", np.stack([got[k] for k in range(70000)]))
+        np.savez(f"{folder}/init_{WORLD}.npz", **tables)
     print("init_fn ok", flush=True)
 
 

@@ -2,7 +2,8 @@
 another in this process, so a test pays for a job's start-up (mpirun, Python, torch, sokpy)
 once per pool instead of once per job.
 
-Run under ``sokrun -np N python pool_server.py CONTROL_DIR HARNESS_PID``. Every rank watches
+Run under ``sokrun -np N python pool_server.py CONTROL_DIR HARNESS_PID`` (or torchrun's
+``--nproc-per-node N pool_server.py ...``). Every rank watches
 CONTROL_DIR for ``task-K.json`` (K = 0, 1, ...): ``{"script": path, "args": [...], "cwd": folder or null}`` runs
 the script as ``__main__`` with that ``sys.argv`` and working directory (as ``python script args`` would), its file
 descriptors 1 and 2 sent to ``task-K.rankR.out`` / ``.err``; then the rank writes its exit
@@ -33,12 +34,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import sokpy  # noqa: F401 - imported once here, the point of the pool
 from sokpy.testing import process
 
 IDLE_LIMIT = 900.0
+# Under torchrun the ranks start no MPI: their rank is torchrun's, and a failed task ends this
+# process, after which torchrun's agent ends the others.
+TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def world_rank() -> int:
+    if TORCHRUN:
+        return int(os.environ["RANK"])
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def end_job(code: int) -> None:
+    """Ends the whole job, as a failed task would have ended its own."""
+    if TORCHRUN:
+        from sokpy.backends import runtime
+
+        runtime.abort(code)  # tells the other ranks this one failed, then ends this process
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
 
 
 def alive(pid: int) -> bool:
@@ -107,7 +129,7 @@ def run(task: dict, out: Path, err: Path) -> int:
 
 def main() -> None:
     control, harness = Path(sys.argv[1]), int(sys.argv[2])
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = world_rank()
     torch_rng, numpy_rng = torch.random.get_rng_state(), np.random.get_state()
     (control / f"ready.rank{rank}").write_text("ready")
     k = 0
@@ -131,7 +153,7 @@ def main() -> None:
         status.with_suffix(".tmp").write_text(str(code))
         status.with_suffix(".tmp").replace(status)
         if code != 0:
-            MPI.COMM_WORLD.Abort(code)
+            end_job(code)
         k += 1
 
 

@@ -1,8 +1,8 @@
 """Runtime state under a real launcher: prints one JSON line per rank for the test to check.
 
-Run under ``sokrun -np N python runtime_worker.py``. The line holds what sokpy reports (rank,
-world size, local rank, backend) next to what the launcher itself says (Open MPI's
-environment), and the outcome of the lifecycle checks: a second ``init`` returns the first
+Run under ``sokrun -np N python runtime_worker.py`` (or torchrun). The line holds what sokpy
+reports (rank, world size, local rank, backend, communicator) next to what the launcher itself
+says (Open MPI's environment, or torchrun's), and the outcome of the lifecycle checks: a second ``init`` returns the first
 one's backend and communicator, ``shutdown`` makes the API refuse with NotInitializedError,
 and ``init`` afterwards works again, also for collective calls past the first run's count
 (the peers' leave notices of the first run do not reach the second run's watchdog).
@@ -40,8 +40,9 @@ def main():
         world_size=sokpy.world_size(),
         local_rank=sokpy.local_rank(),
         backend=sokpy.backend(),
-        launcher_rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
-        launcher_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
+        launcher_rank=int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "-1"))),
+        launcher_size=int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", "-1"))),
+        comm_class=type(c).__name__,
         second_init=sokpy.init(),
         second_init_host=sokpy.init("host"),
         same_comm=runtime.comm() is c,

@@ -107,13 +107,20 @@ for _ in range(4):
         loss = sum(((o - 0.05) ** 2).sum() for o in outs)
     r1 = reads() if reads else 0
 
-    def backward(loss=loss):
-        with ctx():  # autograd's engine runs the backward on the forward's stream
-            loss.backward()
+    failed: list[BaseException] = []
+
+    def backward(loss=loss, failed=failed):
+        try:
+            with ctx():  # autograd's engine runs the backward on the forward's stream
+                loss.backward()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread, as torch's engine does
+            failed.append(e)
 
     thread = threading.Thread(target=backward)
     thread.start()
     thread.join()
+    if failed:
+        raise failed[0]
     r2 = reads() if reads else 0
     with ctx():
         opt.step()

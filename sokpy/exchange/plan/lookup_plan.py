@@ -21,7 +21,8 @@ from .routing import route
 from .several_ranks import SeveralRanks
 from .table_sets import table_set
 
-COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+# "length_mean": TorchRec's MEAN (a weighted bag divided by its length), what sokpy.nn's modules use.
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "length_mean": 3}
 
 
 class LookupPlan:
@@ -65,6 +66,7 @@ class LookupPlan:
         self.pooled: Pooled | None = None
         self.seq = 0
         self.keys_ahead: collective.Agreement | None = None  # agree_keys ran: its agreement
+        self.trains = np.array([t.requires_grad for t in tables], bool)  # frozen tables get no gradient
 
     def call_text(self) -> str:
         """The call in messages, e.g. ``lookup_sparse tables=[user, item]`` (built only for one)."""
@@ -192,6 +194,7 @@ class LookupPlan:
         call, strategy, pooled = self.call, self.strategy, self.pooled
         assert call is not None and strategy is not None and pooled is not None
         used, gptr, keep = grad_pointers(call, grads)
+        used &= self.trains  # a frozen table's rows are computed for the weights' gradients, then dropped
         with collective.Call(
             "lookup_sparse.backward",
             self.tables,

@@ -45,6 +45,7 @@ class TableSet:
         # Bits of the largest stored row a static table's key can have (dynamic: no exact row).
         self.row_bits = np.array([bits(int(x) + 1) if not t.dynamic else 64 for x, t in zip(local, tables)], np.int64)
         self.epoch = -1
+        self.streams: set[int] = set()
         self.refresh(tables)
 
     def refresh(self, tables) -> None:
@@ -54,6 +55,12 @@ class TableSet:
             # Every stored row index of these tables is below this (for sort widths).
             self.capacity = max((t.storage.capacity for t in tables), default=0)
             self.epoch = epoch()
+            self.streams = set()  # the streams the storage (as it is since this epoch) was recorded on
+        stream = runtime.current().stream_handle()
+        if stream not in self.streams:  # tables used on a stream they were not made on: see Storage.record_stream
+            for t in tables:
+                t.storage.record_stream()
+            self.streams.add(stream)
 
 
 _table_sets: OrderedDict = OrderedDict()

@@ -54,6 +54,7 @@ from .device_inputs import raise_fault as raise_fault
 from .host_inputs import host_tables
 from .host_inputs import table_input as table_input
 from .keyed_jagged import from_keyed_jagged, is_keyed_jagged
+from .keyed_jagged import kjt_fault as kjt_fault
 from .keyed_jagged import kjt_stride as kjt_stride
 
 __all__ = ["Ragged", "Batch", "to_batch", "one_bag_per_key", "BatchError"]

@@ -26,9 +26,10 @@ class Ragged(NamedTuple):
 
 
 class BatchError(ValueError):
-    """A fault in the input of table ``table`` (an index into the call's tables)."""
+    """A fault in the input of table ``table`` (an index into the call's tables; None: of the
+    call's input as a whole, a KeyedJaggedTensor's)."""
 
-    def __init__(self, table: int, message: str):
+    def __init__(self, table: int | None, message: str):
         super().__init__(message)
         self.table = table
 

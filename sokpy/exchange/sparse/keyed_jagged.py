@@ -37,6 +37,35 @@ def kjt_stride(kjt, nbags: int, nfeatures: int) -> int:
     return stride
 
 
+def kjt_fault(keys: list, offsets: np.ndarray, nvalues: int, stride: int) -> tuple[int | None, str] | None:
+    """The fault of a KeyedJaggedTensor's bags as a whole (offsets that do not run from 0 to
+    ``nvalues`` without decreasing): ``(the index of the feature where it shows, or None; a
+    message naming the feature and the bag)``, or None."""
+    if offsets.size == 0 or offsets[0] != 0:
+        return None, f"the KeyedJaggedTensor's offsets must start at 0, got {offsets[:1].tolist()}"
+
+    def where(b: int) -> str:
+        key = keys[b // stride] if stride and b // stride < len(keys) else "?"
+        return f"feature {key!r}, bag {b % stride if stride else b} (position {b} of its lengths)"
+
+    drops = np.flatnonzero(offsets[1:] < offsets[:-1])
+    past = np.flatnonzero(offsets[1:] > nvalues)
+    if drops.size and (not past.size or drops[0] < past[0]):
+        b = int(drops[0])
+        return b // max(stride, 1), (
+            f"the KeyedJaggedTensor has a negative length {int(offsets[b + 1] - offsets[b])} at {where(b)}"
+        )
+    if past.size:
+        b = int(past[0])
+        return b // max(stride, 1), (
+            f"the KeyedJaggedTensor's lengths run past its {nvalues} values: {where(b)} ends at {int(offsets[b + 1])} "
+            f"(its lengths sum to {int(offsets[-1])})"
+        )
+    if offsets[-1] != nvalues:
+        return None, f"the KeyedJaggedTensor's lengths sum to {int(offsets[-1])}, but it holds {nvalues} values"
+    return None
+
+
 _VBE = (
     "variable batch sizes per feature (TorchRec's VBE) are not supported in one KeyedJaggedTensor; give "
     "every feature the same batch size (empty bags pad), or pass the features to lookup_sparse as separate "
@@ -55,6 +84,10 @@ def from_keyed_jagged(kjt, ntables: int) -> Batch:
     else:
         offsets = segment_starts(int_array(kjt.lengths(), "lengths"))
     stride = kjt_stride(kjt, offsets.size - 1, ntables)
+    fault = kjt_fault(kjt.keys() if callable(getattr(kjt, "keys", None)) else [], offsets, keys.size, stride)
+    if fault is not None:  # named as the KJT's, after the table its feature feeds (feature f: table f)
+        feature, text = fault
+        raise BatchError(feature if feature is not None and feature < ntables else None, text)
     w = kjt.weights_or_none()
     weights = None if w is None else float_array(w, "weights")
     bag_start = np.arange(ntables + 1, dtype=np.int64) * stride

@@ -6,7 +6,10 @@ link to a switch (a bridge inside a namespace of its own), shaped in both direct
 ``tc ... tbf`` at the given rate. ``mpirun`` runs on the first node and starts its daemon
 on every other node through a launch agent (instead of ssh) that enters that node's
 namespace and sets its hostname; Open MPI's TCP transport and out-of-band channel are held
-to the emulated subnet. Nothing is added to the machine's own network namespace.
+to the emulated subnet. With ``--launcher torchrun`` every node runs torchrun's own
+agent instead (``--nnodes N --node-rank i``), node0's holding the job's store on node0's
+address, and the workers' gloo uses each node's link. Nothing is added to the machine's own
+network namespace.
 
 A run is named ``sokpyn<pid>-<k>`` (the pid of the process that made it) and its namespaces
 ``<run>-switch``, ``<run>-node0``, ...; a record in ``/run/sokpy-nodes/<run>.json`` names
@@ -19,6 +22,7 @@ killed outright (SIGKILL) leaves anything behind; ``--cleanup`` removes that.
 From the shell (``sokpy-nodes``, also ``launch/sokpy-nodes``)::
 
     sokpy-nodes --nodes 2 --ranks-per-node 2 --rate 1gbit -- python train.py
+    sokpy-nodes --nodes 2 --ranks-per-node 2 --launcher torchrun -- python train.py
     sokpy-nodes --cleanup              # runs whose sokpy-nodes is gone (killed)
     sokpy-nodes --cleanup sokpyn4242-0 # that run, even while its sokpy-nodes still runs
 

@@ -1,5 +1,6 @@
 """The ``sokpy-nodes`` command (see :mod:`sokpy.launch.emulated_nodes`; also ``launch/sokpy-nodes`` and
-``python -m sokpy.launch.emulated_nodes``): runs an MPI job across emulated nodes, or with
+``python -m sokpy.launch.emulated_nodes``): runs a job across emulated nodes (one mpirun, or
+torchrun's agent on every node: ``--launcher torchrun``), or with
 ``--cleanup`` removes runs left behind."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from .runs import cleanup, left_alone
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="sokpy-nodes",
-        description="Run an MPI job across emulated nodes (network namespaces, rate-limited links) on this machine.",
+        description="Run a job (MPI or torchrun) across emulated nodes (network namespaces, rate-limited links) on "
+        "this machine.",
     )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
@@ -28,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
         "(default: a quarter millisecond of --rate, at least 32 KB)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the job is ended")
+    p.add_argument(
+        "--launcher",
+        choices=["sokrun", "torchrun"],
+        default="sokrun",
+        help="sokrun: one mpirun across the nodes (MPI); torchrun: torchrun's agent on every node (torch.distributed)",
+    )
     p.add_argument(
         "--cleanup",
         nargs="*",
@@ -53,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         with EmulatedNodes(args.nodes, args.rate, burst=args.burst) as cluster:
             print(f"sokpy-nodes: run {cluster.tag} ({', '.join(cluster.namespaces)})", file=sys.stderr, flush=True)
             try:
-                res = cluster.run(program, args.ranks_per_node, timeout=args.timeout, capture_output=False)
+                res = cluster.run(
+                    program, args.ranks_per_node, timeout=args.timeout, launcher=args.launcher, capture_output=False
+                )
                 code = res.returncode
             except subprocess.TimeoutExpired:
                 print(f"sokpy-nodes: the job ran past --timeout {args.timeout:g} s", file=sys.stderr)

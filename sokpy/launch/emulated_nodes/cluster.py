@@ -1,6 +1,7 @@
 """The emulated nodes of one run (see :mod:`sokpy.launch.emulated_nodes`): :class:`EmulatedNodes`
 builds the nodes (namespaces, links shaped with ``tc ... tbf``, the launch agent that Open MPI
-calls instead of ssh), runs a job across them through sokrun's defaults, and on exit or on
+calls instead of ssh), runs a job across them through sokrun's defaults or torchrun (an agent
+on every node, node0's holding the job's store), and on exit or on
 SIGINT, SIGTERM or SIGHUP (:class:`Interrupted`) ends every process inside them and removes them.
 """
 
@@ -12,8 +13,10 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .. import sokrun as launcher
@@ -33,6 +36,7 @@ from .runs import (
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends the run and everything it started
 _runs_made = itertools.count()  # k in the run names sokpyn<pid>-<k> of this process
+TORCHRUN_PORT = 29500  # torchrun's store, on node0 (a namespace of the run's own: the port is free)
 
 
 _AGENT = """#!/bin/sh
@@ -218,16 +222,90 @@ class EmulatedNodes:
             f"hostname {self.names[0]}; exec {inner}",
         ], env
 
-    def run(self, program: list[str], ranks_per_node: int = 1, timeout: float = 600, mpirun_args=(), **kwargs):
-        """Runs ``program`` across the nodes; returns the CompletedProcess (output captured
-        unless ``capture_output=False`` is passed). However the job ends (done, failed, past
+    def torchrun_commands(self, program: list[str], ranks_per_node: int = 1) -> tuple[list[list[str]], dict]:
+        """The command lines, one per node (run from the machine's own namespace), that start
+        torchrun's agent on every node with ``ranks_per_node`` workers of ``program`` (a list
+        beginning with "python"), and their environment: node0's agent holds the job's store
+        on node0's address, and every worker's gloo uses its node's link."""
+        if Path(program[0]).name not in ("python", "python3", Path(sys.executable).name):
+            raise ValueError(f"emulated nodes: torchrun runs Python programs: {program}")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(self.cpus[0]) // max(1, ranks_per_node))))
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
+        head = ["--nnodes", str(self.nodes), "--nproc-per-node", str(ranks_per_node)]
+        head += ["--master-addr", f"{self.subnet}.1", "--master-port", str(TORCHRUN_PORT)]
+        commands = []
+        for i, (name, cpus) in enumerate(zip(self.names, self.cpus)):
+            agent = [sys.executable, "-m", "torch.distributed.run", *head, "--node-rank", str(i), *program[1:]]
+            inner = " ".join(shlex.quote(c) for c in agent)
+            where = ["taskset", "-c", ",".join(map(str, cpus)), "ip", "netns", "exec", f"{self.tag}-{name}"]
+            commands.append([*where, "unshare", "-u", "sh", "-c", f"hostname {name}; exec {inner}"])
+        return commands, env
+
+    def run(
+        self,
+        program: list[str],
+        ranks_per_node: int = 1,
+        timeout: float = 600,
+        mpirun_args=(),
+        launcher: str = "sokrun",
+        **kwargs,
+    ):
+        """Runs ``program`` across the nodes under ``launcher`` ("sokrun": one mpirun with
+        sokrun's defaults; "torchrun": an agent on every node); returns the CompletedProcess
+        (output captured unless ``capture_output=False`` is passed; under torchrun its exit
+        code is the first node's that is not 0). However the job ends (done, failed, past
         ``timeout``: subprocess.TimeoutExpired, interrupted), no process is left on the
         nodes when this returns or raises: mpirun alone would leave the other nodes' daemons
         and ranks running when it is killed."""
-        cmd, env = self.command(program, ranks_per_node, mpirun_args)
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         try:
+            if launcher == "torchrun":
+                return self._run_agents(*self.torchrun_commands(program, ranks_per_node), timeout, kwargs)
+            if launcher != "sokrun":
+                raise ValueError(f"emulated nodes: no launcher {launcher!r} (sokrun or torchrun)")
+            cmd, env = self.command(program, ranks_per_node, mpirun_args)
             return subprocess.run(cmd, env=env, timeout=timeout, **kwargs)
         finally:
             self.end_processes()
+
+    def _run_agents(self, commands: list[list[str]], env: dict, timeout: float, kwargs: dict):
+        """Runs one command per node at once; their output (captured: in files of the run's own
+        folder, the nodes' in turn) and the first exit code that is not 0."""
+        capture = kwargs.pop("capture_output")
+        assert self._dir is not None
+        logs = [Path(self._dir.name) / f"node{i}.{s}" for i in range(len(commands)) for s in ("out", "err")]
+        files = [open(log, "w+b") if capture else None for log in logs]  # noqa: SIM115 - closed below
+        procs = [
+            subprocess.Popen(cmd, env=env, stdout=files[2 * i], stderr=files[2 * i + 1])
+            for i, cmd in enumerate(commands)
+        ]
+        shown = [" ".join(cmd) for cmd in commands]
+        try:
+            deadline = time.monotonic() + timeout
+            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        except subprocess.TimeoutExpired as e:
+            raise subprocess.TimeoutExpired(shown, timeout, *self._read(files, kwargs)) from e
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        out, err = self._read(files, kwargs)
+        return subprocess.CompletedProcess(shown, next((c for c in codes if c), 0), out, err)
+
+    @staticmethod
+    def _read(files: list, kwargs: dict) -> tuple:
+        """The nodes' stdout and stderr, each joined (text when ``kwargs`` asks), and closed."""
+        if files[0] is None:
+            return None, None
+        parts = []
+        for f in files:
+            f.seek(0)
+            parts.append(f.read())
+            f.close()
+        out, err = b"".join(parts[0::2]), b"".join(parts[1::2])
+        if kwargs.get("text"):
+            return out.decode(errors="replace"), err.decode(errors="replace")
+        return out, err

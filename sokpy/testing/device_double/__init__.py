@@ -3,17 +3,24 @@ rules.
 
 A GPU runs work later than the host asks for it, in the order of each stream, and CuPy's
 arrays follow rules that numpy's do not. Code that is right on the host can be wrong there
-in two ways this module makes visible on a machine without a GPU:
+in ways this module makes visible on a machine without a GPU:
 
 * **Ordering.** Every array operation, kernel launch (``sokpy.testing.emulated``) and NCCL
   call (``sokpy.testing.nccl_double``) is *queued* on a stream and runs only when that stream
   is synchronised (:meth:`Stream.synchronize`), an event recorded on it is waited for
   (:meth:`Event.synchronize`, :meth:`Stream.wait_event`), or its data is read to the host
-  (``.get()``, ``int()``, ...: a read runs the current stream's queue, as CuPy's copy to the
-  host does). Memory is poisoned when it is allocated (NaN floats, huge integers), so a
-  buffer read before the work that fills it has run (work queued on another stream without
-  an event between them, a host read that skipped the wait) holds poison, and a missing
-  ordering gives a wrong result.
+  (``.get()``, ``int()``, ...: a copy on the current stream, or on the stream ``get(stream=)``
+  names, which the host waits for). Memory is poisoned when it is handed out (NaN floats,
+  huge integers), so a buffer read before the work that fills it has run (work queued on
+  another stream without an event between them, a host read that skipped the wait) holds
+  poison, and a missing ordering gives a wrong result.
+* **Streams.** With :func:`check_streams` on (the emulated device backend turns it on),
+  every item queued must go to the enqueuing thread's torch current stream
+  (:class:`StreamError` otherwise, naming the item): see :mod:`.streams`.
+* **Memory reuse.** Freed memory goes back to its stream's pool and is handed out again, as
+  torch's caching allocator does; a buffer freed while work on another stream may still use
+  it, without :func:`record_stream` for that stream or an event ordering them, fails the next
+  allocation on its stream (:class:`MemoryHazardError`): see :mod:`.memory`.
 * **CuPy's rules.** :class:`ndarray` refuses implicit conversion to numpy (``__array__``
   raises ``TypeError`` as CuPy's does, so ``np.asarray``, ``torch.from_numpy`` and MPI
   refuse it); operators, methods and module functions refuse numpy arrays among their
@@ -35,7 +42,8 @@ set with :func:`use`) and one that torch would report (:func:`torch_current_stre
 stream. An operation is queued at the moment it is called and reads its inputs when it runs.
 To tell which result is a new buffer and which a view of its input, an operation is first
 run once on the inputs as they are now (its result is kept only when it is a view; a
-computation's result is recomputed when the queue runs).
+computation's result is recomputed when the queue runs). A queued item keeps the arrays it
+was given alive until it has run.
 
 Example::
 
@@ -45,18 +53,19 @@ Example::
     side = xp.Stream()
     with xp.use(side):
         b = a * 2                           # queued on the side stream, reads a when it runs
-    print(b.get())                          # runs the side stream only: a is still poison
+    print(b.get(stream=side))               # runs the side stream only: a was still poison
     a2 = xp.arange(4, dtype=np.int64)
-    ev = xp.Event(); ev.record()            # on the default stream, after a2's fill
-    side.wait_event(ev)
+    side.wait_event(xp.DEFAULT_STREAM.record())  # an event after a2's fill
     with xp.use(side):
         print((a2 * 2).get())               # [0 2 4 6]
 
 The parts:
 
 * :mod:`~sokpy.testing.device_double.streams`: :class:`Stream`, :class:`Event`, the current
-  streams, the host's reads and the work counts (:func:`host_reads`, :func:`work`);
-* :mod:`~sokpy.testing.device_double.memory`: poisoned device memory (:func:`to_device`,
+  streams and their check, the device's order of work, the host's reads and the work counts
+  (:func:`host_reads`, :func:`work`);
+* :mod:`~sokpy.testing.device_double.memory`: the pools of poisoned device memory, the
+  buffers queued work uses and :func:`record_stream` (:func:`to_device`,
   :func:`is_device_address`);
 * :mod:`~sokpy.testing.device_double.device_array`: :class:`ndarray` and how a routine on it
   is queued;
@@ -66,10 +75,12 @@ The parts:
 * :mod:`~sokpy.testing.device_double.cupy_names`: which names the installed CuPy has.
 
 This module stands in for ``cupy``: every other numpy name is served by its ``__getattr__``,
-under CuPy's operand rules and queued.
+under CuPy's operand rules and queued; ``cuda`` holds the part of ``cupy.cuda`` sokpy uses.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -78,12 +89,15 @@ from .constructors import empty as empty
 from .constructors import empty_like as empty_like
 from .cupy_names import require_cupy_name
 from .device_array import call_on_stream, ndarray
-from .memory import is_device_address, to_device
+from .memory import MemoryHazardError, is_device_address, pointed_to, record_stream, to_device
 from .operators import Ufunc
 from .streams import (
     DEFAULT_STREAM,
     Event,
     Stream,
+    StreamError,
+    before_runs,
+    check_streams,
     current_stream,
     enqueue,
     host_reads,
@@ -116,7 +130,17 @@ __all__ = [
     "enqueue",
     "to_device",
     "is_device_address",
+    "record_stream",
+    "pointed_to",
+    "check_streams",
+    "before_runs",
+    "StreamError",
+    "MemoryHazardError",
+    "cuda",
 ]
+
+#: The part of ``cupy.cuda`` that sokpy uses: events, streams, the current stream.
+cuda = SimpleNamespace(Event=Event, Stream=Stream, get_current_stream=current_stream)
 
 
 def get_array_module(*args):

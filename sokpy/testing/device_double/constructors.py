@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device_array import ndarray
-from .memory import device_empty
+from .memory import device_empty, note_host_copy
 from .streams import enqueue
 
 
@@ -29,7 +29,8 @@ def _host_to_device(host: np.ndarray) -> ndarray:
     def copy():
         out[...] = snapshot
 
-    enqueue(copy, "copy to the device")
+    enqueue(copy, "copy to the device", uses=[out])
+    note_host_copy(out, snapshot)
     return ndarray(out)
 
 

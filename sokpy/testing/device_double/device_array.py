@@ -89,9 +89,10 @@ def _is_view(r: np.ndarray, inputs: list) -> bool:
     return any(np.may_share_memory(r, a) for a in inputs)
 
 
-def _queue_result(compute, r, what: str):
+def _queue_result(compute, r, what: str, inputs: list):
     """Allocates poisoned buffers shaped as ``r`` (a speculative result: an array, or a
-    tuple of arrays) and queues ``compute()`` to fill them; returns the wrapped buffers."""
+    tuple of arrays) and queues ``compute()`` to fill them, reading ``inputs``; returns the
+    wrapped buffers."""
     if isinstance(r, tuple):
         outs = tuple(device_empty(np.shape(v), np.asarray(v).dtype) for v in r)
 
@@ -99,14 +100,14 @@ def _queue_result(compute, r, what: str):
             for o, v in zip(outs, compute()):
                 o[...] = v
 
-        enqueue(fill, what)
+        enqueue(fill, what, uses=inputs + list(outs))
         return tuple(ndarray(o) for o in outs)
     out = device_empty(r.shape, r.dtype)
 
     def fill_one():
         out[...] = compute()
 
-    enqueue(fill_one, what)
+    enqueue(fill_one, what, uses=[*inputs, out])
     return ndarray(out)
 
 
@@ -117,23 +118,25 @@ def call_on_stream(fn, args, kwargs, allow_numpy: bool, kind: str, in_place: boo
     a = _unwrap(args, allow_numpy, kind)
     k = {n: _unwrap(v, allow_numpy, kind) for n, v in kwargs.items()}
     if name in _READS_DEVICE or (name == "repeat" and _device_arrays(args[1:], [])):
-        host_read()  # the data decides the result's size: CuPy reads it first
+        host_read(what=kind)  # the data decides the result's size: CuPy reads it first
         with np.errstate(all="ignore"):
             return _wrap(_as_array(fn(*a, **k)))
     out = kwargs.get("out")
     if isinstance(fn, np.ufunc) and len(args) > fn.nin and out is None:
         out = args[fn.nin]
+    inputs = _device_arrays(args, []) + _device_arrays(kwargs, [])
+    owner = getattr(fn, "__self__", None)  # a method's array
+    uses = [*inputs, owner] if isinstance(owner, np.ndarray) else inputs
     if in_place or out is not None:
 
         def run_in_place():
             with np.errstate(all="ignore"):
                 fn(*a, **k)
 
-        enqueue(run_in_place, kind)
+        enqueue(run_in_place, kind, uses=uses)
         if out is not None:
             return out
         return None
-    inputs = _device_arrays(args, []) + _device_arrays(kwargs, [])
     try:
         with np.errstate(all="ignore"):
             r = _as_array(fn(*a, **k))
@@ -142,7 +145,8 @@ def call_on_stream(fn, args, kwargs, allow_numpy: bool, kind: str, in_place: boo
             with np.errstate(all="ignore"):
                 r = _as_array(fn(*_stand_ins(a), **_stand_ins(k)))
         except Exception:  # noqa: BLE001 - then run it in its place in the queue, now
-            current_stream().synchronize()
+            stream = current_stream()
+            stream.run_until(stream.enqueued)
             with np.errstate(all="ignore"):
                 return _wrap(_as_array(fn(*a, **k)))
     if isinstance(r, np.ndarray):
@@ -155,7 +159,7 @@ def call_on_stream(fn, args, kwargs, allow_numpy: bool, kind: str, in_place: boo
         with np.errstate(all="ignore"):
             return _as_array(fn(*a, **k))
 
-    return _queue_result(compute, r, kind)
+    return _queue_result(compute, r, kind, uses)
 
 
 def _index(index):
@@ -194,10 +198,20 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def __array__(self, *args, **kwargs):
         raise TypeError(_IMPLICIT)
 
-    def get(self, stream=None) -> np.ndarray:
-        """A host copy (``cupy.ndarray.get``): runs the current stream's queue first."""
-        host_read()
-        return self._a.copy()
+    def get(self, stream=None, order="C", out=None, blocking=True) -> np.ndarray:
+        """A host copy (``cupy.ndarray.get``): a copy on ``stream`` (default: the current one)
+        that the host waits for; with ``blocking=False`` only queued there, into ``out``."""
+        if not blocking:
+            if out is None:
+                raise ValueError("emulated CuPy: get(blocking=False) needs out= (pinned host memory on a GPU)")
+            src = self._a
+            enqueue(lambda: np.copyto(out, src), "ndarray.get (to the host, not waited for)", stream, uses=[src])
+            return out
+        host_read(stream, "ndarray.get (a copy to the host)")
+        if out is not None:
+            np.copyto(out, self._a)
+            return out
+        return self._a.copy(order=order)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -212,27 +226,29 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     def __dlpack__(self, **kwargs):
         # Torch's operations on the tensor run at once here; on a GPU they would be queued on
-        # torch's current stream after the work already there: run that work first.
-        torch_current_stream().synchronize()
+        # torch's current stream after the work already there: run that work first (the
+        # emulation's order only: the host waits for nothing).
+        stream = torch_current_stream()
+        stream.run_until(stream.enqueued)
         return self._a.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
         return self._a.__dlpack_device__()
 
     def __int__(self) -> int:
-        host_read()
+        host_read(what="int() of a device array")
         return int(self._a)
 
     def __float__(self) -> float:
-        host_read()
+        host_read(what="float() of a device array")
         return float(self._a)
 
     def __bool__(self) -> bool:
-        host_read()
+        host_read(what="bool() of a device array")
         return bool(self._a)
 
     def __index__(self) -> int:
-        host_read()
+        host_read(what="a device array as an index")
         return self._a.__index__()
 
     def __len__(self) -> int:
@@ -247,7 +263,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
     # ---- indexing: numpy arrays and lists are copied in, as CuPy does ---------------------
     def __getitem__(self, index):
         if _is_mask(index):
-            host_read()  # a boolean mask: CuPy counts its true entries first
+            host_read(what="indexing by a boolean mask")  # CuPy counts its true entries first
             return ndarray(self._a[_index(index)])
         if not _has_arrays(index):  # basic indexing: a view, made now
             idx = index if isinstance(index, tuple) else (index,)
@@ -264,7 +280,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             with np.errstate(all="ignore"):
                 target[idx] = val
 
-        enqueue(assign, "assignment")
+        enqueue(assign, "assignment", uses=[target, val, *_device_arrays(index, [])])
 
     # ---- everything else numpy arrays have, under CuPy's operand rules -----------------------
     def __getattr__(self, name):
