@@ -1,18 +1,12 @@
 """The main job with ``--pipeline`` (sokpy.nn.TrainPipeline) trains to the same losses, bit for
 bit, as without it, at 1 to 4 ranks (every step's global mean loss, written by each run)."""
 
-import re
-
 import numpy as np
 import pytest
 from conftest import ROOT, run_mpi
+from test_example_resume import result
 
 ARGS = ["--steps", "12", "--batch-size", "512", "--log-every", "12", "--eval-batches", "1"]
-
-
-def result(text: str) -> dict:
-    line = next(ln for ln in text.splitlines() if ln.startswith("RESULT "))
-    return {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.]+)", line)}
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])

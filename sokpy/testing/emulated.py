@@ -147,7 +147,8 @@ class _SideStream:
 
     def current_after(self) -> None:
         event = device_double.Event()
-        event.record(self.stream)
+        with device_double.torch_stream(self.stream):  # recorded there, as torch's wait_stream does
+            event.record(self.stream)
         device_double.torch_current_stream().wait_event(event)
 
 

@@ -2,7 +2,7 @@
 every rank's main thread exchanges on sokpy's communicator while a second thread exchanges
 on the duplicate, each a different random pattern for many rounds with random pauses, and
 every result is checked against what the senders' seeds say it must be (computed here, per
-rank, from those seeds). Modes: ``mpi`` (MpiComm), ``nccl`` (NcclComm over the NCCL double,
+rank, from those seeds). Modes: ``mpi`` (MpiComm), ``torch`` (TorchComm, under torchrun), ``nccl`` (NcclComm over the NCCL double,
 groups open in both threads at once), ``idle`` (a thread waiting in the duplicate's
 collective for a peer that is late uses little CPU)."""
 
@@ -60,8 +60,10 @@ def both_at_once(main, side) -> None:
 
 mode = sys.argv[1]
 comm = sokpy.comm()
-if mode == "mpi":
+if mode in ("mpi", "torch"):
+    assert type(comm).__name__ == {"mpi": "MpiComm", "torch": "TorchComm"}[mode], type(comm)
     side = comm.duplicate()
+    assert type(side) is type(comm)
     assert (side.rank, side.size) == (RANK, WORLD)
     both_at_once(comm, side)
     side.barrier()
