@@ -315,6 +315,16 @@ def machine_info() -> dict:
     return info
 
 
+def save_figure(fig, path: str) -> None:
+    """Lays ``fig`` out, writes it to ``path`` (PNG, 110 dpi), closes it and says so."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def pyplot_or_none(path: str):
     """matplotlib.pyplot with the file backend, or None (and a note) when matplotlib is not
     installed: plots are optional (``pip install -e '.[bench]'``), the numbers are not."""

@@ -299,10 +299,7 @@ def plot(base: dict, runs: list[dict], path: str) -> None:
         ax.set_ylabel("ms / step")
         ax.set_title(name, fontsize=10)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    _common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(HERE)
 
 import _common  # noqa: E402  (before the benchmarks import numpy and torch)
 import bench_multinode  # noqa: E402
+import bench_pipeline  # noqa: E402
 import bench_tables  # noqa: E402
 import bench_w1  # noqa: E402
 import soak_stream  # noqa: E402
@@ -40,6 +41,10 @@ def multinode(data: dict, png: str) -> None:
     bench_multinode.plot(data["shared_memory"], data["runs"], png)
 
 
+def pipeline(data: dict, png: str) -> None:
+    bench_pipeline.plot(data["results"], png)
+
+
 def soak(data: dict, png: str) -> None:
     kinds = data["args"]["variants"].split(",")
     soak_stream.plot(png, kinds, data["windows"], SimpleNamespace(**data["args"]))
@@ -50,6 +55,7 @@ FIGURES = {
     "tables": ("tables.json", tables),
     "w1_half": ("w1_half_2dd47ad.json", w1),
     "multinode": ("multinode.json", multinode),
+    "pipeline": ("pipeline.json", pipeline),
     "soak_stream_margin": ("soak_stream_margin.json", soak),
     "soak_stream_policies": ("soak_stream_policies.json", soak),
 }

@@ -113,7 +113,7 @@ class Variant:
 
     def step(self, step: int, batch) -> None:
         t0 = time.perf_counter()
-        self.trainer.train_step(step, batch)
+        self.trainer.train_step(step, self.trainer.as_train_batch(batch))
         self.times.append(time.perf_counter() - t0)
         labels, logits = self.trainer.scored
         self.labels.append(labels.numpy())

@@ -17,7 +17,10 @@ What it shows:
   for the dense parameters;
 * a synthetic Criteo-like stream with a planted signal (``synthetic_data.py``) and a
   held-out AUC at the end. The global batches, and so the loss curve, are the same
-  whatever the number of ranks (up to float rounding).
+  whatever the number of ranks (up to float rounding);
+* ``--pipeline``: the same steps through ``sokpy.nn.TrainPipeline`` (TorchRec's
+  ``TrainPipelineSparseDist``), which exchanges the next batch's keys while this batch
+  trains; the losses are the same bits as without it.
 
 Run it (``make demo`` runs the first line)::
 
@@ -25,6 +28,7 @@ Run it (``make demo`` runs the first line)::
     torchrun --nproc-per-node 2 examples/train_dlrm.py  # the same job, no MPI needed
     python examples/train_dlrm.py                      # one rank, no launcher needed
     sokrun -np 3 python examples/train_dlrm.py --steps 300 --batch-size 2048
+    sokrun -np 2 python examples/train_dlrm.py --pipeline     # the next batch's keys exchanged ahead
     python examples/train_dlrm.py --help
 
 Save and resume (at any world size) with the calls PyTorch users know: every rank calls
@@ -44,7 +48,12 @@ gives the held-out log loss, the AUC of the planted noise-free logit (about the 
 model can score), the training throughput, the wall time, and per training step (rank 0's
 view) its milliseconds, those spent in sokpy's exchanges and the kilobytes sokpy sent to other
 ranks and the collectives it entered (counted by ``sokpy.timing``; DDP's gloo traffic for the
-dense model is not in it)::
+dense model is not in it), and the step's lookup phases on the training thread (``keys_ms``:
+the keys' header and all-to-all, or with ``--pipeline`` only the calls' agreement;
+``wait_ms``: with ``--pipeline``, the wait for the next batch's key exchange at the end of
+the step; ``rows_ms``: the owners' rows and the row exchange; ``grads_ms``: the backward's
+exchange) with ``ahead_ms``, the key exchanges the pipeline ran beside the step (off its
+critical path)::
 
     RESULT auc=0.83 loss_start=0.52 loss_end=0.47 eval_loss=0.47 oracle_auc=0.85 ...
 
@@ -58,6 +67,7 @@ size and even when ranks hold unequal parts of the batch.
 import argparse
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,9 +78,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sokpy
-from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, concat
+from sokpy.nn import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, TrainPipeline, concat
 
 TRAIN, EVAL = 0, 1  # stream ids of the synthetic data
+# The lookup phases RESULT reports, and the sokpy.timing categories that time them.
+PHASES = {"keys": "keys", "wait": "keys_wait", "rows": "rows", "grads": "grads", "ahead": "prefetch.keys"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--losses", metavar="FILE", help="write every training step's global mean loss to FILE (.npy, float64)"
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="train through sokpy.nn.TrainPipeline: the next batch's keys are exchanged while this batch trains",
     )
     p.add_argument("--save", metavar="DIR", help="save a checkpoint (tables, optimizers, step) to DIR at the end")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
@@ -187,6 +204,29 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, dots[:, i, j]], dim=1)).squeeze(1)
 
 
+class TrainBatch(NamedTuple):
+    """This rank's part of a training batch as the model reads it (the KeyedJaggedTensor of
+    its sparse features in it: where TrainPipeline finds the module's input)."""
+
+    dense: torch.Tensor
+    features: KeyedJaggedTensor
+    labels: torch.Tensor
+
+
+class TrainLoss(nn.Module):
+    """The model and its loss, as TorchRec's ``DLRMTrain``: for a TrainBatch, ``(loss, (summed
+    BCE, logits))``; the loss is the rank's share of the global batch's mean BCE."""
+
+    def __init__(self, model: nn.Module, batch_size: int):
+        super().__init__()
+        self.model, self.batch_size = model, batch_size
+
+    def forward(self, batch: TrainBatch):
+        logits = self.model(batch.dense, batch.features)
+        bce = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        return bce / self.batch_size, (bce.detach(), logits.detach())
+
+
 def allreduce_sum_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook that sums gradients over ranks (DDP's default averages)."""
     future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
@@ -230,6 +270,7 @@ class Trainer:
         self.tables = self.model.module.sparse.tables()
         self.sparse_opt = sokpy.optim.Adagrad(self.tables, lr=args.lr)
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=args.dense_lr)
+        self.loss = TrainLoss(self.model, args.batch_size)
         self.train_seconds = 0.0
 
     def describe(self) -> str:
@@ -245,21 +286,43 @@ class Trainer:
     def logits(self, batch, model: nn.Module) -> torch.Tensor:
         return model(batch.dense, keyed(self.features, batch.sparse))
 
-    def train_step(self, step: int, batch=None) -> float:
+    def train_batch(self, step: int) -> TrainBatch:
+        """This rank's part of global training batch ``step``."""
+        return self.as_train_batch(self.data.batch(TRAIN, step, self.lo, self.hi))
+
+    def as_train_batch(self, batch) -> TrainBatch:
+        """A ``SyntheticClicks`` batch as the model reads it."""
+        return TrainBatch(batch.dense, keyed(self.features, batch.sparse), batch.labels)
+
+    def train_step(self, step: int, batch: TrainBatch | None = None) -> float:
         """One step on the global batch (this rank's part of it: ``batch``, default the job's
         own); returns this rank's summed BCE. ``self.scored`` keeps the step's labels and the
         logits it trained on, made before the update (a test-then-train score of the batch)."""
         if batch is None:
-            batch = self.data.batch(TRAIN, step, self.lo, self.hi)
-        logits = self.logits(batch, self.model)
-        self.scored = (batch.labels, logits.detach())
-        bce = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
-        (bce / self.args.batch_size).backward()
+            batch = self.train_batch(step)
+        loss, (bce, logits) = self.loss(batch)
+        self.scored = (batch.labels, logits)
+        loss.backward()
         self.sparse_opt.step()
         self.dense_opt.step()
         self.sparse_opt.zero_grad()
         self.dense_opt.zero_grad()
         return bce.item()
+
+    def steps(self, first: int):
+        """``(step, this rank's summed BCE)`` of every training step from ``first`` on: one
+        ``train_step`` each, or with ``--pipeline`` the same steps through TrainPipeline (it
+        zeroes the gradients before each step, then steps the same optimizers in the same
+        order)."""
+        if not self.args.pipeline:
+            for step in range(first, self.args.steps):
+                yield step, self.train_step(step)
+            return
+        batches = (self.train_batch(step) for step in range(first, self.args.steps))
+        with TrainPipeline(self.loss, [self.sparse_opt, self.dense_opt]) as pipeline:
+            for step in range(first, self.args.steps):
+                bce, logits = pipeline.progress(batches)
+                yield step, bce.item()
 
     def train(self, first: int = 0) -> np.ndarray:
         """Runs steps ``first`` .. ``--steps`` - 1 (saving every ``--save-every`` steps); returns
@@ -269,8 +332,8 @@ class Trainer:
         sokpy.timing.reset()  # seconds in sokpy's exchanges and the bytes they sent, for RESULT
         start = logged_at = time.perf_counter()
         logged = 0  # steps done (since first) at the last progress line
-        for step in range(first, args.steps):
-            loss_sums[step - first] = self.train_step(step)
+        for step, bce in self.steps(first):
+            loss_sums[step - first] = bce
             done = step + 1 - first
             if done % args.log_every == 0 or step + 1 == args.steps:
                 window = comm.allreduce(loss_sums[logged:done]) / args.batch_size
@@ -285,7 +348,9 @@ class Trainer:
                 self.save(args.save, step + 1)
         self.train_seconds = time.perf_counter() - start
         sent = sokpy.timing.traffic()
-        self.exchange_seconds = sokpy.timing.totals()["exchange"]
+        totals = sokpy.timing.totals()
+        self.exchange_seconds = totals["exchange"]
+        self.phase_seconds = {p: totals.get(c, 0.0) for p, c in PHASES.items()}
         self.sent_bytes = sent["alltoall_bytes"] + sent["other_bytes"]
         self.collectives = sent["alltoall_calls"] + sent["other_calls"]
         return comm.allreduce(loss_sums) / args.batch_size
@@ -372,7 +437,8 @@ def main(argv=None) -> None:
             f"oracle_auc={oracle:.4f} samples_per_s={rate:.0f} ranks={world} "
             f"wall_s={time.perf_counter() - wall_start:.1f} step_ms={1e3 * trainer.train_seconds / steps:.2f} "
             f"exchange_ms={1e3 * trainer.exchange_seconds / steps:.2f} sent_kB={trainer.sent_bytes / steps / 1e3:.1f} "
-            f"collectives={trainer.collectives / steps:.1f}",
+            f"collectives={trainer.collectives / steps:.1f} "
+            + " ".join(f"{p}_ms={1e3 * s / steps:.2f}" for p, s in trainer.phase_seconds.items()),
             flush=True,
         )
     dist.destroy_process_group()

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import repeat
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,8 +40,17 @@ from .exchange.plan import COMBINERS, LookupPlan
 from .exchange.wire import check_wire_dtype
 from .inputs.batch import to_batch
 from .tables.table import Table
+from .timing import timed
 
-__all__ = ["lookup_sparse", "lookup_sequence", "COMBINERS", "GRAD_REDUCTIONS"]
+__all__ = [
+    "lookup_sparse",
+    "lookup_sequence",
+    "COMBINERS",
+    "GRAD_REDUCTIONS",
+    "LookupCall",
+    "plan_of",
+    "set_lookup_hook",
+]
 
 GRAD_REDUCTIONS = ("sum", "mean")
 
@@ -120,6 +133,74 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
         return None, None, f"{type(e).__name__}: {e}"
 
 
+@dataclass(frozen=True)
+class LookupCall:
+    """One call of :func:`lookup` as its caller made it, before anything ran: what a training
+    pipeline (``sokpy.nn.TrainPipeline``) records in one step, matches in the next and
+    prepares ahead (:func:`plan_of` makes its plan). ``source``, where the caller made the
+    ids from an input of its own: ``(features, weights, make)``, with ``make(features,
+    weights)`` returning ``(sp_ids, sp_weights, input_error)`` as this call got them (a
+    ``sokpy.nn`` module's input and its conversion)."""
+
+    params: list
+    sp_ids: Any
+    sp_weights: Any
+    combiners: Any
+    insert: bool
+    grad_reduction: str
+    keyed: bool
+    wire_dtype: str
+    pooled: bool
+    grad_mode: bool
+    input_error: str | None = None
+    source: tuple | None = None
+
+    def options(self) -> tuple:
+        """Everything but the input that makes two calls the same call: the tables (by
+        identity), the combiners and the call's flags."""
+        combs = self.combiners if self.combiners is None or isinstance(self.combiners, str) else tuple(self.combiners)
+        flags = (self.insert, self.grad_reduction, self.keyed, self.wire_dtype, self.pooled, self.grad_mode)
+        trains = tuple(bool(getattr(v, "requires_grad", False)) for v in self.params)  # frozen or not
+        return (tuple(map(id, self.params)), combs, trains, *flags)
+
+
+def plan_of(call: LookupCall) -> LookupPlan:
+    """The call's plan, its input converted and checked (nothing exchanged yet: its forward,
+    or its ``agree_keys`` and ``send_keys`` ahead, do that)."""
+    if call.input_error is None:
+        batch, codes, error = _prepare(call.params, call.sp_ids, call.sp_weights, call.combiners, call.pooled)
+    else:
+        batch, codes, error = None, None, call.input_error
+    weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
+    # Frozen tables (requires_grad_(False)) take no gradient: a call of frozen tables alone,
+    # without weights that want one, runs as under no_grad (every rank alike: the tables'
+    # flags are the same everywhere).
+    grad_mode = call.grad_mode and (any(v.requires_grad for v in call.params) or bool(weights))
+    args = (call.insert, call.grad_reduction, call.keyed, error, grad_mode, call.wire_dtype)
+    return LookupPlan(call.params, batch, codes, *args)
+
+
+class _Hook(NamedTuple):
+    thread: int
+    plan_for: Callable[[LookupCall], LookupPlan | None]
+    after: Callable[[], None]
+
+
+_hook: _Hook | None = None
+
+
+def set_lookup_hook(
+    plan_for: Callable[[LookupCall], LookupPlan | None] | None, after: Callable[[], None] = lambda: None
+) -> None:
+    """While set (None unsets it), every :func:`lookup` call of the thread that set it first
+    asks ``plan_for(call)``: a plan whose keys it exchanged ahead (the call then runs only its
+    rows), or None (the call runs in line); once the call has run, ``after()``.
+    ``sokpy.nn.TrainPipeline`` sets it around its model's forward; ``plan_for`` may raise a
+    call's error, which the call raises."""
+    global _hook
+    _hook = None if plan_for is None else _Hook(threading.get_ident(), plan_for, after)
+
+
 # torch.compile sees a lookup as one opaque call (a graph break): it never traces into the
 # numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
 # after it (dynamo then marks that dimension dynamic).
@@ -137,32 +218,48 @@ def lookup(
     wire_dtype: str = "float32",
     input_error: str | None = None,
     pooled: bool = True,
+    source: tuple | None = None,
 ):
     """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
     ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); not
     ``pooled``, :func:`lookup_sequence`'s rows (combiners must be "sum").
     ``input_error``: a fault the caller found in this rank's input before the call (a module's
     missing feature); the call then raises it as an InputError on every rank, as its own
-    checks would, instead of leaving the other ranks waiting in the exchange."""
+    checks would, instead of leaving the other ranks waiting in the exchange. ``source``: see
+    :class:`LookupCall`."""
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
     check_wire_dtype(wire_dtype)
-    params = list(params)
-    if input_error is None:
-        batch, codes, error = _prepare(params, sp_ids, sp_weights, combiners, pooled)
+    call = LookupCall(
+        list(params),
+        sp_ids,
+        sp_weights,
+        combiners,
+        insert,
+        grad_reduction,
+        keyed,
+        wire_dtype,
+        pooled,
+        torch.is_grad_enabled(),
+        input_error,
+        source,
+    )
+    hook = _hook if _hook is not None and _hook.thread == threading.get_ident() else None
+    plan = None if hook is None else hook.plan_for(call)
+    if plan is None:
+        with timed("keys"):  # the input parsed and checked: the first of the call's keys phase
+            plan = plan_of(call)
+    if not plan.grad_mode or plan.error is not None:
+        outs = plan.forward()  # with an error: raises it on every rank (the others in the node below)
     else:
-        batch, codes, error = None, None, input_error
-    weights = [] if batch is None else [w for w in batch.weight_grads if w is not None]
-    # Frozen tables (requires_grad_(False)) take no gradient: a call of frozen tables alone,
-    # without weights that want one, runs as under no_grad (every rank alike: the tables'
-    # flags are the same everywhere).
-    trains = [v.requires_grad for v in params]
-    grad_mode = torch.is_grad_enabled() and (any(trains) or bool(weights))
-    plan = LookupPlan(params, batch, codes, insert, grad_reduction, keyed, error, grad_mode, wire_dtype)
-    if not grad_mode or error is not None:
-        return plan.forward()  # with an error: raises it on every rank (the others in the node below)
-    handle = next((v.handle for v, t in zip(params, trains) if t), params[0].handle)  # ties the node in
-    return list(_LookupFunction.apply(plan, len(weights), handle, *weights))
+        weights = [] if plan.batch is None else [w for w in plan.batch.weight_grads if w is not None]
+        handle = next(
+            (v.handle for v, t in zip(plan.tables, plan.trains) if t), plan.tables[0].handle
+        )  # ties the node in
+        outs = list(_LookupFunction.apply(plan, len(weights), handle, *weights))
+    if hook is not None:
+        hook.after()
+    return outs
 
 
 def lookup_sparse(

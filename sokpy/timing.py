@@ -21,15 +21,33 @@ The communicators count the traffic as they run (counted, not estimated from the
 itself excluded), ``other_bytes`` the input arrays of its other array collectives
 (allreduce, allgather, broadcast), ``*_calls`` how many collectives of each kind it entered
 (object collectives and barriers count as other calls with no bytes).
+
+Work that a thread does beside the training thread (``sokpy.nn.TrainPipeline``'s key
+exchange) is timed apart: inside ``with beside("prefetch"):`` that thread's blocks add to
+``"prefetch.exchange"``, ``"prefetch.kernels"``, ..., so that the plain categories keep the
+training thread's own seconds (its traffic is counted with the rest).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
-__all__ = ["timed", "add", "totals", "traffic", "count_traffic", "reset", "enable", "enabled", "set_clock", "HostClock"]
+__all__ = [
+    "timed",
+    "beside",
+    "add",
+    "totals",
+    "traffic",
+    "count_traffic",
+    "reset",
+    "enable",
+    "enabled",
+    "set_clock",
+    "HostClock",
+]
 
 _totals = {"exchange": 0.0, "kernels": 0.0}
 _traffic = {"alltoall_bytes": 0, "alltoall_calls": 0, "other_bytes": 0, "other_calls": 0}
@@ -97,7 +115,27 @@ class timed:
 
     def __exit__(self, *exc) -> None:
         if self.start is not None and _clock is not None:
-            _clock.stop(self.category, self.start)
+            _clock.stop(getattr(_thread, "prefix", "") + self.category, self.start)
+
+
+_thread = threading.local()
+
+
+class beside:  # noqa: N801 - used like timed
+    """``with beside("prefetch"):`` the blocks this thread times add to ``"prefetch.<category>"``
+    instead of ``"<category>"`` (see the module's docs)."""
+
+    __slots__ = ("prefix", "previous")
+
+    def __init__(self, name: str):
+        self.prefix = name + "."
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_thread, "prefix", "")
+        _thread.prefix = self.prefix
+
+    def __exit__(self, *exc) -> None:
+        _thread.prefix = self.previous
 
 
 def totals() -> dict:
@@ -107,10 +145,14 @@ def totals() -> dict:
     return dict(_totals)
 
 
+_traffic_lock = threading.Lock()  # a pipeline's thread counts its exchanges beside the main thread
+
+
 def count_traffic(kind: str, nbytes: int) -> None:
     """Adds one collective of ``kind`` ("alltoall" or "other") sending ``nbytes`` to other ranks."""
-    _traffic[kind + "_bytes"] += int(nbytes)
-    _traffic[kind + "_calls"] += 1
+    with _traffic_lock:
+        _traffic[kind + "_bytes"] += int(nbytes)
+        _traffic[kind + "_calls"] += 1
 
 
 def traffic() -> dict:

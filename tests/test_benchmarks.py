@@ -207,3 +207,27 @@ def test_plots_draw_every_figure_of_the_benchmarks_page_from_docs_data(tmp_path)
     assert drawn == shown_figures(ROOT / "docs" / "benchmarks.md") and all(
         (tmp_path / n).stat().st_size > 10_000 for n in drawn
     )
+
+
+def test_pipeline_benchmark_job_times_the_phases_of_both_loops():
+    """benchmarks/bench_pipeline.py's job (what each run of it starts on the emulated nodes), at
+    2 ranks, plain and pipelined: every step's phases on every rank, the same losses, and the
+    summary takes the key exchange's wait of the rank that waited least in it."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_pipeline
+    from conftest import run_mpi
+
+    args = ["--job", "--steps", "3", "--warmup", "2", "--batch-size", "256", "--dim", "4", "--wire-dtype", "bfloat16"]
+    script = ROOT / "benchmarks" / "bench_pipeline.py"
+    runs = {}
+    for mode in ("plain", "pipeline"):
+        out = run_mpi(2, script, *args, *(["--pipeline"] if mode == "pipeline" else []), timeout=300)
+        runs[mode] = json.loads(next(ln for ln in out.splitlines() if ln.startswith("PHASES "))[len("PHASES ") :])
+    assert runs["plain"]["losses"] == runs["pipeline"]["losses"]
+    for mode, data in runs.items():
+        assert len(data["ranks"]) == 2 and all(len(r) == 3 for r in data["ranks"]), data
+        s = bench_pipeline.summarise(data["ranks"])
+        assert s["keys_last_ms"] <= s["keys_ms"] + s["wait_ms"] + 1e-9 and s["step_ms"] > 0, s
+        assert (s["ahead_ms"] > 0) == (mode == "pipeline"), (mode, s)

@@ -274,3 +274,43 @@ def test_the_main_example_trains_as_under_sokrun_bit_for_bit(tmp_path):
     assert a["ranks"] == b["ranks"] == 2, (a, b)
     for key in ("auc", "loss_start", "loss_end", "eval_loss"):
         assert a[key] == b[key], (key, a, b)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_duplicate_communicator_exchanges_beside_the_first_in_another_thread(nranks):
+    """TorchComm.duplicate (TrainPipeline exchanges the next batch's keys on one): two threads
+    exchange at once, one on each, and every result is what the senders' seeds say."""
+    out = run_mpi(nranks, "side_comm_worker.py", "torch", timeout=180, launcher=TORCHRUN)
+    assert out.count("side_comm torch ok") == nranks, out
+
+
+def test_a_thread_waiting_on_the_duplicate_does_not_spin():
+    out = run_mpi(2, "side_comm_worker.py", "idle", timeout=120, launcher=TORCHRUN)
+    assert out.count("side_comm idle ok") == 2, out
+
+
+@pytest.mark.parametrize("mode, nranks", [("same", 2), ("same", 3), ("bad", 2), ("end", 3), ("fail", 2)])
+def test_train_pipeline(mode, nranks):
+    """sokpy.nn.TrainPipeline over TorchComm (test_pipeline.py's cases): the plain loop's bits,
+    bad input in a later batch, the end of the data, a model or iterator that raises. Each in
+    a job of its own: in a torchrun pool the default group a task destroyed is started again
+    by sokpy.nn.init_process_group on a port of its own, which torchrun's agent store does not
+    serve."""
+    out = run_mpi(nranks, "pipeline_worker.py", mode, timeout=400, launcher=TORCHRUN, fresh=True)
+    assert out.count(f"pipeline {mode} ok") == nranks, out
+
+
+def test_the_main_example_pipelined_has_the_plain_losses_of_sokrun(tmp_path):
+    """examples/train_dlrm.py --pipeline at 2 ranks under torchrun, where no MPI library
+    loads: every step's loss is the plain loop's under sokrun, bit for bit."""
+    script = ROOT / "examples" / "train_dlrm.py"
+    args = ["--steps", "12", "--batch-size", "512", "--log-every", "12", "--eval-batches", "1"]
+    env = no_mpi_library(tmp_path / "shim")
+    piped = mpi_job(
+        2, script, *args, "--losses", tmp_path / "piped.npy", "--pipeline", launcher=TORCHRUN, env=env, timeout=300
+    )
+    assert piped.returncode == 0, piped.stdout[-3000:] + piped.stderr[-3000:]
+    run_mpi(2, script, *args, "--losses", tmp_path / "plain.npy", timeout=300)
+    a, b = np.load(tmp_path / "piped.npy"), np.load(tmp_path / "plain.npy")
+    assert a.shape == (12,) and a.tobytes() == b.tobytes(), (a, b)
+    assert result(piped.stdout)["ahead_ms"] > 0, piped.stdout[-2000:]

@@ -127,6 +127,15 @@ class Backend:
     def synchronize(self) -> None:
         """Waits until the work queued so far has run (nothing to wait for on the host)."""
 
+    def side_stream(self):
+        """A stream of its own for work that another thread queues beside torch's current
+        stream (``sokpy.nn.TrainPipeline``'s key exchange): an object with ``scope()`` (a
+        context in which that thread's torch current stream, and so a public entry's work,
+        is the side stream), ``after_current()`` (the side stream's next work waits for
+        what torch's current stream of the calling thread has queued) and
+        ``current_after()`` (the reverse). None on the host: its work runs as it is called."""
+        return None
+
     def record_stream(self, *arrays) -> None:
         """Marks the memory of ``arrays`` (arrays of the backend, or tensors on its device) as
         used by the current stream, where it was allocated on another: the allocator hands it
@@ -330,6 +339,9 @@ class DeviceBackend(Backend):
     def torch_device(self) -> torch.device:
         return self._device
 
+    def side_stream(self) -> TorchSideStream:
+        return TorchSideStream(self)
+
     def on_device(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.is_cuda
 
@@ -346,6 +358,25 @@ class DeviceBackend(Backend):
 
     def to_host(self, a) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else a.get()
+
+
+class TorchSideStream:
+    """A torch stream of its own on the backend's GPU (see :meth:`Backend.side_stream`)."""
+
+    def __init__(self, backend: DeviceBackend):
+        self._backend = backend
+        self.stream = torch.cuda.Stream(backend.torch_device())
+
+    @contextlib.contextmanager
+    def scope(self):
+        with torch.cuda.stream(self.stream), self._backend.stream_scope():
+            yield
+
+    def after_current(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self._backend.torch_device()))
+
+    def current_after(self) -> None:
+        torch.cuda.current_stream(self._backend.torch_device()).wait_stream(self.stream)
 
 
 def device_shapes_requested() -> bool:

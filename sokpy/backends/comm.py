@@ -16,18 +16,18 @@ Example (under ``sokrun -np 2``)::
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
 from ..timing import count_traffic, timed
 from . import hostpool
 from .communicator import Communicator, check_count_rows, check_send_counts, pieces, receive_buffer
+from .notices import LeaveNotices
+from .polled import Polled
 
 __all__ = ["MpiComm", "LeaveNotices", "MpiUnavailable", "mpi_world", "max_count"]
 
 _SPLIT_TAG = 7301
-_LEAVE_TAG = 7302
 
 
 _MAX_COUNT = int(os.environ.get("SOKPY_MPI_MAX_COUNT", 2**31 - 1))
@@ -81,6 +81,15 @@ class MpiComm(Communicator):
             self._comm.Free()
         self._comm = None
 
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]
+        return self._MPI.Query_thread() >= self._MPI.THREAD_MULTIPLE
+
+    def duplicate(self) -> MpiComm:
+        """An :class:`MpiComm` over a duplicate of this one's MPI communicator, whose
+        collectives wait by polling (:class:`sokpy.backends.polled.Polled`)."""
+        return MpiComm(Polled(self._comm.Dup()))
+
     def abort(self, code: int) -> None:
         self._MPI.COMM_WORLD.Abort(code)
 
@@ -91,7 +100,7 @@ class MpiComm(Communicator):
         thread waits in a collective; mpi4py asks for that level by default)."""
         if self.size <= 1 or self._MPI.Query_thread() < self._MPI.THREAD_MULTIPLE:
             return None
-        return LeaveNotices(self._comm.Dup())
+        return LeaveNotices(self._comm.Dup(), self._MPI)
 
     def alltoall_counts(self, counts):
         """Exchanges one row of counts per destination: ``counts[d]`` (int64, any trailing shape)
@@ -188,60 +197,3 @@ class MpiComm(Communicator):
     def barrier(self) -> None:
         count_traffic("other", 0)
         self._comm.Barrier()
-
-
-class LeaveNotices:
-    """A side channel on which a rank that leaves tells every other rank so: one small
-    point-to-point message per peer, on a private duplicate of the world, which needs no
-    matching collective call on the peers. The message carries how many collective calls the
-    leaving rank completed; a peer waiting in a later call knows it waits in vain
-    (``sokpy.backends.watchdog``). A peer reads the notices with :meth:`poll`, from the watchdog's
-    thread, while its main thread may be blocked in a collective on another communicator.
-
-    Unread notices (every rank sends them at the end of a normal run, when nobody polls any
-    more) stay in MPI's queue of unexpected messages. MPI may hand such a message to a later
-    communicator that reuses the freed one's context (``sokpy.shutdown()`` then ``init()``
-    in one process: the peers' notices of the first run arrive on the second run's channel),
-    so every channel has an identity that its ranks agree on when it is made, each notice
-    carries it, and :meth:`poll` drops notices of another channel."""
-
-    def __init__(self, mpi_comm):
-        from mpi4py import MPI  # importing it starts MPI: only where MPI is used (SoloComm runs without)
-
-        self._MPI = MPI
-        self._comm = mpi_comm
-        self.rank = mpi_comm.Get_rank()
-        self.size = mpi_comm.Get_size()
-        self._sending = None  # the last notices' buffer and requests, kept until sent
-        # Rank 0 draws the channel's identity and every rank learns it (collective, like the Dup).
-        self.identity = int(mpi_comm.bcast(int.from_bytes(os.urandom(8), "little") >> 1, root=0))
-
-    def announce(self, completed_calls: int, wait_s: float = 2.0) -> None:
-        """Tells every other rank that this one leaves after ``completed_calls`` collective
-        calls; waits at most ``wait_s`` seconds for the messages to leave (they are tiny, so
-        MPI sends them eagerly without waiting for the peers)."""
-        if self._MPI.Is_finalized():
-            return
-        msg = np.array([self.identity, completed_calls], np.int64)
-        requests = [self._comm.Isend(msg, dest=p, tag=_LEAVE_TAG) for p in range(self.size) if p != self.rank]
-        self._sending = (msg, requests)
-        deadline = time.monotonic() + wait_s
-        while not self._MPI.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def poll(self) -> dict[int, int]:
-        """The notices of this channel that arrived since the last poll: ``{rank: collective
-        calls it completed}`` (a stale notice of an earlier channel is read and dropped)."""
-        MPI = self._MPI
-        arrived, status, buf = {}, MPI.Status(), np.empty(2, np.int64)
-        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_LEAVE_TAG, status=status):
-            source = status.Get_source()
-            self._comm.Recv(buf, source=source, tag=_LEAVE_TAG)
-            if int(buf[0]) == self.identity:
-                arrived[source] = int(buf[1])
-        return arrived
-
-    def free(self) -> None:
-        if self._comm is not None and not self._MPI.Is_finalized():
-            self._comm.Free()
-        self._comm = None

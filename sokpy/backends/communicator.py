@@ -118,6 +118,19 @@ class Communicator:
         """Ends every process of the job with exit code ``code``."""
         raise NotImplementedError
 
+    #: Whether a thread may make collective calls on a :meth:`duplicate` while another
+    #: thread makes them on this communicator (MPI: where it runs ``MPI_THREAD_MULTIPLE``).
+    concurrent: bool = True
+
+    def duplicate(self) -> Communicator:
+        """A communicator of the same ranks whose collectives never pair with this one's, for
+        collective work on another thread while this one's calls go on (``sokpy.nn.TrainPipeline``
+        exchanges the next batch's keys on one). Collective: every rank calls it at the same
+        point. A thread waiting in one of its collectives leaves its core to the others (over
+        MPI, whose blocking calls spin, it polls nonblocking operations with short sleeps).
+        Free it with :meth:`free`."""
+        raise NotImplementedError
+
     def leave_notices(self):
         """The side channel on which ranks that leave tell the others (see
         :class:`sokpy.backends.comm.LeaveNotices`), or None where there is none (one rank)."""
@@ -146,6 +159,9 @@ class SoloComm(Communicator):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+    def duplicate(self) -> SoloComm:
+        return SoloComm(self.xp)
 
     def alltoall_counts(self, counts):
         return check_count_rows(counts, 1).copy()

@@ -109,6 +109,17 @@ class NcclComm(Communicator):
     def abort(self, code: int) -> None:
         self.mpi.abort(code)
 
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]
+        return self.mpi.concurrent
+
+    def duplicate(self) -> NcclComm:
+        """A new NCCL communicator of the same ranks, bootstrapped over a duplicate of the MPI
+        one (whose host collectives wait by polling), with the same array module and stream
+        rule (torch's current stream of the calling thread: a side stream there keeps its
+        exchanges apart from the main stream's)."""
+        return NcclComm(self.mpi.duplicate(), self.nccl, self.xp, self._is_device, self._stream)
+
     def leave_notices(self):
         return self.mpi.leave_notices()
 

@@ -17,7 +17,7 @@ and makes it wait in turn.
 * A collective the transport cannot finish (a peer's process ended and its connections
   closed) raises :class:`TransportError`; the watchdog then ends the job, naming the peer
   when it said that it left or failed (``StoreNotices``, keys in the world's store:
-  :mod:`sokpy.backends.store_notices`).
+  :mod:`sokpy.backends.notices`).
   The watchdog also times each NCCL call until it completes on the GPU.
 * ``abort`` tells the peers that this rank failed, then ends this process: torchrun's agent
   ends the rest of the job when a process ends with an error.
@@ -48,7 +48,7 @@ from ..timing import count_traffic, timed
 from . import hostpool, watchdog
 from .comm import max_count
 from .communicator import Communicator, check_count_rows, check_send_counts, pieces, receive_buffer
-from .store_notices import FAILED, StoreNotices
+from .notices import FAILED, StoreNotices
 
 __all__ = ["TorchComm", "TransportError"]
 
@@ -114,6 +114,7 @@ class TorchComm(Communicator):
         self.rank, self.size = int(rank), int(size)
         # Every rank makes the same communicators in the same order, so the n-th of this rank is
         # the n-th of every rank, and its keys are new in the store.
+        self._world_store = store
         n = store.add(f"sokpy/communicators/rank{self.rank}", 1)
         self._store = dist.PrefixStore(f"sokpy/communicator{n}/", store)
         self._gloo: Any
@@ -123,12 +124,14 @@ class TorchComm(Communicator):
             )
         self._gloo.set_timeout(_OP_TIMEOUT)
         self._device: _Device | None = None
+        self._device_given = False
         self._notices: StoreNotices | None = None
 
     def use_device(self, xp, group=None, as_tensor=None) -> None:
         """Sends arrays of ``xp`` (CuPy) over ``group``: by default a NCCL group of these ranks
         (its first collective binds torch's current device). ``as_tensor(a)`` gives the torch
         tensor sharing a device array's memory (default: a CUDA tensor over it)."""
+        given = group is not None
         if group is None:
             if not dist.is_nccl_available():
                 raise RuntimeError(
@@ -144,6 +147,19 @@ class TorchComm(Communicator):
                 return torch.as_tensor(a, device="cuda")
 
         self._device = _Device(group, xp, as_tensor)
+        self._device_given = given  # by the caller (duplicate cannot make another)
+
+    def duplicate(self) -> TorchComm:
+        """A TorchComm of the same ranks on the world's store, with process groups of its own
+        (gloo, and NCCL where this one has it), so its collectives never pair with this one's.
+        A thread waiting in gloo sleeps. A device group given to :meth:`use_device` is not
+        duplicated: a communicator that has one raises."""
+        if self._device is not None and self._device_given:
+            raise NotImplementedError("TorchComm.duplicate: the device group was given to use_device; make one anew")
+        dup = TorchComm(self._world_store, self.rank, self.size)
+        if self._device is not None:
+            dup.use_device(self._device.xp, as_tensor=self._device.as_tensor)
+        return dup
 
     def _finish(self, work, device: bool, what) -> None:
         """Waits for ``work``: gloo's is done then; a device group's is queued, and torch's

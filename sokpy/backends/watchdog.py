@@ -29,7 +29,7 @@ ranks that leave while others wait for them.
   would otherwise leave them waiting for the whole timeout: MPI's launchers only notice a
   rank that ends once all have ended. So when a process ends (``atexit``, which covers
   ``sys.exit`` and the normal end of the script) or calls ``sokpy.shutdown()``, it tells
-  every other rank, on a side channel (:class:`sokpy.backends.comm.LeaveNotices`), how many
+  every other rank, on a side channel (:class:`sokpy.backends.notices.LeaveNotices`), how many
   collective calls it completed. A rank waiting in a later call, or entering one, prints
   which call it waits in, that every rank must make it, which rank had left the job and
   what to do (for ``state_dict``: call it on every rank, save on one), then aborts the job
@@ -46,7 +46,7 @@ Under torchrun (``TorchComm``, no MPI) the same three hold. The abort is the com
 the rank writes a notice that it failed into the job's store, then exits with its code, and
 torchrun's agent ends the other workers of its node; ranks elsewhere end on that notice,
 naming the rank and their call. The notices of ranks that leave are keys in that store
-(:class:`sokpy.backends.store_notices.StoreNotices`). There a peer's end also closes its
+(:class:`sokpy.backends.notices.StoreNotices`). There a peer's end also closes its
 connections, so a collective call of a rank still waiting for it fails at once: the call's
 exception passes :func:`call`, which, when the communicator says the transport lost a peer,
 ends the job as for a rank that left, naming it once its notice is there (it waits up to
@@ -106,7 +106,7 @@ _comm = None  # the job's communicator: who this rank is, and how to end the job
 # Outermost collective calls this rank entered since install (under _lock). Every rank makes the
 # same calls, so the n-th call is the same call on every rank.
 _calls = 0
-# The side channel on which ranks that leave say so (sokpy.backends.comm.LeaveNotices), while the
+# The side channel on which ranks that leave say so (sokpy.backends.notices.LeaveNotices), while the
 # runtime is initialised; None for one rank or without MPI_THREAD_MULTIPLE. The watchdog's
 # thread polls it only under _notices_lock, and leave() takes it away under the same lock.
 _notices = None
@@ -163,7 +163,7 @@ def install(timeout_s: float | None = None, comm=None, notices=None) -> None:
     """Installs the exception hook and starts the watchdog's thread (idempotent);
     ``timeout_s`` overrides ``SOKPY_COLLECTIVE_TIMEOUT``; ``comm`` is the job's communicator
     (its rank and size for reports, its ``abort`` to end the job); ``notices`` is the job's
-    :class:`sokpy.backends.comm.LeaveNotices` channel (None: no other rank to tell), on which this
+    :class:`sokpy.backends.notices.LeaveNotices` channel (None: no other rank to tell), on which this
     rank says when it leaves and hears when others do."""
     global _timeout_s, _thread, _installed_hook, _comm, _notices, _calls, _exit_hook_registered
     if comm is not None:

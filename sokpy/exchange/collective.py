@@ -53,7 +53,16 @@ from ..backends import runtime, watchdog
 from ..backends.comm import max_count
 from ..errors import CollectiveMismatchError, InputError
 
-__all__ = ["Call", "Agreement", "HEADER_WORDS", "new_table_uid", "fingerprint", "agree_verdict", "calls_agreed"]
+__all__ = [
+    "Call",
+    "Channel",
+    "Agreement",
+    "HEADER_WORDS",
+    "new_table_uid",
+    "fingerprint",
+    "agree_verdict",
+    "calls_agreed",
+]
 
 HEADER_WORDS = 9
 _MAGIC = 0x736F6B7079  # "sokpy"
@@ -117,6 +126,22 @@ class Agreement(NamedTuple):
     seq: int  # this call's sequence number (the same on every rank)
 
 
+class Channel:
+    """Collective calls that one thread makes beside the main thread's, among themselves: on
+    their own communicator (``comm``, a duplicate of sokpy's: ``Communicator.duplicate``)
+    with their own sequence numbers, from :attr:`FIRST` on (far above any the main calls
+    reach, so that a number names one call). They are not the main thread's calls: they
+    leave :func:`calls_agreed` and the watchdog's count alone (the thread that waits for
+    them does that). ``sokpy.nn.TrainPipeline`` agrees and exchanges the next batch's keys
+    on one."""
+
+    FIRST = 1 << 48
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.seq = itertools.count(self.FIRST)
+
+
 class Call:
     """One collective call: the operation, its tables and what else must agree.
 
@@ -125,9 +150,11 @@ class Call:
     ``detail`` is text every rank must pass alike; ``label`` ties a backward exchange to
     its forward call, and ``label_text`` (text, or a function returning it, built only for a
     message) names that call; ``grad_mode`` must agree too; ``uids``, the tables' uids when
-    the caller has them at hand, saves a pass over hundreds of tables. Use as a context
-    manager around the whole call, so that a watchdog (when one is active) knows which call a
-    rank waits in.
+    the caller has them at hand, saves a pass over hundreds of tables; ``channel``: a
+    :class:`Channel` the call is made on (default: sokpy's communicator, in the main
+    sequence). Use as a context manager around the whole call, so that a watchdog (when one
+    is active) knows which call a rank waits in (a channel's calls are not its: the thread
+    that waits for them tells it).
     """
 
     def __init__(
@@ -139,9 +166,10 @@ class Call:
         grad_mode: bool = False,
         label_text="",
         uids: tuple | None = None,
+        channel: Channel | None = None,
     ):
         self.op, self.tables, self.detail, self.label = op, tables, detail, int(label)
-        self.uids = uids
+        self.uids, self.channel = uids, channel
         self.grad_mode = bool(grad_mode)
         self.label_text = label_text
         self.seq = 0
@@ -170,7 +198,8 @@ class Call:
 
     def __enter__(self) -> Call:
         self._stack = ExitStack()
-        self._stack.enter_context(watchdog.call(_described(self)))
+        if self.channel is None:
+            self._stack.enter_context(watchdog.call(_described(self)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,9 +218,13 @@ class Call:
         elements this rank will send in the call's data exchanges (for the split decision);
         ``error_type`` (InputError or a subclass) is raised when some rank has an error."""
         global _last_seq
-        comm = runtime.comm()
+        if self.channel is None:
+            comm = runtime.comm()
+            self.seq = _last_seq = next(_seq)
+        else:
+            comm = self.channel.comm
+            self.seq = next(self.channel.seq)
         world = comm.size
-        self.seq = _last_seq = next(_seq)
         if world == 1 and error is None:  # no peer to agree with: the header would come back as sent
             one = np.zeros(1, np.int64)
             recv_counts = one if counts is None else np.array(counts, np.int64).reshape(1)
@@ -221,8 +254,11 @@ class Call:
         reports = comm.allgather_object((self.describe(), self.seq, self.grad_mode, self.op, error, self.detail))
         # Leave the ranks in step for the calls that follow.
         global _seq, _last_seq
-        _last_seq = int(recv[:, _F_SEQ].max())
-        _seq = itertools.count(_last_seq + 1)
+        if self.channel is None:
+            _last_seq = int(recv[:, _F_SEQ].max())
+            _seq = itertools.count(_last_seq + 1)
+        else:
+            self.channel.seq = itertools.count(int(recv[:, _F_SEQ].max()) + 1)
         errors = [f"rank {r}: {rep[4]}" for r, rep in enumerate(reports) if rep[4] is not None]
         if agreed:
             raise error_type(f"sokpy.{self.op}: " + "\n".join(errors))

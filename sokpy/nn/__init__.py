@@ -13,7 +13,9 @@
 * :class:`DistributedModelParallel`: TorchRec's wrapper (the sharders' ``fused_params`` stepped
   inside backward, DDP for the dense part) (:mod:`sokpy.nn.model_parallel`);
 * :func:`fused_optimizer`: the sokpy optimizer for TorchRec's ``fused_params``
-  (:mod:`sokpy.nn.fused`).
+  (:mod:`sokpy.nn.fused`);
+* :class:`TrainPipeline`: the training loop that exchanges the next batch's keys while this
+  batch trains (TorchRec's ``TrainPipelineSparseDist``; :mod:`sokpy.nn.pipeline`).
 
 Example (any number of ranks)::
 
@@ -33,6 +35,7 @@ from .jagged import JaggedTensor, KeyedJaggedTensor
 from .kjt import KeyedTensor
 from .model_parallel import DistributedModelParallel
 from .modules import EmbeddingBagCollection, TableState, concat
+from .pipeline import TrainPipeline
 from .process_group import init_process_group
 from .sequence import EmbeddingCollection
 from .serving import export, inference_module
@@ -53,4 +56,5 @@ __all__ = [
     "inference_module",
     "export",
     "init_process_group",
+    "TrainPipeline",
 ]

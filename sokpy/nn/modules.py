@@ -184,16 +184,23 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return super().requires_grad_(requires_grad)
 
     # ---- forward -----------------------------------------------------------------------------------
-    def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
-        """One lookup call over every feature, and the batch it took (the input parsed once,
-        :mod:`sokpy.inputs`); a fault in this rank's input is raised by the lookup on every
-        rank alike."""
+    def _inputs(self, features: Any, weights: Mapping[Any, Any] | None) -> tuple[Any, None, str | None]:
+        """``(batch, None, fault)``: the module's input parsed once (:mod:`sokpy.inputs`), as
+        the lookup takes it, or the fault's text for the lookup to raise on every rank alike.
+        A training pipeline calls it on the next batch's input."""
         tables = [var for _, var, _ in self.feature_tables]
-        name = type(self).__name__
         # A sequence module's outputs need each feature's size on the host (one read on the device).
         batch, fault = module_batch(
-            features, weights, self.feature_names(), tables, name, self._weighted, not self._pooled
+            features, weights, self.feature_names(), tables, type(self).__name__, self._weighted, not self._pooled
         )
+        return batch, None, fault
+
+    def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
+        """One lookup call over every feature, and the batch it took; a fault in this rank's
+        input is raised by the lookup on every rank alike (its source: what a training
+        pipeline prepares ahead)."""
+        tables = [var for _, var, _ in self.feature_tables]
+        batch, _, fault = self._inputs(features, weights)
         outs = lookup(
             tables,
             batch,
@@ -203,6 +210,7 @@ class EmbeddingCollectionBase(torch.nn.Module):
             grad_reduction=self.grad_reduction,
             wire_dtype=self.wire_dtype,
             input_error=fault,
+            source=(features, weights, self._inputs),
             **kwargs,
         )
         node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)

@@ -47,6 +47,7 @@ Example (``SOKPY_EMULATE_DEVICE=1 python ...``)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -130,6 +131,32 @@ class _Scope:
                 raise
 
 
+class _SideStream:
+    """The double's side stream (``Backend.side_stream``). Its scope makes it torch's and the
+    array work's current stream in the calling thread and, unlike a public entry's, leaves
+    its queue queued: what the main stream's work needs of it runs when that work waits for
+    it (``current_after``), in the order the main stream gives, as a GPU runs it beside."""
+
+    def __init__(self):
+        self.stream = device_double.Stream("side stream")
+
+    @contextlib.contextmanager
+    def scope(self):
+        with device_double.torch_stream(self.stream), self.stream:
+            yield
+
+    def after_current(self) -> None:
+        event = device_double.Event()
+        event.record(device_double.torch_current_stream())
+        self.stream.wait_event(event)
+
+    def current_after(self) -> None:
+        event = device_double.Event()
+        with device_double.torch_stream(self.stream):  # recorded there, as torch's wait_stream does
+            event.record(self.stream)
+        device_double.torch_current_stream().wait_event(event)
+
+
 def _enqueue_on(handle: int, fn, what: str, uses=()) -> None:
     stream = device_double.stream_of(handle)
     if stream is None:
@@ -207,6 +234,9 @@ class EmulatedDeviceBackend(Backend):
 
     def synchronize(self) -> None:
         device_double.current_stream().synchronize()
+
+    def side_stream(self) -> _SideStream:
+        return _SideStream()
 
     def address_of(self, x) -> int:
         if type(x) is np.ndarray:

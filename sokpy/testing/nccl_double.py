@@ -9,12 +9,12 @@ byte offsets, counts, dtypes) runs and is checked on machines without a GPU. Wha
 show: NCCL's own behaviour, device memory, and stream ordering on a GPU.
 
 Like NCCL, sends and receives between ``groupStart()`` and ``groupEnd()`` are collected and
-run together (so every rank may post its sends first). What hangs on a GPU fails here with
-an error instead: a send or receive outside a group (two ranks that send to each other first
-wait for each other's receive forever), a group started inside an open one, a collective
-call inside a group, a group whose calls name different streams, and a group left open
-(:meth:`MpiBackedNccl.check_closed`, which the emulated device backend calls at the end of
-every public entry; ``destroy`` too). Given ``enqueue(stream, fn, what, buffers)``
+run together (so every rank may post its sends first); a group is open in one thread only.
+What hangs on a GPU fails here with an error instead: a send or receive outside a group (two
+ranks that send to each other first wait for each other's receive forever), a group started
+inside an open one, a collective call inside a group, a group whose calls name different
+streams, and a group left open (:meth:`MpiBackedNccl.check_closed`, which the emulated device
+backend calls at the end of every public entry; ``destroy`` too). Given ``enqueue(stream, fn, what, buffers)``
 (``sokpy.testing.emulated`` passes the device double's), every call is queued on the stream
 it names and runs when that stream runs, reading its send buffer then, as NCCL's kernels do
 on a GPU; without it a call runs at once.
@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -140,9 +141,17 @@ class MpiBackedNccl:
     """The module-like test double (see the module's docs)."""
 
     def __init__(self, enqueue=None):
-        self._group: list | None = None
+        self._groups = threading.local()  # as NCCL's: a group is open in one thread, not in others
         self.calls: list[str] = []  # the names of the calls made, for tests
         self._enqueue = enqueue
+
+    @property
+    def _group(self) -> list | None:
+        return getattr(self._groups, "ops", None)
+
+    @_group.setter
+    def _group(self, ops: list | None) -> None:
+        self._groups.ops = ops
 
     def _submit(self, stream: int, fn, what: str, buffers=(), collective: bool = False) -> None:
         if collective and self._group is not None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ...backends import runtime
+from ...timing import timed
 from .. import collective
 from ..batch import Batch, BatchError
 from ..routing import route
@@ -34,7 +35,13 @@ class LookupPlan:
     exchange, owner fetch, row exchange) -> :func:`~sokpy.exchange.plan.pooling.pool`. Backward: the
     outputs' gradients (:func:`~sokpy.exchange.plan.backward.grad_pointers`) -> the collective header ->
     the strategy's ``backward`` (gradient rows summed, sent to their owners and merged there)
-    -> the weights' gradients (:func:`~sokpy.exchange.plan.pooling.weight_grads`)."""
+    -> the weights' gradients (:func:`~sokpy.exchange.plan.pooling.weight_grads`).
+
+    The forward is two phases: the call's **keys** (everything up to and including the key
+    exchange, :meth:`agree_keys` and :meth:`send_keys`, which change nothing) and its **rows** (the owners find
+    and gather the rows, the row exchange, the pooling). ``forward`` runs both; a training
+    pipeline runs the keys of the next batch's call ahead, on a thread of its own, and its
+    rows in the forward of that batch."""
 
     def __init__(
         self,
@@ -58,6 +65,7 @@ class LookupPlan:
         self.source: Source | None = None  # kept only for the weights' gradients
         self.pooled: Pooled | None = None
         self.seq = 0
+        self.keys_ahead: collective.Agreement | None = None  # agree_keys ran: its agreement
         self.trains = np.array([t.requires_grad for t in tables], bool)  # frozen tables get no gradient
 
     def call_text(self) -> str:
@@ -69,8 +77,54 @@ class LookupPlan:
 
     def forward(self) -> list[torch.Tensor]:
         """Runs the call (collective); returns the outputs: one tensor per table, or one
-        ``[B, sum(dims)]`` tensor when ``keyed``."""
+        ``[B, sum(dims)]`` tensor when ``keyed``. Its keys (the stages up to and including the
+        key exchange; ``lookup`` times the input's conversion there too) are timed as
+        ``"keys"`` and its rows (the owners' rows and the row exchange) as ``"rows"``
+        (:mod:`sokpy.timing`); where :meth:`agree_keys` and
+        :meth:`send_keys` ran already, only an agreement that every rank is in this call
+        precedes the rows."""
+        if self.keys_ahead is not None:
+            return self._forward_after_keys()
         world = runtime.comm().size
+        with timed("keys"):
+            error, header, uids = self._group(world)
+        with collective.Call(
+            "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
+        ) as agreeing:
+            with timed("keys"):
+                agreement = self._agree(agreeing, error, header, world)
+                assert self.strategy is not None  # no rank had an error
+                self.seq = agreement.seq
+                self.strategy.send_keys(agreement)
+            with timed("rows"):
+                source = self.strategy.fetch(agreement)
+        return self._pool(source)
+
+    def agree_keys(self, channel: collective.Channel) -> None:
+        """The first part of the call's keys, ahead of its :meth:`forward`, on ``channel``
+        (collective over its communicator, made by a thread beside the main one;
+        ``sokpy.nn.TrainPipeline``'s): describe -> route -> group -> the channel's header.
+        :meth:`send_keys` then sends them. Reads no row and changes no table: the owners find
+        the keys' rows (dynamic tables insert, grow, evict and admit) in :meth:`forward`,
+        after whatever the main thread does meanwhile. Bad input on any rank raises the same
+        InputError on every rank, with nothing exchanged."""
+        error, header, uids = self._group(channel.comm.size)
+        with collective.Call(
+            "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids, channel=channel
+        ) as agreeing:
+            agreement = self._agree(agreeing, error, header, channel.comm.size)
+        self.keys_ahead = agreement
+
+    def send_keys(self, channel: collective.Channel) -> None:
+        """The key exchange of a call whose keys :meth:`agree_keys` agreed on, over
+        ``channel``'s communicator (after it, :meth:`forward` runs only the call's rows)."""
+        assert self.strategy is not None and self.keys_ahead is not None
+        self.strategy.send_keys(self.keys_ahead, channel.comm)
+
+    def _group(self, world: int) -> tuple[str | None, Header | None, tuple | None]:
+        """describe -> route -> the strategy's group: ``(error, header, table uids)``; an
+        error of this rank's input (or of this rank's grouping) comes back as its text, for
+        the header to raise on every rank."""
         error, header, ts = self.error, None, None
         if error is None:
             try:
@@ -97,23 +151,44 @@ class LookupPlan:
                 error = e.named(self.tables)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = f"{type(e).__name__}: {e}"
-        uids = ts.key if error is None and ts is not None else None
+        return error, header, ts.key if error is None and ts is not None else None
+
+    def _agree(self, agreeing: collective.Call, error: str | None, header: Header | None, world: int):
+        """The call's header (the key counts it sends and the row elements it expects back):
+        returns the agreement, or raises the same error on every rank."""
+        if header is None:  # this rank's error: the header raises it on every rank
+            header = Header(np.zeros(world, np.int64), 0, None)
+        return agreeing.agree(error, header.counts, header.volume, replies=header.replies)
+
+    def _forward_after_keys(self) -> list[torch.Tensor]:
+        """The rows of a call whose keys :meth:`send_keys` exchanged: every rank agrees
+        that it is in this call (another call on any rank is the contract's error, before
+        any row moves), then the owners' rows and the row exchange, with the counts the
+        keys' agreement settled."""
+        assert self.call is not None and self.strategy is not None and self.keys_ahead is not None
         with collective.Call(
-            "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids
+            "lookup_sparse",
+            self.tables,
+            detail=self._detail() + " keys_ahead",
+            grad_mode=self.grad_mode,
+            uids=self.call.tables.ts.key,
         ) as agreeing:
-            if header is None:  # this rank's error: the header raises it on every rank
-                header = Header(np.zeros(world, np.int64), 0, None)
-            agreement = agreeing.agree(error, header.counts, header.volume, replies=header.replies)
-            assert self.strategy is not None and self.call is not None  # no rank had an error
-            self.seq = agreement.seq
-            source = self.strategy.fetch(agreement)
+            with timed("keys"):
+                self.seq = agreeing.agree(None).seq
+            with timed("rows"):
+                source = self.strategy.fetch(self.keys_ahead)
+        return self._pool(source)
+
+    def _pool(self, source: Source) -> list[torch.Tensor]:
+        assert self.call is not None
         self.pooled = pool(self.call, source)
         if self.grad_mode and self.batch.any_weight_grad():
             self.source = source  # the weights' gradient reads the pooled rows again
         return outputs(self.call, self.pooled)
 
     def backward(self, grads):
-        """Sends each unique key's gradient row to its owner (collective). ``grads``: the
+        """Sends each unique key's gradient row to its owner (collective; timed as
+        ``"grads"``). ``grads``: the
         outputs' gradients (None for an output that got none). Returns the gradients of the
         weights that require one (None for the others)."""
         call, strategy, pooled = self.call, self.strategy, self.pooled
@@ -128,8 +203,9 @@ class LookupPlan:
             label_text=lambda: f"{self.call_text()} (call #{self.seq})",
             uids=call.tables.ts.key,
         ) as agreeing:
-            agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
-            chunk = strategy.backward(gptr, used, pooled, agreement)
+            with timed("grads"):
+                agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
+                chunk = strategy.backward(gptr, used, pooled, agreement)
         for t in self.tables:
             t.grad_refs += (chunk,)
         grads_of_weights = weight_grads(call, self.source, pooled, gptr)

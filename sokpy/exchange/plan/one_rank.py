@@ -58,6 +58,9 @@ class OneRank:
         args = (packed, dev.keys, self.call.tables.device_tabs, shape.pos_bits, shape.value_bits)
         return Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
 
+    def send_keys(self, agreement: Agreement, comm=None) -> None:
+        """Nothing: one rank's keys stay where they are."""
+
     def fetch(self, agreement: Agreement) -> Source:
         """Rows by key, no exchange: a dynamic table's found (and grown), a static table's key
         is its stored row (route_keys checked the range)."""

@@ -66,10 +66,11 @@ def group_keys(call: Call, packed, bad) -> tuple[KeyGroups, Header]:
     return KeyGroups(d, per, owner_bounds, recv_elems, unique_offsets), Header(msg, volume, recv_elems)
 
 
-def exchange_keys(call: Call, groups: KeyGroups, agreement: Agreement) -> ReceivedKeys:
+def exchange_keys(call: Call, groups: KeyGroups, agreement: Agreement, comm) -> ReceivedKeys:
     """Keys out (per peer, its per-table counts, then its unique keys table after table) and
-    in. The counts that arrive stay on the device: the header told each message's length."""
-    comm, xp, ntab = runtime.comm(), runtime.xp(), call.shape.ntables
+    in, over ``comm``. The counts that arrive stay on the device: the header told each
+    message's length."""
+    xp, ntab = runtime.xp(), call.shape.ntables
     msg = ntab + groups.counts.sum(axis=1)
     blk = segment_starts(msg)[:-1]
     send = runtime.scratch(int(msg.sum()), np.int64)
@@ -130,10 +131,16 @@ class SeveralRanks:
         self.groups, header = group_keys(self.call, packed, bad)
         return header
 
+    def send_keys(self, agreement: Agreement, comm=None) -> None:
+        """The key exchange, over ``comm`` (default: sokpy's communicator)."""
+        assert self.groups is not None  # group() ran: the call had no error
+        self.received = exchange_keys(self.call, self.groups, agreement, comm or runtime.comm())
+
     def fetch(self, agreement: Agreement) -> Source:
+        """The rows of the keys :meth:`send_keys` sent: found and gathered by their owners,
+        then exchanged back."""
         call, groups = self.call, self.groups
-        assert groups is not None  # group() ran: the call had no error
-        self.received = exchange_keys(call, groups, agreement)
+        assert groups is not None and self.received is not None  # send_keys() ran
         in_place = call.wire_dtype == "float32"
         sent_at = int(groups.recv_elems.sum()) if in_place else 0
         self.owned, both = gather_owned_rows(call, self.received, agreement.replies, sent_at)
