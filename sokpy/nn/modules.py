@@ -190,10 +190,8 @@ class EmbeddingCollectionBase(torch.nn.Module):
         rank alike."""
         tables = [var for _, var, _ in self.feature_tables]
         name = type(self).__name__
-        # A sequence module's outputs need each feature's size on the host (one read on the device).
-        batch, fault = module_batch(
-            features, weights, self.feature_names(), tables, name, self._weighted, not self._pooled
-        )
+        # A sequence module's outputs take each feature's size from the batch: read with the lookup's verdict.
+        batch, fault = module_batch(features, weights, self.feature_names(), tables, name, self._weighted)
         outs = lookup(
             tables,
             batch,
