@@ -211,17 +211,15 @@ def test_host_synchronisations_per_step_do_not_grow_with_tables(nranks):
 # The same budget for sokpy.nn's modules, whatever form their input takes on the device
 # (tests/workers/nn_syncs_worker.py): a KeyedJaggedTensor parsed once, its features put in the
 # module's order by a gather where they live, so keys in another order, lengths-only or
-# offsets-only, weighted or not, cost no read of their own. Two forms need one read more in
-# the forward, merged with the check of the KJT's offsets: a subset of a wider KJT (the size
-# of the picked features, which the gather allocates) and any KJT of an EmbeddingCollection
-# (each feature's key count on the host, which the sequence lookup's outputs are cut by).
+# offsets-only, weighted or not, pooled or sequence (each feature's key count, which an
+# EmbeddingCollection's outputs are cut by, comes with the lookup's verdict), cost no read of
+# their own. A subset of a wider KJT needs one read more in the forward, merged with the check
+# of the KJT's offsets: the size of the picked features, which the gather allocates.
 NN_SYNCS = {"subset": (2, 1, 0), "subset-lengths": (2, 1, 0)}
 NN_FORMS = ["order", "order-lengths", "other_order", "other_order-lengths", "subset", "subset-lengths", "dict"]
 
 
 def nn_budget(module: str, form: str) -> tuple[int, int, int]:
-    if module == "ec" and form != "dict":
-        return (2, 1, 0)
     return NN_SYNCS.get(form, (1, 1, 0))
 
 
@@ -234,7 +232,9 @@ def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
             _, rank, module, form, *phases = line.split()
             counts[int(rank), module, form] = tuple(map(int, phases))
     modules = ["ebc", "ebc_weighted", "ec"]
-    assert sorted(counts) == sorted((r, m, f) for r in range(nranks) for m in modules for f in NN_FORMS), out
+    cases = [(r, m, f) for r in range(nranks) for m in modules for f in NN_FORMS]
+    cases += [(r, "lookup_sequence", f) for r in range(nranks) for f in ("order", "order-lengths")]
+    assert sorted(counts) == sorted(cases), out
     for (rank, module, form), got in counts.items():
         assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
 

@@ -41,6 +41,15 @@ class Faults(NamedTuple):
     explain: Callable[[np.ndarray], None]
 
 
+class HostSizes:
+    """The host copy of a device batch's ``key_start``, once read: the lookup's one read
+    takes it with its verdict, and every batch made from the same input (its sequence
+    batch, say) shares it, so that nothing reads it again."""
+
+    def __init__(self) -> None:
+        self.key_start: np.ndarray | None = None
+
+
 class Batch(NamedTuple):
     """Every table's input of one call, concatenated: host arrays, or, for ids that arrived on
     the device, arrays of the backend (parsed there, nothing read back).
@@ -52,7 +61,10 @@ class Batch(NamedTuple):
     ``weight_grads[t]`` is the caller's weight tensor of table t when it requires a gradient
     (else None), with ``weight_layouts[t]`` telling how to shape that gradient. ``faults``:
     for a batch parsed on the device, what the device found in its values (:class:`Faults`),
-    which the lookup reads with its counts; None for a batch whose values were checked."""
+    which the lookup reads with its counts; None for a batch whose values were checked.
+    ``sizes``: where a device ``key_start``'s host copy is kept once read (None: it is read
+    whenever asked for). A sequence batch of a device ``key_start`` has that same array as
+    its ``bag_start`` (one bag per key), read with it."""
 
     keys: np.ndarray
     offsets: np.ndarray
@@ -63,14 +75,40 @@ class Batch(NamedTuple):
     weight_grads: list
     weight_layouts: list
     faults: Faults | None = None
+    sizes: HostSizes | None = None
 
     def any_weight_grad(self) -> bool:
         """Whether some table's weights require a gradient."""
         return any(w is not None for w in self.weight_grads)
 
     def host_key_start(self) -> np.ndarray:
-        """``key_start`` on the host (a read from the device for a KeyedJaggedTensor parsed there)."""
-        return self.key_start if isinstance(self.key_start, np.ndarray) else handoff.to_host(self.key_start)
+        """``key_start`` on the host (for a KeyedJaggedTensor parsed on the device: the copy
+        the lookup's read kept, else a read from the device)."""
+        if isinstance(self.key_start, np.ndarray):
+            return self.key_start
+        if self.sizes is not None and self.sizes.key_start is not None:
+            return self.sizes.key_start
+        host = handoff.to_host(self.key_start)
+        if self.sizes is not None:
+            self.sizes.key_start = host
+        return host
+
+    def sizes_pending(self) -> bool:
+        """Whether ``key_start`` lives on the device and has not been read yet (the lookup's
+        read then takes it)."""
+        return not isinstance(self.key_start, np.ndarray) and (self.sizes is None or self.sizes.key_start is None)
+
+    def keep_sizes(self, key_start: np.ndarray) -> None:
+        """Keeps ``key_start`` as read to the host (by the lookup's read)."""
+        if self.sizes is not None:
+            self.sizes.key_start = key_start
+
+    def host_bag_start(self) -> np.ndarray:
+        """``bag_start`` on the host (a sequence batch's on the device is its ``key_start``)."""
+        if isinstance(self.bag_start, np.ndarray):
+            return self.bag_start
+        assert self.bag_start is self.key_start  # one bag per key, sized on the device
+        return self.host_key_start()
 
     def one_bag_per_key(self) -> Batch:
         """This batch with every key in a bag of its own (a sequence lookup: one row per id, in
@@ -78,9 +116,9 @@ class Batch(NamedTuple):
         if self.weights is not None or self.any_weight_grad():
             t = int(np.flatnonzero(self.weighted)[0]) if self.weighted.any() else 0
             raise BatchError(t, "a sequence lookup (one row per id) takes no weights")
-        key_start = self.host_key_start()
         xp = np if isinstance(self.keys, np.ndarray) else runtime.xp()  # a batch parsed on the device stays there
-        offsets = xp.arange(int(key_start[-1]) + 1, dtype=np.int64)
+        offsets = xp.arange(int(self.keys.shape[0]) + 1, dtype=np.int64)
+        key_start = self.key_start if self.sizes_pending() else self.host_key_start()
         return self._replace(offsets=offsets, key_start=key_start, bag_start=key_start)
 
 

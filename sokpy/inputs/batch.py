@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff
-from ..exchange.batch import Batch, BatchError, Faults, segment_starts
+from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
 from .forms import Bags, Keyed, Place, parse, place_of
 
 # The kinds of fault, one entry each in the vector: per-table offsets (the first table whose
@@ -111,7 +111,10 @@ def keyed_batch(keyed: Keyed, place: Place) -> Batch:
         grads[0], layouts[0] = keyed.grad, ("keyed", tuple(keyed.grad.shape))
     key_start = keyed.offsets[place.xp.asarray(bag_start)]
     weighted = np.full(ntab, keyed.weights is not None)
-    batch = Batch(keyed.values, keyed.offsets, keyed.weights, key_start, bag_start, weighted, grads, layouts)
+    sizes = HostSizes()  # key_start's host copy, once the lookup read it
+    batch = Batch(
+        keyed.values, keyed.offsets, keyed.weights, key_start, bag_start, weighted, grads, layouts, None, sizes
+    )
     return check_keyed(place, batch, keyed, list(range(ntab)), keyed.overflow)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff
-from ..exchange.batch import Batch, segment_starts
+from ..exchange.batch import Batch, HostSizes, segment_starts
 from .batch import check_keyed, keyed_batch, read_structure, to_batch
 from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
 
@@ -26,15 +26,15 @@ def _one(x):
     return x
 
 
-def features_batch(features, weights, names: list[str], reader: str, weighted: bool, host_sizes: bool = False):
+def features_batch(features, weights, names: list[str], reader: str, weighted: bool):
     """The batch of the features ``names``, in that order, from ``features``: a dict feature
     -> ids (anything ``lookup_sparse`` takes for one table, a ``(values, offsets)`` pair or a
     ``(values, offsets, weights)`` triple; ``weights`` an optional dict feature -> weights) or
     a KeyedJaggedTensor. ``reader`` names who reads them (in messages); ``weighted``: False
-    ignores a KJT's weights and refuses a dict's, True needs a KJT's. ``host_sizes``: each
-    feature's key count on the host (a sequence module's outputs need them; for a KJT on the
-    device, one read). Raises KeyError for a missing feature, BatchError for a fault of the
-    input's values and ValueError or TypeError for any other."""
+    ignores a KJT's weights and refuses a dict's, True needs a KJT's. A KJT's feature sizes
+    on the device are read by the lookup, with its verdict (``Batch.sizes``). Raises KeyError
+    for a missing feature, BatchError for a fault of the input's values and ValueError or
+    TypeError for any other."""
     if isinstance(features, Mapping):
         missing = [f for f in names if f not in features]
         if missing:
@@ -67,18 +67,15 @@ def features_batch(features, weights, names: list[str], reader: str, weighted: b
         raise KeyError(f"the KeyedJaggedTensor has no feature {missing[0]!r} ({reader} reads {names})")
     picked = [keys.index(f) for f in names]
     if picked != list(range(len(keys))):
-        return _picked(keyed, picked, place, host_sizes)
-    batch = keyed_batch(keyed, place)
-    if host_sizes:  # on the device: one read, with the faults of the KJT's offsets, which raise first
-        batch = batch._replace(key_start=read_structure(place, keyed, picked, batch.key_start))
-    return batch
+        return _picked(keyed, picked, place)
+    return keyed_batch(keyed, place)
 
 
-def _picked(keyed: Keyed, features: list[int], place: Place, host_sizes: bool) -> Batch:
+def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     """The KJT's batch with table t reading its feature ``features[t]``: the features put in
     the tables' order by a gather where they live. Its size needs no read where the tables
     read every feature; a subset's does (on the device: one read, with the faults of the
-    KJT's offsets, which raise first), as do ``host_sizes``."""
+    KJT's offsets, which raise first)."""
     xp, stride, nfeat = place.xp, keyed.stride, keyed.nfeatures
     table_of: list[int | None] = [None] * nfeat
     for t, f in enumerate(features):
@@ -88,7 +85,7 @@ def _picked(keyed: Keyed, features: list[int], place: Place, host_sizes: bool) -
     pick = xp.asarray(np.array(features, np.int64))
     first = starts[:-1][pick]  # where each table's values start among the KJT's
     key_start = segment_starts((starts[1:] - starts[:-1])[pick], xp)
-    if host_sizes or not every or not place.device:
+    if not every or not place.device:
         key_start = read_structure(place, keyed, table_of, key_start)
     n = int(keyed.values.shape[0]) if every else int(key_start[-1])
     bag = (np.array(features, np.int64)[:, None] * stride + np.arange(stride, dtype=np.int64)).reshape(-1)
@@ -107,7 +104,9 @@ def _picked(keyed: Keyed, features: list[int], place: Place, host_sizes: bool) -
     weights = None if keyed.weights is None else keyed.weights[src]
     bag_start = np.arange(len(features) + 1, dtype=np.int64) * stride
     weighted = np.full(len(features), keyed.weights is not None)
-    batch = Batch(keyed.values[src], offsets, weights, key_start, bag_start, weighted, grads, layouts)
+    batch = Batch(
+        keyed.values[src], offsets, weights, key_start, bag_start, weighted, grads, layouts, None, HostSizes()
+    )
     return check_keyed(place, batch, keyed, table_of, None if keyed.overflow is None else keyed.overflow[src])
 
 

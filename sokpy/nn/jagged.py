@@ -62,14 +62,14 @@ def _refuse_broken_torchrec(x: object) -> None:
         )
 
 
-def module_batch(features, weights, names: list[str], tables: list, module: str, weighted: bool, host_sizes: bool):
+def module_batch(features, weights, names: list[str], tables: list, module: str, weighted: bool):
     """``(batch, None)`` of a module's input (:func:`sokpy.inputs.features_batch`: a
     KeyedJaggedTensor, TorchRec's or ours, parsed once, or a dict feature -> ids) for its
     features ``names`` (read by ``tables``), or ``(None, the fault's text)``: the lookup
     raises it on every rank alike."""
     try:
         _refuse_broken_torchrec(features)
-        return features_batch(features, weights, names, module, weighted, host_sizes), None
+        return features_batch(features, weights, names, module, weighted), None
     except BatchError as e:
         return None, e.named(tables)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement

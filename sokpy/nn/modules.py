@@ -189,9 +189,9 @@ class EmbeddingCollectionBase(torch.nn.Module):
         the lookup takes it, or the fault's text for the lookup to raise on every rank alike.
         A training pipeline calls it on the next batch's input."""
         tables = [var for _, var, _ in self.feature_tables]
-        # A sequence module's outputs need each feature's size on the host (one read on the device).
+        # A sequence module's outputs take each feature's size from the batch: read with the lookup's verdict.
         batch, fault = module_batch(
-            features, weights, self.feature_names(), tables, type(self).__name__, self._weighted, not self._pooled
+            features, weights, self.feature_names(), tables, type(self).__name__, self._weighted
         )
         return batch, None, fault
 

@@ -3,7 +3,7 @@ step on the device code path (run with SOKPY_EMULATE_DEVICE=1, as syncs_worker.p
 form a module's input takes on the device: a KeyedJaggedTensor with the module's keys in its
 order, in another order, a subset of a wider KJT, lengths-only or offsets-only, weighted or
 not, and a dict feature -> ids; each step's outputs are those the module gives for the same
-ids on the host, one input per feature. Prints one line per case:
+ids on the host, one input per feature; and ``lookup_sequence`` on a KJT. Prints one line per case:
 "nnsyncs RANK MODULE FORM FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
 
 import functools
@@ -97,3 +97,25 @@ for kind, weighted in (("ebc", False), ("ebc", True), ("ec", False)):
                 assert torch.equal(got, expected), (kind, form, got, expected)
         name = f"{kind}{'_weighted' if weighted else ''}"
         print(f"nnsyncs {rank} {name} {form} {' '.join(map(str, reads))}", flush=True)
+
+# lookup_sequence on a KeyedJaggedTensor on the device (a feature per table, in the KJT's
+# order): the same budget; its rows are those of the same ids on the host, one input per table.
+tables = [sokpy.Variable(500, 8, name=f"nns_seq_{f}", target_gpu=-1) for f in FEATURES]
+opt = sokpy.optim.Adagrad(tables, lr=0.1)
+rng = np.random.default_rng(rank)
+for form in ("order", "order-lengths"):
+    for _ in range(3):
+        x, reference = features(form, rng, False)
+        with torch.no_grad():
+            want = [r.cpu() for r in sokpy.lookup_sequence(tables, [sokpy.Ragged(*reference[f]) for f in FEATURES])]
+        outs = []
+
+        def seq_loss(x=x, outs=outs):
+            rows = sokpy.lookup_sequence(tables, x)
+            outs.extend(rows)
+            return sum(r.sum() for r in rows)
+
+        reads = step_reads(seq_loss, opt)
+        for got, expected in zip(outs, want, strict=True):
+            assert torch.equal(got.detach().cpu(), expected), (form, got, expected)
+    print(f"nnsyncs {rank} lookup_sequence {form} {' '.join(map(str, reads))}", flush=True)

@@ -5,6 +5,7 @@ strategy's grouping stage brings to the collective header."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,26 +82,20 @@ class Header:
 
 def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
     """The call's shape and its host table descriptor (the table set's, with this call's
-    combiners, weighting, output layout and exact sort values). Raises ValueError for a keyed
-    output over tables of different batch sizes."""
+    combiners, weighting, output layout and exact sort values). A batch whose bags are
+    counted on the device (a sequence batch of a KeyedJaggedTensor there) gets its output
+    layout from :func:`lay_out_outputs` once the call's read brought its sizes (its
+    ``out_size`` is 0 until then). Raises ValueError for a keyed output over tables of
+    different batch sizes."""
     c = kernels.constants()
     ntab = len(ts.dims)
     n = int(batch.keys.shape[0])
-    bags = np.diff(batch.bag_start)
     tabs = ts.tabs.copy()
     tabs[:, c["SOKPY_TAB_COMBINER"]] = combiners
     tabs[:, c["SOKPY_TAB_WEIGHTED"]] = batch.weighted
-    if keyed:
-        if ntab and (bags != bags[0]).any():
-            raise ValueError("a keyed output needs the same batch size in every table")
-        tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(ts.dims)[:-1]
-        tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = int(ts.dims.sum())
-        out_size = int(bags[0] * ts.dims.sum()) if ntab else 0
-    else:
-        sizes = bags * ts.dims
-        tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(sizes)[:-1]
-        tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = ts.dims
-        out_size = int(sizes.sum())
+    out_size = 0
+    if isinstance(batch.bag_start, np.ndarray):
+        out_size = _output_layout(tabs, ts.dims, np.diff(batch.bag_start), keyed)
     # Every table of the call has this dimension (0: they differ): rows of consecutive keys
     # then lie one dimension apart, whatever their tables.
     one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
@@ -122,6 +117,33 @@ def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> 
         header_slots=row_header(ntab),
     )
     return shape, tabs
+
+
+def _output_layout(tabs: np.ndarray, dims: np.ndarray, bags: np.ndarray, keyed: bool) -> int:
+    """Writes where each table's output starts and its row stride into ``tabs``; returns the
+    output's size in elements (``bags``: each table's bag count)."""
+    c, ntab = kernels.constants(), len(dims)
+    if keyed:
+        if ntab and (bags != bags[0]).any():
+            raise ValueError("a keyed output needs the same batch size in every table")
+        tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(dims)[:-1]
+        tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = int(dims.sum())
+        return int(bags[0] * dims.sum()) if ntab else 0
+    sizes = bags * dims
+    tabs[:, c["SOKPY_TAB_OUT_START"]] = segment_starts(sizes)[:-1]
+    tabs[:, c["SOKPY_TAB_OUT_STRIDE"]] = dims
+    return int(sizes.sum())
+
+
+def lay_out_outputs(call: Call) -> Call:
+    """The call with its output layout, for a batch whose bags were counted on the device:
+    their sizes came with the call's read (``Batch.sizes``), so this reads nothing. The
+    descriptor's backend copy is made again by the stages that follow (``CallTables``)."""
+    if isinstance(call.batch.bag_start, np.ndarray):
+        return call
+    bags = np.diff(call.batch.host_bag_start())
+    out_size = _output_layout(call.tables.tabs, call.shape.dims, bags, call.keyed)
+    return dataclasses.replace(call, shape=dataclasses.replace(call.shape, out_size=out_size))
 
 
 def to_device(batch: Batch) -> DeviceBatch:

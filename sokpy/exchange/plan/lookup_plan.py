@@ -15,7 +15,7 @@ from ..batch import Batch, BatchError
 from ..routing import route
 from ..table_sets import table_set
 from .backward import evicted_since, grad_pointers
-from .call import Call, Header, describe, to_device
+from .call import Call, Header, describe, lay_out_outputs, to_device
 from .call_tables import CallTables
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
@@ -147,6 +147,7 @@ class LookupPlan:
                 packed, bad = route(tables.device_tabs, *args)
                 self.strategy = OneRank(call) if world == 1 else SeveralRanks(call)
                 header = self.strategy.group(packed, bad)
+                self.call = self.strategy.call = lay_out_outputs(call)  # a sequence batch's sizes came with the read
             except BatchError as e:  # a fault the device found in ids that arrived there
                 error = e.named(self.tables)
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank

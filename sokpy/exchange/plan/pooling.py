@@ -60,7 +60,7 @@ def outputs(call: Call, pooled: Pooled) -> list[torch.Tensor]:
         width = int(dims.sum())
         return [_alias(storage, 0, call.shape.out_size // max(width, 1), width)]
     start = call.tables.tabs[:, kernels.constants()["SOKPY_TAB_OUT_START"]].tolist()
-    bags = np.diff(call.batch.bag_start)
+    bags = np.diff(call.batch.host_bag_start())
     return [_alias(storage, s, int(n), d) for s, n, d in zip(start, bags, dims.tolist())]
 
 

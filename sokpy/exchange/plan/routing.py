@@ -18,15 +18,22 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
     """The call's one read from the device before its header: the verdict on its ids (``bad``,
     route_keys' first position of a key out of range, and the faults the device found in ids
     parsed there, ``batch.faults``), read together with the int64 device arrays ``more``,
-    whose host values it returns, concatenated. Raises the first fault's BatchError, or a
-    ValueError naming the table, key and position of a key out of range."""
+    whose host values it returns, concatenated. A ``key_start`` still on the device comes
+    with them, kept in the batch (``Batch.keep_sizes``). Raises the first fault's
+    BatchError, or a ValueError naming the table, key and position of a key out of range."""
     faults = [] if batch.faults is None else [batch.faults.vector]
     nfaults = sum(int(f.shape[0]) for f in faults)
-    head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *more]))
+    sizes = [batch.key_start] if batch.sizes_pending() else []
+    head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *sizes, *more]))
     if batch.faults is not None:
         batch.faults.explain(head[1 : 1 + nfaults])
+    rest = head[1 + nfaults :]
+    if sizes:
+        nsizes = int(batch.key_start.shape[0])
+        batch.keep_sizes(rest[:nsizes].copy())
+        rest = rest[nsizes:]
     _check_range(batch, tables, int(head[0]))
-    return head[1 + nfaults :]
+    return rest
 
 
 def _check_range(batch: Batch, tables: list, bad: int) -> None:
