@@ -26,7 +26,7 @@ import test_dynamic
 import test_lookup
 import test_optim
 from conftest import ROOT, WORKERS, job_result, mpi_job, no_mpi_library, run_mpi, run_python
-from multirank import on_ranks
+from multirank import on_ranks, ranks
 from test_checkpoint import npz
 from test_comm import GROUPS
 from test_contract import CASES
@@ -292,11 +292,8 @@ def test_a_thread_waiting_on_the_duplicate_does_not_spin():
 @pytest.mark.parametrize("mode, nranks", [("same", 2), ("same", 3), ("bad", 2), ("end", 3), ("fail", 2)])
 def test_train_pipeline(mode, nranks):
     """sokpy.nn.TrainPipeline over TorchComm (test_pipeline.py's cases): the plain loop's bits,
-    bad input in a later batch, the end of the data, a model or iterator that raises. Each in
-    a job of its own: in a torchrun pool the default group a task destroyed is started again
-    by sokpy.nn.init_process_group on a port of its own, which torchrun's agent store does not
-    serve."""
-    out = run_mpi(nranks, "pipeline_worker.py", mode, timeout=400, launcher=TORCHRUN, fresh=True)
+    bad input in a later batch, the end of the data, a model or iterator that raises."""
+    out = run_mpi(nranks, "pipeline_worker.py", mode, timeout=400, launcher=TORCHRUN)
     assert out.count(f"pipeline {mode} ok") == nranks, out
 
 
@@ -314,3 +311,23 @@ def test_the_main_example_pipelined_has_the_plain_losses_of_sokrun(tmp_path):
     a, b = np.load(tmp_path / "piped.npy"), np.load(tmp_path / "plain.npy")
     assert a.shape == (12,) and a.tobytes() == b.tobytes(), (a, b)
     assert result(piped.stdout)["ahead_ms"] > 0, piped.stdout[-2000:]
+
+
+@ranks(2, 3, launcher=TORCHRUN, timeout=120)
+def test_the_default_group_starts_again_after_the_program_destroyed_it(rank, world_size):
+    """Under torchrun, ``sokpy.nn.init_process_group()`` after the program destroyed the
+    default group (the one ``sokpy.init()`` started) starts a new one over the same ranks,
+    twice over, rather than waiting for a store that torchrun's agent does not serve."""
+    import torch
+    import torch.distributed as dist
+
+    import sokpy
+
+    for round_ in range(2):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sokpy.nn.init_process_group()
+        assert (dist.get_rank(), dist.get_world_size()) == (rank, world_size)
+        t = torch.tensor([float(rank + 1 + round_)])
+        dist.all_reduce(t)
+        assert t.item() == sum(r + 1 + round_ for r in range(world_size))

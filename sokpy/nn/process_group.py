@@ -28,11 +28,12 @@ def group_running() -> bool:
 
 def init_process_group(backend: str = "gloo") -> None:
     """Starts ``torch.distributed`` (for DDP) over the ranks sokpy already knows, without
-    torchrun's variables: rank 0 picks a free port and sends it to the others over sokpy's
-    communicator. Where torch.distributed runs already (under torchrun ``sokpy.init()``
-    starts it, or the program did) it is kept as it is, over the same ranks. The address is ``MASTER_ADDR`` when set (across nodes gloo may also need
-    ``GLOO_SOCKET_IFNAME``), 127.0.0.1 when all ranks share a node, else the address rank 0's
-    hostname resolves to. Collective; call it after :func:`sokpy.init`.
+    torchrun's variables: rank 0 serves a store on a free port and sends the port to the others
+    over sokpy's communicator. Where torch.distributed runs already (under torchrun ``sokpy.init()``
+    starts it, or the program did) it is kept as it is, over the same ranks. The address is
+    ``MASTER_ADDR`` when set (across nodes gloo may also need ``GLOO_SOCKET_IFNAME``),
+    127.0.0.1 when all ranks share a node, else the address rank 0's hostname resolves to.
+    Collective; call it after :func:`sokpy.init`.
 
     The group is destroyed at exit if the program has not done so (``atexit``, while Python
     can still run): gloo's worker threads may still be finishing a collective's callback (a
@@ -58,13 +59,18 @@ def init_process_group(backend: str = "gloo") -> None:
     host = socket.gethostname()
     one_node = len(set(comm.allgather_object(host))) == 1
     addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_node else socket.gethostbyname(host))
-    port = None
+    # The group meets over a store of its own, which rank 0 serves on a port the system picks
+    # (no race for a free port). Not over ``init_method="tcp://..."``: under torchrun (after the
+    # program destroyed the group sokpy.init started) torch would have every rank connect as a
+    # client to torchrun's agent store, which does not serve that port, and wait forever.
+    store, port = None, None
     if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1" if addr == "127.0.0.1" else "", 0))
-            port = s.getsockname()[1]
+        store = dist.TCPStore(addr, 0, comm.size, is_master=True, wait_for_workers=False)
+        port = store.port
     addr, port = comm.bcast((addr, port), root=0)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size)
     atexit.unregister(_destroy_process_group)  # once, however often the group is started
     atexit.register(_destroy_process_group)
 
