@@ -1,9 +1,10 @@
-"""A ``sokpy.nn`` module's input as the batch of its features: :func:`features_batch` (a dict
-feature -> ids, or a KeyedJaggedTensor parsed once, its features picked in the module's
-order where they lie: on the device by a gather, without a read where the module reads every
-feature), and each feature's part of that batch as tensors (:func:`feature_offsets`,
-:func:`feature_ids`), which a sequence module's outputs take instead of reading the input
-again."""
+"""A ``sokpy.nn`` module's input as the batch of its features: :func:`module_batch` (the
+batch, or the fault's text that the lookup raises on every rank alike), :func:`features_batch`
+(a dict feature -> ids, or a KeyedJaggedTensor parsed once, its features picked in the
+module's order where they lie: on the device by a gather, without a read where the module
+reads every feature), and each feature's part of that batch as tensors
+(:func:`feature_offsets`, :func:`feature_ids`), which a sequence module's outputs take
+instead of reading the input again."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff
-from ..exchange.batch import Batch, HostSizes, segment_starts
+from ..exchange.batch import Batch, BatchError, HostSizes, segment_starts
 from .batch import check_keyed, keyed_batch, read_structure, to_batch
 from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
 
@@ -24,6 +25,27 @@ def _one(x):
     if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
         return Ragged(x[0], x[1], x[2] if len(x) == 3 else None)
     return x
+
+
+def module_batch(features, weights, names: list[str], tables: list, module: str, weighted: bool, torchrec_error):
+    """``(batch, None)`` of a ``sokpy.nn`` module's input (:func:`features_batch`: a
+    KeyedJaggedTensor, TorchRec's or ours, parsed once, or a dict feature -> ids) for its
+    features ``names`` (read by ``tables``), or ``(None, the fault's text)``: the lookup
+    raises it on every rank alike. ``torchrec_error``: why an installed torchrec does not
+    import here (a TorchRec object is then refused), or None."""
+    try:
+        if torchrec_error is not None and type(features).__module__.split(".")[0] == "torchrec":
+            raise TypeError(
+                f"the input is TorchRec's {type(features).__name__}, but torchrec does not import here "
+                f"({torchrec_error}); use sokpy.nn.KeyedJaggedTensor or a dict, or install the TorchRec that "
+                "pairs with this torch"
+            )
+        return features_batch(features, weights, names, module, weighted), None
+    except BatchError as e:
+        return None, e.named(tables)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, in the lookup's agreement
+        text = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+        return None, f"{module} input: {text}"
 
 
 def features_batch(features, weights, names: list[str], reader: str, weighted: bool):

@@ -63,12 +63,13 @@ import torch
 
 from ..backends import runtime
 from ..exchange.wire import check_wire_dtype
+from ..inputs.features import module_batch
 from ..lookup import GRAD_REDUCTIONS, lookup
 from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
 from .config import apply_init_fn, table_spec
-from .jagged import module_batch, torchrec_types
+from .jagged import torchrec_import_error, torchrec_types
 from .kjt import KeyedTensor
 from .state import TableState, load_tables, save_tables
 
@@ -191,7 +192,13 @@ class EmbeddingCollectionBase(torch.nn.Module):
         tables = [var for _, var, _ in self.feature_tables]
         # A sequence module's outputs take each feature's size from the batch: read with the lookup's verdict.
         batch, fault = module_batch(
-            features, weights, self.feature_names(), tables, type(self).__name__, self._weighted
+            features,
+            weights,
+            self.feature_names(),
+            tables,
+            type(self).__name__,
+            self._weighted,
+            torchrec_import_error(),
         )
         return batch, None, fault
 
