@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, kernels, runtime
+from ..backends.resident import resident
 from ..exchange import collective
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries
 from ..exchange.table_sets import table_set
@@ -219,7 +220,6 @@ class SparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        xp = runtime.xp()
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
@@ -250,9 +250,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                 grads.buffer,
                 grads.grad_offsets,
                 n,
-                xp.asarray(tabs),
-                xp.asarray(ts.ptrs),
-                xp.asarray(hyper),
+                resident(tabs),
+                resident(ts.ptrs),
+                resident(hyper),
             ),
         )
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
