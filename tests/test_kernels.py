@@ -432,7 +432,8 @@ def _segment_rows(case, dim, shapes, parallel, sorted_bags=True):
         kernels.get("segment_piece_sums", backend)(grid, block, [*common, pieces, dim, level, slots])
     dst = np.full(nuniq * dim, np.nan, np.float32)
     grid, block = kernels.launch_shape(nuniq, cols, shapes)
-    args = [*common, pieces, dim, int(parallel), dst, np.arange(0, nuniq * dim, dim), 1.0, np.zeros(nuniq, np.int32)]
+    offsets = np.arange(0, nuniq * dim, dim)
+    args = [*common, pieces, dim, int(parallel), dst, offsets, 0, 0, 1.0, np.full(1, nuniq, np.int64)]
     kernels.get("segment_sum", backend)(grid, block, args)
     return dst.reshape(nuniq, dim)
 

@@ -31,9 +31,18 @@ class Dedup:
     ``finish`` then takes the total: the layout is sized by the unique keys."""
 
     def __init__(
-        self, packed, keys, tabs, pos_bits: int, value_bits: int, hi: int, exact: bool, runs=None, bag_of=None
+        self,
+        packed,
+        keys,
+        tabs,
+        pos_bits: int,
+        value_bits: int,
+        hi: int,
+        exact: bool,
+        runs=None,
+        bag_of=None,
+        flags=None,
     ):
-        xp = runtime.xp()
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
         self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
@@ -42,20 +51,35 @@ class Dedup:
         # 1 where a sorted position starts a unique key, else 0 (uint8 read as bool, which
         # numpy compacts faster than ints)
         self.starts_unique = runtime.scratch(n, np.uint8)
-        self.collided_flag = xp.zeros(1, np.int32)
+        if flags is None:
+            self.collided_flag = runtime.xp().zeros(1, np.int64)
+            self.nuniq_count = None
+        else:  # both start at -1: the collision flag (above 0: collided) and the count (less one)
+            self.collided_flag = flags[:1]
+            self.nuniq_count = flags[1:2]
         self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
-        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
-        runtime.launch("mark_unique_keys", n, 1, args)
-        self.before: Any = None  # a device array once counted
+        # the running count of unique keys (:meth:`unique_count`): its first entry is written here
+        self.before: Any = runtime.scratch(n + 1, np.int64) if flags is not None else None
+        args = (*self._words(), n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique)
+        args += (self.collided_flag,)
+        runtime.launch("mark_unique_keys", n, 1, (*args, self.before, self.nuniq_count))
+        self.counted = False  # whether the running count was made
+
+    def _words(self) -> tuple:
+        """The sorted values as the kernels take them: ``(s, None)`` for int64 words, ``(None,
+        s)`` for 32-bit ones (``routing.route``'s ``words32``)."""
+        return (self.s, None) if self.s.dtype == np.int64 else (None, self.s)
 
     def unique_count(self):
         """The number of unique keys, a device array ``[1]``: the last entry of the running
         count ``before``, where ``before[k]`` is the number of unique keys at sorted positions
         below k (and so the number of the unique key that starts at k)."""
-        if self.before is None:
-            self.before = runtime.scratch(self.n + 1, np.int64)
-            self.before[:1] = 0
+        if not self.counted:
+            if self.before is None:
+                self.before = runtime.scratch(self.n + 1, np.int64)
+                self.before[:1] = 0
             runtime.xp().cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+            self.counted = True
         return self.before[self.n :]
 
     def counts(self, ngroups: int):
@@ -80,18 +104,20 @@ class Dedup:
         self.collided = bool(collided)
         self.nuniq = size = int(nuniq)
         self.seg = runtime.scratch(size + 1, np.int64)
-        self.seg[size:] = n
+        count = n if starts is None else size
+        if count == 0:  # no launch: unique_key_heads writes seg[nuniq] = n otherwise
+            self.seg[size:] = n
         self.first = runtime.scratch(size, np.int64)  # position of each unique key's first use
         self.ukeys = runtime.scratch(size, np.int64)
         self.group = runtime.scratch(size, np.int64)
         ntab, world = int(self.tabs.shape[0]), runtime.world_size()
-        count = n if starts is None else size
         args = (
-            self.s,
+            *self._words(),
             starts,
             self.starts_unique,
             self.before,
             count,
+            n,
             self.keys,
             self.pos_bits,
             self.value_bits,

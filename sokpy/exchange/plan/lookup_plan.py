@@ -144,7 +144,11 @@ class LookupPlan:
                     self.wire_dtype,
                 )
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
-                packed, bad = route(tables.device_tabs, *args)
+                flags = device.flags
+                # one rank sorts with a library sort where the values fit 32-bit words: half the bytes
+                words32 = world == 1 and runtime.current().library_sort and shape.sort_hi <= 32
+                bad = None if flags is None else flags[:1]
+                packed, bad = route(tables.device_tabs, *args, bad=bad, words32=words32)
                 self.strategy = OneRank(call) if world == 1 else SeveralRanks(call)
                 header = self.strategy.group(packed, bad)
                 self.call = self.strategy.call = lay_out_outputs(call)  # a sequence batch's sizes came with the read

@@ -49,7 +49,7 @@ def group_keys(call: Call, packed, bad) -> tuple[KeyGroups, Header]:
     world, ntab = shape.world, shape.ntables
     tabs = call.tables.device_tabs
     d = Dedup(packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
-    rest = read_verdict(b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
+    rest = read_verdict(b, call.tables.tables, bad, d.collided_flag, d.counts(world * ntab))
     per = rest[1:].reshape(world, ntab)
     d.finish(int(per.sum()), bool(rest[0]))
     owner_bounds = segment_starts(per.sum(axis=1))

@@ -34,6 +34,7 @@ import itertools
 import sys
 import threading
 from collections import deque
+from types import FrameType
 
 _lock = threading.RLock()
 _handles = itertools.count(0x5000)
@@ -323,7 +324,7 @@ _listing: list | None = None
 
 def _caller() -> str:
     """``file:line function`` of the innermost frame of sokpy outside this double."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         if "/sokpy/" in path and "/testing/" not in path:
