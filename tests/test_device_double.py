@@ -239,6 +239,35 @@ def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
         assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
 
 
+# Device operations per phase at one rank (CuPy routines, copies, kernel launches and NCCL calls
+# together; tests/workers/device_ops_worker.py), flat in the number of tables. Host ids: the
+# keys' copy and one copy of the small arrays with the start values of the flags the kernels
+# report in, route_keys, the sort, mark_unique_keys (which counts the unique keys too) and
+# combine_forward; the backward: the gradients' addresses (with the start of the first bad
+# row), the running count, unique_key_heads, segment_sum (which lays out the rows) and, where a
+# key is hot enough, a level of segment_piece_sums; the step: the update (the descriptors and
+# hyper-parameters stay on the device). Ids on the device: the joined keys instead of the keys'
+# copy; a KeyedJaggedTensor: one fill of the status buffer and the check of its offsets
+# (keyed_offsets_faults) instead of both copies.
+ONE_RANK_OPS = (6, 6, 2)
+DEVICE_OPS_CASES = ("host_ids", "device_ids", "kjt")
+
+
+def test_device_operations_per_phase_stay_within_budget_at_one_rank():
+    out = run_mpi(1, "device_ops_worker.py", "4,100", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("ops "):
+            _, _, case, ntab, *phases = line.split()
+            counts[case, int(ntab)] = tuple(map(int, phases))
+    assert sorted(counts) == sorted((c, n) for c in DEVICE_OPS_CASES for n in (4, 100)), out
+    for (case, ntab), got in counts.items():
+        ops, reads = got[:3], got[3:]
+        assert reads == (1, 1, 0), f"{case}, {ntab} tables: host reads {reads}"
+        assert all(g <= b for g, b in zip(ops, ONE_RANK_OPS)), f"{case}, {ntab} tables: {ops} > {ONE_RANK_OPS}"
+        assert ops[0] == counts[case, 4][0], f"{case}: the forward grows with tables: {ops} at {ntab}"
+
+
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------
 
 
