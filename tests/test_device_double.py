@@ -392,3 +392,31 @@ def test_record_stream_or_an_event_keeps_freed_memory_from_reuse(order):
         del b
         side.run_until(side.enqueued)  # the side stream ran past the work: the block is free again
         assert _address(xp.empty(1000, np.float32)) == address
+
+
+def test_a_batch_looked_up_twice_gives_the_same_rows_and_gradients():
+    """A KeyedJaggedTensor's batch carries the flags its first lookup's kernels report in;
+    a second lookup of the same batch gets flags of its own (same outputs, same gradient)."""
+    code = """
+import torch, sokpy
+from sokpy.inputs import to_batch
+from sokpy.lookup import lookup
+from sokpy.nn import KeyedJaggedTensor
+from sokpy.testing import device_double as dd
+sokpy.init()
+tabs = [sokpy.Variable(100, 4, name=f"twice{t}", initializer=0.5) for t in range(3)]
+opt = sokpy.optim.SGD(tabs, lr=0.0)
+vals = dd.to_device(torch.tensor([1, 2, 2, 5, 7, 7, 9, 9, 9, 3, 3, 1]))
+kjt = KeyedJaggedTensor(["a", "b", "c"], vals, offsets=dd.to_device(torch.arange(0, 13, 2)))
+batch = to_batch(kjt, None, 3)
+for _ in range(2):
+    outs = lookup(tabs, batch, None, "sum")
+    sum((o * 1.5).sum() for o in outs).backward()
+    g = tabs[2].grad
+    print("out", torch.cat([o.detach().cpu() for o in outs]).sum().item(), g.keys.tolist(), g.values.sum().item())
+    opt.zero_grad()
+"""
+    res = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("out ")]
+    assert lines == ["out 24.0 [1, 3, 9] 24.0"] * 2, res.stdout

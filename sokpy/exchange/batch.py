@@ -52,6 +52,7 @@ class HostSizes:
 
     def __init__(self) -> None:
         self.key_start: np.ndarray | None = None
+        self.status_taken = False  # a lookup took the flags of the parse's status (Faults.status)
 
 
 class Batch(NamedTuple):

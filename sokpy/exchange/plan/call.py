@@ -156,15 +156,17 @@ def to_device(batch: Batch) -> DeviceBatch:
     """The batch's arrays on the backend. On a device, the small int64 arrays the host holds
     (where tables and bags start, the bags' offsets where they were made on the host) travel
     with the start values of ``flags`` in one copy; the keys, where the host holds them, in one
-    more. A batch whose parse made a status buffer (a KeyedJaggedTensor's) has its flags there,
-    and its host arrays are copies kept from an earlier batch of its shape."""
+    more. A batch whose parse made a status buffer (a KeyedJaggedTensor's) has its flags there
+    (in its first lookup call), and its host arrays are copies kept from an earlier batch of
+    its shape."""
     xp = runtime.xp()
     weights = None if batch.weights is None else xp.asarray(batch.weights)
     key_start, bag_start, offsets = arrays = [batch.key_start, batch.bag_start, batch.offsets]
     if xp is np:
         return DeviceBatch(batch.keys, key_start, bag_start, offsets, weights)
     status = None if batch.faults is None else batch.faults.status
-    if status is not None:
+    if status is not None and batch.sizes is not None and not batch.sizes.status_taken:
+        batch.sizes.status_taken = True  # its flags start at -1 once: a second call of this batch copies its own
         key_start, bag_start, offsets = (resident(a) if isinstance(a, np.ndarray) else a for a in arrays)
         return DeviceBatch(xp.asarray(batch.keys), key_start, bag_start, offsets, weights, status[:3])
     small = [a for a in arrays if isinstance(a, np.ndarray)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...backends import handoff, runtime
+from ...backends.arrays import address_of
 from ..batch import Batch
 
 
@@ -33,7 +34,8 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
     status = None if batch.faults is None else batch.faults.status
     if len(parts) == 1:
         head = handoff.to_host(bad)
-    elif status is not None and nbad == 3 and not more:  # the flags, the faults and the sizes: one buffer
+    elif status is not None and nbad == 3 and not more and address_of(bad) == address_of(status):
+        # the flags, the faults and the sizes lie one after another in the status: one read
         head = handoff.to_host(status[: sum(int(p.shape[0]) for p in parts)])
     else:
         head = handoff.to_host(runtime.xp().concatenate(parts))
