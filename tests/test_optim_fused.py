@@ -204,6 +204,12 @@ def test_refused_by_name_before_any_change(sokpy_host):
         plain = sokpy.optim.SGD([b], lr=0.1)
         sokpy.optim.Adam([b], fused=True)
     assert b.optimizer is plain
+    c = sokpy.Variable(10, 2, name="fz_held")
+    sokpy.lookup_sparse(c, [[1]]).sum().backward()
+    with pytest.raises(ValueError, match=r"table 'fz_held' holds gradients .*SGD\(fused=True\).*zero_grad"):
+        sokpy.optim.SGD([c], lr=0.1, fused=True)
+    assert c.optimizer is None and c.grad is not None
+    c.zero_grad()
     before = [sokpy.export(t)[1].clone() for t in (a, b)]
     outs = sokpy.lookup_sparse([a, b], [[[1, 1], [2]], [[3]]], combiners="sum")
     (outs[0].sum() + outs[1].sum()).backward()

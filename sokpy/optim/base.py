@@ -175,6 +175,11 @@ class SparseOptimizer(torch.optim.Optimizer):
                 raise ValueError(_trained_already(v, self))
             if id(v.handle) in self._var_of:
                 raise ValueError(f"table {v.name!r} appears in more than one parameter group")
+            if self.fused and v.grad_refs:
+                raise ValueError(
+                    f"table {v.name!r} holds gradients of an earlier backward, which {type(self).__name__}"
+                    "(fused=True) would never apply: call table.zero_grad() first"
+                )
             tables.append(v)
         group["params"] = [v.handle for v in tables]
         _torch_add_param_group(self, group)
