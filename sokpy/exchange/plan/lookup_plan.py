@@ -111,7 +111,6 @@ class LookupPlan:
         the keys' rows (dynamic tables insert, grow, evict and admit) in :meth:`forward`,
         after whatever the main thread does meanwhile. Bad input on any rank raises the same
         InputError on every rank, with nothing exchanged."""
-        self._context()
         error, header, uids = self._group(channel.comm.size)
         with collective.Call(
             "lookup_sparse", self.tables, detail=self._detail(), grad_mode=self.grad_mode, uids=uids, channel=channel
