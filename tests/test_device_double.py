@@ -239,6 +239,24 @@ def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
         assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
 
 
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_a_train_pipeline_parses_once_and_keeps_the_read_budget(nranks):
+    """Under TrainPipeline a module's input is parsed once per step (ahead, by the pipeline)
+    and a step reads the host as often as a step of the plain loop: the next batch's keys in
+    place of the forward's."""
+    out = run_mpi(nranks, "pipeline_reads_worker.py", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("pipereads "):
+            _, rank, module, form, reads, parses, plain = line.split()
+            counts[int(rank), module, form] = (int(reads), int(parses), int(plain))
+    forms = ["order-lengths", "other_order-lengths", "subset-lengths"]
+    assert sorted(counts) == sorted((r, m, f) for r in range(nranks) for m in ("ebc", "ec") for f in forms), out
+    for (rank, module, form), (reads, parses, plain) in counts.items():
+        budget = sum(nn_budget(module, form))
+        assert (reads, parses, plain) == (budget, 1, budget), f"rank {rank}, {module}, {form}"
+
+
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------
 
 
