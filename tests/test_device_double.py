@@ -210,17 +210,18 @@ def test_host_synchronisations_per_step_do_not_grow_with_tables(nranks):
 
 # The same budget for sokpy.nn's modules, whatever form their input takes on the device
 # (tests/workers/nn_syncs_worker.py): a KeyedJaggedTensor parsed once, its features put in the
-# module's order by a gather where they live, so keys in another order, lengths-only or
+# module's order by a gather where they live, so keys in another order, a subset of a wider
+# KJT (the other features' keys follow as a tail the plan passes over), lengths-only or
 # offsets-only, weighted or not, pooled or sequence (each feature's key count, which an
 # EmbeddingCollection's outputs are cut by, comes with the lookup's verdict), cost no read of
-# their own. A subset of a wider KJT needs one read more in the forward, merged with the check
-# of the KJT's offsets: the size of the picked features, which the gather allocates.
-NN_SYNCS = {"subset": (2, 1, 0), "subset-lengths": (2, 1, 0)}
+# their own: one read per forward, one per backward, none per optimizer step.
+NN_BUDGET = (1, 1, 0)
 NN_FORMS = ["order", "order-lengths", "other_order", "other_order-lengths", "subset", "subset-lengths", "dict"]
 
 
 def nn_budget(module: str, form: str) -> tuple[int, int, int]:
-    return NN_SYNCS.get(form, (1, 1, 0))
+    assert form in NN_FORMS, form
+    return NN_BUDGET
 
 
 @pytest.mark.parametrize("nranks", [1, 2])

@@ -40,7 +40,8 @@ class Pooled:
 def pool(call: Call, source: Source) -> Pooled:
     """``combine_forward`` over every bag of every table: one launch."""
     b, dev, t = call.batch, call.device, call.tables
-    nbags = int(b.offsets.shape[0]) - 1
+    # A tail's keys are in no bag (a sequence batch's bags are its keys: only the call's)
+    nbags = int(b.host_bag_start()[-1]) if b.tail else int(b.offsets.shape[0]) - 1
     out = runtime.scratch(call.shape.out_size, np.float32)
     den = runtime.scratch(max(nbags, 1), np.float32)
     bag_of = runtime.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
@@ -79,8 +80,10 @@ def weight_grads(call: Call, source: Source | None, pooled: Pooled, gptr) -> lis
         return [None] * len(b.weight_grads)
     assert source is not None  # kept by the forward for these gradients
     xp, dev = runtime.xp(), call.device
-    n = int(b.keys.shape[0])
-    dw = runtime.scratch(max(n, 1), np.float32)
+    n = b.nkeys()
+    dw = runtime.scratch(max(int(b.keys.shape[0]), 1), np.float32)
+    if b.tail:  # no weight of the tail gets a gradient
+        dw[n:] = 0
     table_rows = source.table_rows
     if source.rows is None:  # the tables' own rows
         call.tables.sync()
@@ -94,7 +97,7 @@ def weight_grads(call: Call, source: Source | None, pooled: Pooled, gptr) -> lis
             continue
         kind, info = layout
         if kind == "keyed":
-            part = dw[:n]
+            part = dw[: int(b.keys.shape[0])]
         else:
             lo, hi = b.host_key_start()[t : t + 2]
             part = dw[int(lo) : int(hi)]
