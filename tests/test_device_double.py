@@ -238,6 +238,7 @@ def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
     assert sorted(counts) == sorted(cases), out
     for (rank, module, form), got in counts.items():
         assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
+    assert all(f"nnwgrad {r} ok" in out for r in range(nranks)), out  # a subset's weights' gradients
 
 
 @pytest.mark.parametrize("nranks", [1, 2])
