@@ -245,36 +245,48 @@ def lookup(
     """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
     ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); not
     ``pooled``, :func:`lookup_sequence`'s rows (combiners must be "sum")."""
-    flags = (insert, grad_reduction, keyed, wire_dtype, pooled)
-    outs, _ = _run(_call(params, sp_ids, sp_weights, combiners, *flags, None))
+    call = _call(
+        params,
+        sp_ids,
+        sp_weights,
+        combiners,
+        insert=insert,
+        grad_reduction=grad_reduction,
+        keyed=keyed,
+        wire_dtype=wire_dtype,
+        pooled=pooled,
+    )
+    outs, _ = _run(call)
     return outs
 
 
 @_opaque_to_compile
 @runtime.entry
-def lookup_from(
+def lookup_from(params, source: tuple, combiners=None, **flags: Any) -> tuple[list[torch.Tensor], Any]:
+    """:func:`lookup` (``flags``: its keyword arguments) of a caller's own input: ``source`` is
+    ``(features, weights, make)``, and ``make(features, weights)`` returns ``(sp_ids,
+    sp_weights, input_error)`` (a fault the caller found in this rank's input, a module's
+    missing feature, say: the call raises it as an InputError on every rank, as its own
+    checks would, instead of leaving the other ranks waiting in the exchange). ``make`` runs
+    once, here, unless a training pipeline made the call ahead (``set_lookup_hook``).
+    Returns the outputs and the ``sp_ids`` the call took."""
+    outs, call = _run(_call(params, None, None, combiners, source=source, **flags))
+    return outs, call.sp_ids
+
+
+def _call(
     params,
-    source: tuple,
-    combiners=None,
+    sp_ids,
+    sp_weights,
+    combiners,
     *,
     insert: bool = True,
     grad_reduction: str = "sum",
     keyed: bool = False,
     wire_dtype: str = "float32",
     pooled: bool = True,
-) -> tuple[list[torch.Tensor], Any]:
-    """:func:`lookup` of a caller's own input: ``source`` is ``(features, weights, make)``,
-    and ``make(features, weights)`` returns ``(sp_ids, sp_weights, input_error)`` (a fault the
-    caller found in this rank's input, a module's missing feature, say: the call raises it as
-    an InputError on every rank, as its own checks would, instead of leaving the other ranks
-    waiting in the exchange). ``make`` runs once, here, unless a training pipeline made the
-    call ahead (``set_lookup_hook``). Returns the outputs and the ``sp_ids`` the call took."""
-    flags = (insert, grad_reduction, keyed, wire_dtype, pooled)
-    outs, call = _run(_call(params, None, None, combiners, *flags, source))
-    return outs, call.sp_ids
-
-
-def _call(params, sp_ids, sp_weights, combiners, insert, grad_reduction, keyed, wire_dtype, pooled, source):
+    source: tuple | None = None,
+) -> LookupCall:
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
     check_wire_dtype(wire_dtype)
