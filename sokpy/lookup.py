@@ -24,8 +24,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,24 +57,6 @@ __all__ = [
 GRAD_REDUCTIONS = ("sum", "mean")
 
 
-def _opaque_to_compile(fn):
-    """``torch.compiler.disable(fn)`` without importing ``torch._dynamo`` at import time (it
-    is most of ``import sokpy``'s time, in every rank of every job). Nothing can compile a
-    caller of ``fn`` before ``torch._dynamo`` is imported, so until then ``fn`` runs as it is;
-    after that, through dynamo's ``disable``. The wrapper carries dynamo's marker, so a traced
-    caller ends its graph at the call (a graph break) instead of tracing into it."""
-    disabled = torch._disable_dynamo(fn) if hasattr(torch, "_disable_dynamo") else torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if "torch._dynamo" in sys.modules:
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # torch.compiler.disable's mark on a function
-    return call
-
-
 class _LookupFunction(torch.autograd.Function):
     """The autograd node of one call: inputs are one table handle (it ties the node into the
     graph; the rows' gradients go to their owners, not to a handle, so one serves all tables
@@ -98,7 +78,7 @@ class _LookupFunction(torch.autograd.Function):
         return _backward(ctx.plan, ctx.nweights, grads)
 
 
-@_opaque_to_compile  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
+@runtime.opaque_to_compile  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
 @runtime.entry  # on the stream autograd runs this backward on
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
@@ -228,39 +208,19 @@ def set_lookup_hook(
 # torch.compile sees a lookup as one opaque call (a graph break): it never traces into the
 # numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
 # after it (dynamo then marks that dimension dynamic).
-@_opaque_to_compile
+@runtime.opaque_to_compile
 @runtime.entry
-def lookup(
-    params,
-    sp_ids,
-    sp_weights=None,
-    combiners=None,
-    *,
-    insert: bool = True,
-    grad_reduction: str = "sum",
-    keyed: bool = False,
-    wire_dtype: str = "float32",
-    pooled: bool = True,
-):
-    """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
-    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); not
-    ``pooled``, :func:`lookup_sequence`'s rows (combiners must be "sum")."""
-    call = _call(
-        params,
-        sp_ids,
-        sp_weights,
-        combiners,
-        insert=insert,
-        grad_reduction=grad_reduction,
-        keyed=keyed,
-        wire_dtype=wire_dtype,
-        pooled=pooled,
-    )
-    outs, _ = _run(call)
+def lookup(params, sp_ids, sp_weights=None, combiners=None, **flags: Any) -> list[torch.Tensor]:
+    """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed=True``, one
+    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); with
+    ``pooled=False``, :func:`lookup_sequence`'s rows (combiners must be "sum"). ``flags``:
+    ``insert``, ``grad_reduction``, ``keyed``, ``wire_dtype`` and ``pooled``, as
+    :func:`lookup_sparse` and :func:`lookup_sequence` take them."""
+    outs, _ = _run(_call(params, sp_ids, sp_weights, combiners, **flags))
     return outs
 
 
-@_opaque_to_compile
+@runtime.opaque_to_compile
 @runtime.entry
 def lookup_from(params, source: tuple, combiners=None, **flags: Any) -> tuple[list[torch.Tensor], Any]:
     """:func:`lookup` (``flags``: its keyword arguments) of a caller's own input: ``source`` is
