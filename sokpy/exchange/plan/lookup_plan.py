@@ -12,6 +12,7 @@ from ...backends import runtime
 from ...timing import timed
 from .. import collective
 from ..batch import Batch, BatchError
+from ..fused_updates import deliver
 from ..routing import route
 from ..table_sets import table_set
 from .backward import evicted_since, grad_pointers
@@ -211,8 +212,7 @@ class LookupPlan:
             with timed("grads"):
                 agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
                 chunk = strategy.backward(gptr, used, pooled, agreement)
-        for t in self.tables:
-            t.grad_refs += (chunk,)
-        grads_of_weights = weight_grads(call, self.source, pooled, gptr)
+        grads_of_weights = weight_grads(call, self.source, pooled, gptr)  # reads the rows before any update
+        deliver(self.tables, chunk)  # kept for step(), or applied now by a fused optimizer
         del keep  # the gradient copies gptr points to: only now may they go
         return grads_of_weights
