@@ -6,15 +6,17 @@ keeps."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from ...backends import kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from ..batch import segment_starts
 from .call import Call
+from .context import StageContext
 from .dedup import Dedup
 from .pooling import Pooled
 
@@ -28,12 +30,12 @@ class GradientRows:
     (else they are given)."""
 
     dedup: Dedup
-    unique_offsets: Any
+    unique_offsets: Array
     block_elems: np.ndarray
     laid_out: tuple[int, int] | None = None
 
 
-def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
+def _readable(grad: torch.Tensor, keep: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(tensor, row stride in elements)`` the gradient kernels can read for the output
     gradient ``grad`` (2-D): itself where it is float32 with adjacent columns, else a
     contiguous float32 copy (kept alive in ``keep`` until the kernels ran)."""
@@ -44,7 +46,9 @@ def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
     return g, g.stride(0) if g.shape[0] > 1 else g.shape[1]
 
 
-def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
+def grad_pointers(
+    ctx: StageContext, call: Call, grads: Sequence[torch.Tensor | None]
+) -> tuple[np.ndarray, Array, list[torch.Tensor]]:
     """(used flags [T], device array of the gradients' addresses [T] then their row strides
     [T], tensors to keep alive). The array holds one word more, set to ``2**62``: the start
     value of the first unique key whose gradient row is not finite, which ``segment_sum``
@@ -52,9 +56,9 @@ def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
     it lies, at its own row stride (an output's slice of a concatenation's gradient, a
     broadcast row); any other is copied into a contiguous one first. (A tensor's address is
     its ``data_ptr()`` on every backend.)"""
-    xp, c = runtime.xp(), kernels.constants()
+    xp, c = ctx.xp, kernels.constants()
     ntab = call.shape.ntables
-    keep: list = []
+    keep: list[torch.Tensor] = []
     words = np.zeros(2 * ntab + 1, np.uint64)
     words[2 * ntab] = NO_BAD_ROW
     if call.keyed:
@@ -98,7 +102,16 @@ def evicted_since(call: Call) -> str | None:
     return None
 
 
-def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None) -> None:
+def sum_gradient_rows(
+    ctx: StageContext,
+    call: Call,
+    rows: GradientRows,
+    gptr: Array,
+    pooled: Pooled,
+    buf: Array,
+    used: np.ndarray,
+    bad: Array | None = None,
+) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
     no float atomics. A hot key's positions are summed as a tree of pieces
@@ -109,7 +122,7 @@ def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf,
     (``dedup.kbag``), else ``bag_of``. ``bad`` (int64 ``[1]``, above every unique key's number)
     is lowered to the first unique key whose row is not finite, where the strategy asks for it.
     On one rank nothing reads the blocks' headers, and they are not written."""
-    xp, shape, dev = runtime.xp(), call.shape, call.device
+    xp, shape, dev = ctx.xp, call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
     if world > 1:  # the owners read the headers; on one rank nothing does, and nothing writes them
@@ -120,13 +133,13 @@ def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf,
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
     dim = int(shape.dims.max(initial=1))
     cols = kernels.vector_cols(dim)
-    parallel = runtime.current().pieces_in_parallel()
+    parallel = ctx.backend.pieces_in_parallel()
     levels = kernels.piece_levels(d.n) if parallel else []
-    pieces = runtime.scratch(sum(levels) * dim, np.float32) if levels else None
+    pieces = ctx.scratch(sum(levels) * dim, np.float32) if levels else None
     args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
     args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
     for level, slots in enumerate(levels, 1):
-        runtime.launch("segment_piece_sums", slots, cols, (*args, level, slots))
+        ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
     base, stride = rows.laid_out if rows.laid_out is not None else (0, 0)
     tail = (buf, rows.unique_offsets, base, stride, scale, bad)
-    runtime.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail))
+    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail))

@@ -4,13 +4,13 @@ date as dynamic tables grow."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ...backends import kernels
+from ...backends.arrays import Array
 from ...backends.resident import resident
 from ..table_sets import TableSet
+from .context import StageContext
 
 
 class CallTables:
@@ -21,12 +21,12 @@ class CallTables:
     pooling's source is known. ``evictions`` is the capped tables' eviction counts as the
     call's find left them (the backward checks that none evicted since)."""
 
-    def __init__(self, tables: list, ts: TableSet, tabs: np.ndarray, insert: bool, world: int):
-        self.tables, self.ts, self.tabs = tables, ts, tabs
+    def __init__(self, ctx: StageContext, tables: list, ts: TableSet, tabs: np.ndarray, insert: bool, world: int):
+        self.ctx, self.tables, self.ts, self.tabs = ctx, tables, ts, tabs
         self.ntables = len(tables)
         self.insert, self.world = insert, world
-        self.device_tabs: Any = resident(tabs)
-        self.device_ptrs: Any = None
+        self.device_tabs: Array = resident(tabs)
+        self.device_ptrs: Array = None
         self.evictions: list[int] = []
 
     def sync(self) -> None:
@@ -51,7 +51,7 @@ class CallTables:
             self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = 0  # gather_rows widened half rows to float32
         self.device_tabs = resident(self.tabs)
 
-    def table_rows(self):
+    def table_rows(self) -> Array:
         """The tables' row addresses, as they are now (a backend array ``[T]``)."""
         c = kernels.constants()
         return resident(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]])

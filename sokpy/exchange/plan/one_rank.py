@@ -7,17 +7,17 @@ comes with the verdict and the backward's buffers and launches are sized by it."
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ...backends import handoff, runtime
+from ...backends.arrays import Array
+from ...backends.communicator import Communicator
 from ..batch import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
 from .backward import NO_BAD_ROW, GradientRows, first_bad_row, sum_gradient_rows
 from .call import Call, Header
+from .context import StageContext
 from .dedup import Dedup
 from .dynamic_rows import find_rows
 from .pooling import Pooled, Source
@@ -27,40 +27,48 @@ from .routing import read_verdict
 class OneRank:
     """The stages of a call on one rank, over its :class:`~sokpy.exchange.plan.call.Call`."""
 
-    def __init__(self, call: Call):
-        self.call = call
-        self.packed: Any = None  # route_keys' sort values, kept for the backward's deduplication
+    def __init__(self, ctx: StageContext, call: Call):
+        self.ctx, self.call = ctx, call
+        self.packed: Array = None  # route_keys' sort values, kept for the backward's deduplication
         # the forward's deduplication (a device), its number of unique keys and collision flag
         self.counted: tuple[Dedup, int, bool] | None = None
-        self.rows: Any = None  # each key's stored row (a static table's key is its row)
+        self.rows: Array = None  # each key's stored row (a static table's key is its row)
 
-    def group(self, packed, bad) -> Header:
+    def group(self, packed: Array, bad: Array) -> Header:
         """The call's one read from the device before the header: its verdict on the ids (the
         range check and the faults the device found in ids that arrived there), and on a
         device, for a call that may get a backward, the number of its unique keys and whether
         hashed keys shared a sort value."""
-        call = self.call
+        ctx, call = self.ctx, self.call
         flags = call.device.flags
-        if call.grad_mode and flags is not None:
+        if call.grad_mode and flags is not None and not call.batch.tail:
             # route_keys' bad, then mark_unique_keys' collision flag and count: one array, one read
             d = self._deduplicate(packed, flags=flags[1:])
-            collided, count = read_verdict(call.batch, call.tables.tables, flags).tolist()
+            collided, count = read_verdict(ctx, call.batch, call.tables.tables, flags).tolist()
             # (both started at -1: the count is one short, and a collision set the flag to 1)
             self.counted = (d, count + 1, not call.shape.exact and collided > 0)
+        elif call.grad_mode and not ctx.backend.free_reads:  # a tail: its keys are no unique keys
+            d = self._deduplicate(packed)
+            more = (d.unique_count(), d.collided_flag)
+            nuniq, collided = read_verdict(ctx, call.batch, call.tables.tables, bad, *more).tolist()
+            self.counted = (d, nuniq, not call.shape.exact and bool(collided))
         else:
-            read_verdict(call.batch, call.tables.tables, bad if flags is None else flags)
+            read_verdict(ctx, call.batch, call.tables.tables, bad if flags is None else flags)
             self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
 
-    def _deduplicate(self, packed, bag_of=None, flags=None) -> Dedup:
+    def _deduplicate(self, packed: Array, bag_of: Array | None = None, flags: Array | None = None) -> Dedup:
         """The call's keys sorted and their unique keys marked (a key's group is its table, so
         tables are runs of groups)."""
         shape, dev = self.call.shape, self.call.device
-        runs = (dev.key_start, shape.pos_bits + shape.value_bits)
         args = (packed, dev.keys, self.call.tables.device_tabs, shape.pos_bits, shape.value_bits)
-        return Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=bag_of, flags=flags)
+        if self.call.batch.tail:  # the tail is no table's run: the whole array is sorted
+            end = dev.key_start[-1:]
+            return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, None, bag_of=bag_of, end=end)
+        runs = (dev.key_start, shape.pos_bits + shape.value_bits)
+        return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, runs, bag_of=bag_of, flags=flags)
 
-    def send_keys(self, agreement: Agreement, comm=None) -> None:
+    def send_keys(self, agreement: Agreement, comm: Communicator | None = None) -> None:
         """Nothing: one rank's keys stay where they are."""
 
     def fetch(self, agreement: Agreement) -> Source:
@@ -70,7 +78,8 @@ class OneRank:
         dev = call.device
         if tables.ts.dynamic:
             starts = call.batch.host_key_start
-            self.rows = find_rows(tables, dev.keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
+            keys = dev.keys[: call.batch.nkeys()]  # not the tail (its size came with the verdict)
+            self.rows = find_rows(self.ctx, tables, keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
         else:
             tables.sync()
             self.rows = dev.keys
@@ -80,11 +89,11 @@ class OneRank:
     def backward_volume(self) -> int:
         return 0
 
-    def backward(self, gptr, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
+    def backward(self, gptr: Array, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
         """Sums each unique key's gradient row and keeps them: no other rank adds to them, so
         the kernel checks them as it writes them and the optimizer step needs no merge pass.
         Every buffer and launch is sized by the unique keys."""
-        call, xp = self.call, runtime.xp()
+        ctx, call, xp = self.ctx, self.call, self.ctx.xp
         shape = call.shape
         if self.counted is not None:  # deduplicated and counted in the forward (a device)
             d, nuniq, collided = self.counted
@@ -96,23 +105,23 @@ class OneRank:
         header_slots = shape.header_slots
         laid_out = None
         if shape.one_dim:  # row u at header_slots + u * dim, laid out by segment_sum
-            offsets = runtime.scratch(max(d.nuniq, 1), np.int64)
+            offsets = ctx.scratch(max(d.nuniq, 1), np.int64)
             laid_out = (header_slots, shape.one_dim)
         else:  # the entries past the unique keys are table 0: their rows lie past the rest
             offsets = segment_starts(xp.asarray(shape.dims)[d.group], xp)[:-1] + header_slots
         elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
         rows = GradientRows(d, offsets, elems, laid_out)
-        buf = runtime.scratch(int(elems.sum()), np.float32)
+        buf = ctx.scratch(int(elems.sum()), np.float32)
         bad = first_bad_row(gptr)
-        sum_gradient_rows(call, rows, gptr, pooled, buf, used, bad)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
         return self._chunk(rows, buf, bad, used)
 
-    def _chunk(self, rows: GradientRows, buf, bad, used: np.ndarray) -> GradChunk:
+    def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray) -> GradChunk:
         """The rows segment_sum wrote are the whole gradients. The backward's one read: the
         first row that is not finite, if any."""
         call, d = self.call, rows.dedup
         nuniq = d.nuniq
-        first_bad = int(handoff.to_host(bad)[0]) if nuniq else NO_BAD_ROW
+        first_bad = int(self.ctx.to_host(bad)[0]) if nuniq else NO_BAD_ROW
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
         rows_are_keys = self.rows is call.device.keys  # static tables: row k is key k
         stored = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
