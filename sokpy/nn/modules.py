@@ -54,7 +54,6 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -64,7 +63,7 @@ import torch
 from ..backends import runtime
 from ..exchange.wire import check_wire_dtype
 from ..inputs.features import module_batch
-from ..lookup import GRAD_REDUCTIONS, lookup
+from ..lookup import GRAD_REDUCTIONS, lookup_from
 from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
@@ -91,7 +90,6 @@ class EmbeddingCollectionBase(torch.nn.Module):
     _pooled = True
     _torchrec_key = "embedding_bags"  # TorchRec's state_dict key: <prefix><this>.<table>.weight
     _weighted = False
-    _step_in_backward: Any = None  # an optimizer DistributedModelParallel steps inside backward
 
     def __init__(
         self,
@@ -203,26 +201,18 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return batch, None, fault
 
     def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
-        """One lookup call over every feature, and the batch it took; a fault in this rank's
-        input is raised by the lookup on every rank alike (its source: what a training
-        pipeline prepares ahead)."""
-        tables = [var for _, var, _ in self.feature_tables]
-        batch, _, fault = self._inputs(features, weights)
-        outs = lookup(
-            tables,
-            batch,
-            None,
+        """One lookup call over every feature, and the batch it took: the input is parsed by
+        the call (:meth:`_inputs`), once, or was parsed ahead by a training pipeline; a fault
+        in this rank's input is raised by the lookup on every rank alike."""
+        outs, batch = lookup_from(
+            [var for _, var, _ in self.feature_tables],
+            (features, weights, self._inputs),
             [_COMBINER.get(p, p) if p else "sum" for _, _, p in self.feature_tables],
             insert=self.inserts(),
             grad_reduction=self.grad_reduction,
             wire_dtype=self.wire_dtype,
-            input_error=fault,
-            source=(features, weights, self._inputs),
             **kwargs,
         )
-        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
-        if self._step_in_backward is not None and node is not None:  # as FBGEMM: the step inside backward
-            node.register_hook(functools.partial(_step, self._step_in_backward))
         return outs, batch
 
     # ---- dtype and device --------------------------------------------------------------------------
@@ -270,12 +260,6 @@ class EmbeddingCollectionBase(torch.nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         load_tables(self.tables(), self._torchrec_key, state_dict, prefix, missing_keys, unexpected_keys)
-
-
-def _step(optimizer: Any, *grads: Any) -> None:
-    """The lookup's backward hook: its rows' gradients arrived; the optimizer steps on them."""
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 # TorchRec's MEAN: a weighted bag divided by its length, as FBGEMM's sharded modules do.

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ...backends import kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from ..batch import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
 from .call_tables import CallTables
+from .context import StageContext
 from .layout import row_header
 
 
@@ -46,11 +47,11 @@ class DeviceBatch:
     keys in one array, where each table's keys and bags start, the bags' offsets and the
     per-key weights (None: unweighted)."""
 
-    keys: Any
-    key_start: Any
-    bag_start: Any
-    offsets: Any
-    weights: Any
+    keys: Array
+    key_start: Array
+    bag_start: Array
+    offsets: Array
+    weights: Array | None
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class Header:
     replies: np.ndarray | None
 
 
-def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
+def describe(
+    ts: TableSet, batch: Batch, combiners: np.ndarray, keyed: bool, world: int
+) -> tuple[CallShape, np.ndarray]:
     """The call's shape and its host table descriptor (the table set's, with this call's
     combiners, weighting, output layout and exact sort values). A batch whose bags are
     counted on the device (a sequence batch of a KeyedJaggedTensor there) gets its output
@@ -99,7 +102,9 @@ def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> 
     # Every table of the call has this dimension (0: they differ): rows of consecutive keys
     # then lie one dimension apart, whatever their tables.
     one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
-    pos_bits, value_bits = sort_bits(n, world * ntab)
+    # A batch's tail (keys of no table, passed over) is one group more, after every other.
+    ngroups = world * ntab + int(batch.tail)
+    pos_bits, value_bits = sort_bits(n, ngroups)
     exact = ts.row_bits <= value_bits
     if exact.all() and ntab:  # rows alone: their bits are all the sort needs above the position
         value_bits = int(ts.row_bits.max())
@@ -113,7 +118,7 @@ def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> 
         pos_bits=pos_bits,
         value_bits=value_bits,
         exact=bool(exact.all()),
-        sort_hi=pos_bits + value_bits + bits(world * ntab),
+        sort_hi=pos_bits + value_bits + bits(ngroups),
         header_slots=row_header(ntab),
     )
     return shape, tabs
@@ -146,9 +151,9 @@ def lay_out_outputs(call: Call) -> Call:
     return dataclasses.replace(call, shape=dataclasses.replace(call.shape, out_size=out_size))
 
 
-def to_device(batch: Batch) -> DeviceBatch:
+def to_device(ctx: StageContext, batch: Batch) -> DeviceBatch:
     """The batch's arrays on the backend."""
-    xp = runtime.xp()
+    xp = ctx.xp
     weights = None if batch.weights is None else xp.asarray(batch.weights)
     return DeviceBatch(
         xp.asarray(batch.keys),

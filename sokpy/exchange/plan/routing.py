@@ -4,17 +4,19 @@ The route stage runs the routing service's ``route_keys`` (:func:`sokpy.exchange
 over the keys of all the call's tables; :func:`read_verdict` reads what it and the device's
 input parsing found (a key out of range, a fault in ids parsed on the device) in the call's
 one read from the device, and raises the error that names the table, the key and its
-position."""
+position. A batch's tail (keys of no table, :func:`pass_over_tail`) is routed to a group of
+its own, after every other, which the deduplication passes over."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...backends import handoff, runtime
+from ...backends.arrays import Array
 from ..batch import Batch
+from .context import StageContext
 
 
-def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
+def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *more: Array) -> np.ndarray:
     """The call's one read from the device before its header: the verdict on its ids (``bad``,
     route_keys' first position of a key out of range, and the faults the device found in ids
     parsed there, ``batch.faults``), read together with the int64 device arrays ``more``,
@@ -24,7 +26,7 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
     faults = [] if batch.faults is None else [batch.faults.vector]
     nfaults = sum(int(f.shape[0]) for f in faults)
     sizes = [batch.key_start] if batch.sizes_pending() else []
-    head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *sizes, *more]))
+    head = ctx.to_host(ctx.xp.concatenate([bad, *faults, *sizes, *more]))
     if batch.faults is not None:
         batch.faults.explain(head[1 : 1 + nfaults])
     rest = head[1 + nfaults :]
@@ -32,18 +34,28 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
         nsizes = int(batch.key_start.shape[0])
         batch.keep_sizes(rest[:nsizes].copy())
         rest = rest[nsizes:]
-    _check_range(batch, tables, int(head[0]))
+    _check_range(ctx, batch, tables, int(head[0]))
     return rest
 
 
-def _check_range(batch: Batch, tables: list, bad: int) -> None:
+def pass_over_tail(ctx: StageContext, packed: Array, key_start: Array, ngroups: int, low_bits: int) -> None:
+    """Gives the keys past ``key_start[-1]`` (a batch's tail: keys of no table) the group
+    ``ngroups``, after every other, in place: the sort puts them last, where the
+    deduplication passes over them (``low_bits``: the bits below the group, the sort value's
+    and the position's)."""
+    xp = ctx.xp
+    pos = xp.arange(int(packed.shape[0]), dtype=np.int64)
+    packed[...] = xp.where(pos < key_start[-1:], packed, (ngroups << low_bits) | pos)
+
+
+def _check_range(ctx: StageContext, batch: Batch, tables: list, bad: int) -> None:
     """Raises for route_keys' first key out of range (at position ``bad`` of ``batch``'s keys;
     their number: none), naming its table, key and position."""
     if bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts
         key_start = batch.host_key_start()
         t = int(np.searchsorted(key_start, bad, side="right")) - 1
         var = tables[t]
-        key = int(handoff.to_host(batch.keys[bad : bad + 1])[0])
+        key = int(ctx.to_host(batch.keys[bad : bad + 1])[0])
         raise ValueError(
             f"table {var.name!r} (index {t}): key {key} at position "
             f"{bad - int(key_start[t])} is out of range [0, {var.rows})"
