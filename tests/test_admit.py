@@ -1,32 +1,29 @@
 """Admission of dynamic tables (DynamicVariable(admit_after=k)): a stream at 1, 2 and 3 ranks and
 checkpoints across world sizes against a reference written from the definition
-(tests/workers/admit_worker.py, exact with a sketch wide enough that no key collides), the
+(tests/workers/admit_reference.py, exact with a sketch wide enough that no key collides), the
 false admissions of a deliberately small sketch against the count-min bound, gradients,
 assign, insert=False, nn configs and state dicts, bad arguments."""
 
 import math
-import sys
-from pathlib import Path
 
+import admit_reference
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
-import admit_worker  # noqa: E402
+from multirank import on_ranks
 
 
 def test_stream_and_checkpoints_at_1_2_and_3_ranks(sokpy_host, tmp_path):
-    """One job per world size: the stream (and bad arguments) at 2 ranks, saved; loaded at 3
-    (counters summed over the saved shards), continued and checked; the same at 1 rank in this
-    process, which loads its own checkpoint (each shard its own counters) and the 2-rank one."""
+    """The stream (and bad arguments) checked on every rank of 2, saved; loaded at 3 (counters
+    summed over the saved shards), continued and checked on every rank; the same at 1 rank in
+    this process, which loads its own checkpoint (each shard its own counters) and the 2-rank
+    one."""
     seed, path = 21, tmp_path / "ckpt2"
-    assert run_mpi(2, "admit_worker.py", "stream", seed, path, timeout=300).count("stream ok") == 2
-    assert run_mpi(3, "admit_worker.py", "load", path, 2, seed, timeout=300).count("load ok") == 3
-    admit_worker.check_stream(seed, tmp_path / "ckpt1")
-    admit_worker.check_load(tmp_path / "ckpt1", 1, seed)
-    admit_worker.check_load(path, 2, seed)
+    on_ranks(admit_reference.check_stream, 2, timeout=300, seed=seed, path=path)
+    on_ranks(admit_reference.check_load, 3, timeout=300, path=path, saved_world=2, seed=seed)
+    admit_reference.check_stream(seed, tmp_path / "ckpt1")
+    admit_reference.check_load(tmp_path / "ckpt1", 1, seed)
+    admit_reference.check_load(path, 2, seed)
 
 
 def test_false_admissions_of_a_small_sketch_stay_within_the_bound(sokpy_host):

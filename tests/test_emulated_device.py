@@ -11,29 +11,32 @@ import test_contract
 import test_dynamic
 import test_evict
 import test_lookup
+import test_nn
+import test_nn_fidelity
 import test_optim
 import test_optim_state
-from conftest import run_mpi, run_python
+from conftest import run_python
 from multirank import on_ranks
 
 ENV = {"SOKPY_EMULATE_DEVICE": "1", "SOKPY_EMULATE_DEVICE_IDS": "1"}
 
-JOBS = [
-    # (ranks, worker, arguments, the line every rank prints when its checks passed)
-    (1, "nn_worker.py", ["compare"], "compare ok"),
-    (2, "nn_worker.py", ["compare"], "compare ok"),
-    (2, "fidelity_worker.py", ["sequence"], "sequence ok"),
-    (2, "fidelity_worker.py", ["clip"], "clip ok"),  # in-place edits of table.grad reach the step
-    (2, "fidelity_worker.py", ["serve"], "serve ok"),
-]
-
 
 @pytest.mark.parametrize(
-    "nranks,worker,args,ok", JOBS, ids=lambda x: str(x) if not isinstance(x, list) else "-".join(map(str, x))
+    "body",
+    [
+        test_nn_fidelity.test_sequence_collection_matches_reference,
+        test_nn_fidelity.test_clip_grad_norm_is_global_across_ranks,  # in-place edits of table.grad reach the step
+        test_nn_fidelity.test_served_module_equals_sharded_model,
+    ],
+    ids=lambda body: body.__name__.removeprefix("test_"),
 )
-def test_suite_job_on_the_emulated_device(nranks, worker, args, ok):
-    out = run_mpi(nranks, worker, *args, env=ENV, timeout=300)
-    assert out.count(ok) >= nranks, out[-3000:]
+def test_nn_fidelity_on_the_emulated_device(body):
+    on_ranks(body, 2, env=ENV, timeout=300)
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_nn_module_on_the_emulated_device(nranks):
+    on_ranks(test_nn.test_module_matches_free_functions, nranks, env=ENV, timeout=300)
 
 
 @pytest.mark.parametrize("nranks,seed", [(1, 61), (3, 63)])

@@ -582,7 +582,7 @@ def test_sightings_count_in_every_row_take_back_exactly_and_saturate(sokpy_host,
     definition), -1 takes a count back, the estimate is the least of a key's counters, and a
     saturated counter stays at 2^32 - 1 (still an upper bound) through a take-back."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-    from admit_worker import columns
+    from admit_reference import columns
 
     from sokpy.backends import runtime
     from sokpy.storage.admission import AdmissionFilter

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import run_mpi, run_python
+from conftest import run_python
 from multirank import on_ranks, ranks
 from reference import full_table, make_bags, pool
 
@@ -690,23 +690,51 @@ def _hot_key_reference(runs, t, combiner):
     return grads, mags
 
 
-@pytest.mark.parametrize("nranks", [1, 2])
-def test_a_hot_keys_gradient_matches_a_float64_sum_with_the_same_bits_in_both_launch_shapes(tmp_path, nranks):
-    """A key with thousands of positions is summed in pieces: the sum is that of its terms
-    within the rounding bound of such a sum, and the same bits come from the host's launch
-    shapes (segment_sum's thread sums every piece) and the device's (segment_piece_sums sums
-    the pieces after the first in parallel)."""
-    run_mpi(nranks, "hot_key_worker.py", tmp_path / "host")
-    run_mpi(nranks, "hot_key_worker.py", tmp_path / "device", env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"})
-    host = [dict(np.load(tmp_path / f"host.{r}.npz")) for r in range(nranks)]
-    device = [dict(np.load(tmp_path / f"device.{r}.npz")) for r in range(nranks)]
-    for h, d in zip(host, device):
-        assert h.keys() == d.keys()
-        assert not [k for k in h if not np.array_equal(h[k], d[k])], "the launch shapes differ"
-    hot = [3, 11, 123456789]
-    for t, combiner in enumerate(["sum", "mean", "sqrtn"]):
-        grads, mags = _hot_key_reference(host, t, combiner)
-        owners = [f for f in host if f"gkeys{t}" in f]  # a rank that owns none of the keys has no gradient
+def _hot_key_lookup(rank, world_size):
+    """A lookup whose tables each have one very hot key (thousands of positions on every rank,
+    so segment_sum adds the partial sums of many pieces) among ordinary keys, then backward;
+    the gradient rows of every rank against a float64 sum of their terms over every rank's
+    inputs, within the rounding bound of such a sum. Returns this rank's run: per table its
+    inputs (values, offsets, weights, the output's gradient) and the gradient rows it owns."""
+    rng = np.random.default_rng([5, rank])
+    nbags = 6000
+    tables = [
+        sokpy.Variable(2000, 16, initializer=sokpy.initializers.normal(0, 1), name="hot_sum"),
+        sokpy.Variable(700, 5, target_gpu=0, name="hot_mean"),
+        sokpy.DynamicVariable(8, name="hot_dynamic"),
+        sokpy.Variable(50, 4, name="hot_unused"),
+    ]
+    # (combiner, weighted, the hot key, how many of the hot key a bag holds at most, draw of
+    # the other keys); the last table's output gets no gradient.
+    specs = [
+        ("sum", True, 3, 1, lambda n: rng.integers(0, 2000, n)),
+        ("mean", True, 11, 2, lambda n: rng.integers(0, 700, n)),
+        ("sqrtn", False, 123456789, 1, lambda n: rng.integers(-(2**40), 2**40, n)),
+        ("sum", False, 7, 1, lambda n: rng.integers(0, 50, n)),
+    ]
+    ids, weights, upstream, run = [], [], [], {}
+    for t, (var, (_, weighted, hot, most, draw)) in enumerate(zip(tables, specs)):
+        bags = [[*draw(int(rng.integers(0, 4))), *[hot] * int(rng.integers(0, most + 1))] for _ in range(nbags)]
+        values = np.array([k for b in bags for k in b], np.int64)
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in bags])]).astype(np.int64)
+        w = rng.uniform(0.5, 2.0, values.size).astype(np.float32) if weighted else None
+        up = rng.standard_normal((nbags, var.dim)).astype(np.float32)
+        ids.append(sokpy.Ragged(torch.from_numpy(values), torch.from_numpy(offsets)))
+        weights.append(None if w is None else torch.from_numpy(w))
+        upstream.append(torch.from_numpy(up))
+        run.update({f"values{t}": values, f"offsets{t}": offsets, f"up{t}": up})
+        if w is not None:
+            run[f"weights{t}"] = w
+    outs = sokpy.lookup_sparse(tables, ids, sp_weights=weights, combiners=[s[0] for s in specs])
+    sum((o * u).sum() for o, u in zip(outs[:3], upstream[:3])).backward()
+    for t, var in enumerate(tables):
+        g = var.grad
+        if g is not None:
+            run[f"gkeys{t}"], run[f"grad{t}"] = g.keys.numpy(), g.values.numpy()
+    runs = sokpy.comm().allgather_object(run)
+    for t, (combiner, _, hot, _, _) in enumerate(specs[:3]):
+        grads, mags = _hot_key_reference(runs, t, combiner)
+        owners = [f for f in runs if f"gkeys{t}" in f]  # a rank that owns none of the keys has no gradient
         keys = np.concatenate([f[f"gkeys{t}"] for f in owners])
         got = np.concatenate([f[f"grad{t}"] for f in owners]).astype(np.float64)
         assert sorted(keys.tolist()) == sorted(grads)
@@ -715,8 +743,22 @@ def test_a_hot_keys_gradient_matches_a_float64_sum_with_the_same_bits_in_both_la
         # A term passes through at most 63 roundings in its piece's sum, one per later piece
         # in the sum of pieces, the division and the weight, the scale and the owner's merge
         # of ranks: each 2^-24 of the magnitudes at most (a serial sum would allow thousands).
-        most = max(int((f[f"values{t}"] == hot[t]).sum()) for f in host)
+        most = max(int((f[f"values{t}"] == hot).sum()) for f in runs)
         assert most >= 2500  # thousands of positions on a rank: dozens of pieces
-        roundings = 63 + -(-most // 64) + 3 + nranks
+        roundings = 63 + -(-most // 64) + 3 + world_size
         assert np.all(np.abs(got - want) <= 1.01 * roundings * 2.0**-24 * mag), f"table {t}"
-    assert all("gkeys3" not in f for f in host)  # the output without a gradient gives none
+    assert all("gkeys3" not in f for f in runs)  # the output without a gradient gives none
+    return run
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_a_hot_keys_gradient_matches_a_float64_sum_with_the_same_bits_in_both_launch_shapes(nranks):
+    """A key with thousands of positions is summed in pieces: the sum is that of its terms
+    within the rounding bound of such a sum (checked on every rank), and the same bits come
+    from the host's launch shapes (segment_sum's thread sums every piece) and the device's
+    (segment_piece_sums sums the pieces after the first in parallel)."""
+    host = on_ranks(_hot_key_lookup, nranks)
+    device = on_ranks(_hot_key_lookup, nranks, env={"SOKPY_EMULATE_DEVICE_SHAPES": "1"})
+    for h, d in zip(host, device):
+        assert h.keys() == d.keys()
+        assert not [k for k in h if not np.array_equal(h[k], d[k])], "the launch shapes differ"

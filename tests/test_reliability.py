@@ -16,7 +16,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_mpi, run_python
+from conftest import ROOT, WORKERS, launch_command, needs_horovod_env, run_python
+from multirank import ranks
 
 from sokpy.launch import sokrun as launcher
 
@@ -121,13 +122,28 @@ def test_a_collective_call_on_one_rank_is_named_as_collective(launch, tmp_path):
     assert not (tmp_path / "model.pt").exists()
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_a_collective_call_on_one_rank_names_what_the_others_were_doing(nranks):
+@ranks(2, 3)
+def test_a_collective_call_on_one_rank_names_what_the_others_were_doing(rank, world_size):
     """Rank 0 in state_dict while the others look up: every rank raises the same error naming
-    each rank's call and what to do, and the ranks go on in step (checked in the job)."""
-    out = run_mpi(nranks, "one_rank_call_worker.py", "other")
-    assert all(f"rank {r}: other ok" in out for r in range(nranks)), out
-    assert "rank 0: state_dict tables=[one_rank_t]" in out and f"rank {nranks - 1}: lookup_sparse" in out, out
+    each rank's call and what to do, and the ranks go on in step."""
+    from one_rank_model import trained_model
+
+    import sokpy
+
+    model, train_step = trained_model()
+    with pytest.raises(sokpy.CollectiveMismatchError) as raised:
+        if rank == 0:
+            model.state_dict()
+        else:
+            train_step(2)
+    text = str(raised.value)
+    texts = sokpy.comm().allgather_object(text)
+    assert all(t == text for t in texts), texts
+    calls = ["rank 0: state_dict tables=[one_rank_t]"]
+    calls += [f"rank {r}: lookup_sparse tables=[one_rank_t]" for r in range(1, world_size)]
+    for piece in (*calls, "collective", "call state_dict() on every rank"):
+        assert piece in text, f"{piece!r} not in:\n{text}"
+    train_step(3)  # still in step
 
 
 @pytest.mark.parametrize("launch", ["mpirun", "sokrun"])

@@ -13,15 +13,17 @@ admitted keys to a capped shard than its share: every rank raises the same Input
 nothing changes, the counters included. The sketch is wide enough that no key of the stream
 collides in all its rows with another (asserted), so the counts and decisions are exact.
 
-Modes (argv[1]):
-  stream SEED PATH    bad arguments raise the same error on every rank; the stream; sokpy.save.
-  load PATH SAVED_WORLD SEED
-                      the saved job replayed on the reference, resharded to this world size
-                      (counters summed over the saved shards where the world size changed),
-                      compared with sokpy.load's tables; then more steps.
-"""
+The checks run on every rank (tests/test_admit.py calls :func:`check_stream` and
+:func:`check_load` through ``on_ranks``, and in its own process at one rank):
 
-import sys
+  check_stream(seed, path)      bad arguments raise the same error on every rank; the stream;
+                                sokpy.save to ``path``.
+  check_load(path, saved_world, seed)
+                                the saved job replayed on the reference, resharded to this
+                                world size (counters summed over the saved shards where the
+                                world size changed), compared with sokpy.load's tables; then
+                                more steps.
+"""
 
 import numpy as np
 import torch
@@ -296,7 +298,6 @@ def check_stream(seed, path):
     assert ERR_STEP in errors, errors
     assert all(sum(ref.refused) > 10 for ref in refs[:3]) and sum(refs[2].evicted) > 0, [r.refused for r in refs]
     sokpy.save(path, tables, optimizer=opt)
-    print(f"stream ok world={world}")
 
 
 def check_load(path, saved_world, seed):
@@ -310,15 +311,3 @@ def check_load(path, saved_world, seed):
     for var, ref in zip(tables, saved):
         check_state(var, ref, "after the load")
     stream(tables, saved, opt, seed, range(SAVE_STEPS, SAVE_STEPS + MORE_STEPS), world)
-    print(f"load ok world={world}")
-
-
-if __name__ == "__main__":
-    sokpy.init()
-    mode = sys.argv[1]
-    if mode == "stream":
-        check_stream(int(sys.argv[2]), sys.argv[3])
-    elif mode == "load":
-        check_load(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    else:
-        raise SystemExit(f"unknown mode {mode}")
