@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends import handoff, runtime
+from ..backends import handoff, kernels, runtime
 from ..backends.resident import resident
 from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
 from .forms import Bags, Keyed, Place, parse, place_of
@@ -233,7 +233,11 @@ def _structure(place: Place, keyed: Keyed, vector=None, key_start=None, nfeature
         vector = place.xp.full(PAST + 1, -1, np.int64)
     m = int(off.shape[0]) - 1
     args = (off, m, n, int(keyed.stride), nfeatures, key_start, vector)
-    runtime.launch("keyed_offsets_faults", m + 1, 1, args)
+    if place.device or runtime.current().xp is np:
+        runtime.launch("keyed_offsets_faults", m + 1, 1, args)
+    elif m >= 0:  # host arrays under a device backend: the same kernel, the host's build
+        grid, block = kernels.launch_shape(m + 1, 1, "host")
+        kernels.get("keyed_offsets_faults", "host")(grid, block, args)
     return vector
 
 
