@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from .arrays import numpy_address
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
@@ -81,11 +83,13 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     0
     """
     dtype = np.dtype(dtype)
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = math.prod(shape) * dtype.itemsize
+    flat = isinstance(shape, (int, np.integer))
+    count = int(shape) if flat else math.prod(shape)
+    nbytes = count * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    start = -numpy_address(raw) % ALIGN
+    a = raw[start : start + nbytes].view(dtype)
+    return a if flat else a.reshape(shape)
 
 
 def _give_back(ref) -> None:
