@@ -86,7 +86,31 @@ def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> 
     counted on the device (a sequence batch of a KeyedJaggedTensor there) gets its output
     layout from :func:`lay_out_outputs` once the call's read brought its sizes (its
     ``out_size`` is 0 until then). Raises ValueError for a keyed output over tables of
-    different batch sizes."""
+    different batch sizes.
+
+    A training loop makes the same call again and again: the result is kept with the table
+    set (which forgets it when a storage buffer is replaced, :meth:`TableSet.refresh`), by
+    everything it is made of, and each call gets its own copy of the descriptor."""
+    bags = batch.bag_start.tobytes() if isinstance(batch.bag_start, np.ndarray) else None
+    key = (
+        np.asarray(combiners).tobytes(),
+        batch.weighted.tobytes(),
+        bags,
+        bool(keyed),
+        world,
+        int(batch.keys.shape[0]),
+    )
+    found = ts.described.get(key)
+    if found is None:
+        found = _describe(ts, batch, combiners, keyed, world)
+        if len(ts.described) >= 64:
+            ts.described.clear()
+        ts.described[key] = found
+    shape, tabs = found
+    return shape, tabs.copy()
+
+
+def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
     c = kernels.constants()
     ntab = len(ts.dims)
     n = int(batch.keys.shape[0])
