@@ -61,9 +61,11 @@ def keyed_batch(per_table_keys, wl) -> KeyedJaggedTensor:
 class SokpyContestant:
     name = "sokpy"
 
-    def __init__(self, wl, dtype: str = "float32", init_tables=None):
+    def __init__(self, wl, dtype: str = "float32", init_tables=None, fused: bool = False):
         """``dtype``: the tables' values (float16 / bfloat16: half-precision rows, stochastic
-        rounding), starting from ``init_tables`` (rounded to nearest) when given."""
+        rounding), starting from ``init_tables`` (rounded to nearest) when given. ``fused``:
+        the Adagrad fused into the backward (``fused=True``; its optimizer phase is then the
+        no-op ``step()`` and the update is timed in the backward)."""
         import sokpy
 
         self.sokpy = sokpy
@@ -72,6 +74,8 @@ class SokpyContestant:
         if dtype != "float32":
             self.name = {"float16": "sokpy_fp16", "bfloat16": "sokpy_bf16"}[dtype]
         prefix = "" if dtype == "float32" else f"{dtype}_"
+        if fused:
+            self.name, prefix = self.name + "_fused", prefix + "fused_"
         self.vars = [
             sokpy.Variable(
                 wl.rows,
@@ -86,7 +90,7 @@ class SokpyContestant:
         if init_tables is not None:
             for v, w in zip(self.vars, init_tables):
                 sokpy.assign(v, torch.arange(wl.rows), w)
-        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0)
+        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0, fused=fused)
         self.inputs = [keyed_batch(b, wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
 
@@ -395,6 +399,8 @@ def run(args) -> dict:
         contestants.append(DynamicSokpyContestant(wl, init))
     if args.per_table:
         contestants.append(PerTableSokpyContestant(wl, init))
+    if args.fused:  # the same Adagrad fused into the backward, interleaved with the unfused one
+        contestants.insert(1, SokpyContestant(wl, "float32", init, fused=True))
     contestants.append(TorchContestant(wl, init))
     if args.half:  # half-precision rows, from the same tables rounded to nearest
         contestants.insert(1, SokpyContestant(wl, args.half, init))
@@ -647,6 +653,11 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--dynamic", action="store_true", help="also run sokpy with the tables as DynamicVariables (keys over int64)"
+    )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="also run sokpy with its Adagrad fused into the backward (fused=True), beside the unfused one",
     )
     p.add_argument(
         "--per-table",

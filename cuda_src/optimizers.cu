@@ -7,9 +7,16 @@
 // kernel per optimizer kind changes each row and its state once. Rows that got no gradient
 // are not touched.
 //
-// Shared arguments of the update kernels, for unique row u < n:
+// A fused optimizer (fused=True) applies its update in the lookup's backward instead: its
+// update kernel takes the rows' unsummed gradient pieces (perm, seg) and sums each row's
+// pieces, as merge_grads does, in the pass that updates the row: one pass over the rows.
+//
+// Shared arguments of the update kernels, for unique row u < n (or < *count, when count is
+// not null: counted on the device):
 //   otab[u]   the table (index into tabs / ptrs / hyper), rows[u] its stored row
-//   grad      gradient rows; row u's summed gradient starts at element grad_offsets[u]
+//   grad      gradient rows; with perm null, row u's summed gradient starts at element
+//             grad_offsets[u]; else its pieces start at grad_offsets[perm[k]], k in
+//             [seg[u], seg[u+1]), summed into the first in place (sokpy_grad_row)
 //   hyper     float [ntables, SOKPY_HYPER_FIELDS]: the table's hyper-parameters, as each kernel names
 // A stored row holds the values (dim floats, or ceil(dim / 2) columns of 16-bit values: a half
 // table, sokpy_half.cuh), then each optimizer slot (dim floats each, or one float for a row-wise
@@ -19,25 +26,35 @@
 
 #define SOKPY_HYPER_FIELDS 8
 
-// For unique row u, the gradient rows that arrived for it start at elements off[perm[k]] of
-// grad, k in [seg[u], seg[u+1]) (arrival order). Adds them, in that order, into the first,
-// writes that row's offset to grad_offsets[u] and sets bad[u] = 1 when the sum is not finite (bad
-// starts zeroed). The row's table otab[u] gives its dimension. The unique rows are the first
-// n, or, when count is not null, the first *count (counted on the device; n bounds it).
+// Row u's summed gradient. Where perm is null, the row at grad + off[u], summed already. Else
+// the gradient rows that arrived for it start at elements off[perm[k]] of grad, k in
+// [seg[u], seg[u+1]) (arrival order): they are added, in that order, into the first, whose
+// address is returned. merge_grads and the update kernels (a fused optimizer's, which takes
+// the unsummed pieces) sum a row here alike, so both give the same bits.
+__device__ __forceinline__ float* sokpy_grad_row(float* grad, const i64* off, const i64* perm, const i64* seg, i64 u,
+                                                 int dim) {
+    if (!perm) return grad + off[u];
+    float* g = grad + off[perm[seg[u]]];
+    for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
+        sokpy_row_axpy(g, grad + off[perm[k]], 1.0f, dim, false);  // g += 1 * o: exactly g + o
+    }
+    return g;
+}
+
+// For unique row u, sums its gradient rows (sokpy_grad_row) into the first, writes that row's
+// offset to grad_offsets[u] and sets bad[u] = 1 when the sum is not finite (bad starts
+// zeroed). The row's table otab[u] gives its dimension. The unique rows are the first n, or,
+// when count is not null, the first *count (counted on the device; n bounds it).
 extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* perm, const i64* seg, const i64* otab,
                                        const i64* tabs, i64 n, const i64* count, i64* grad_offsets, int* bad) {
     if (count) n = *count;
     SOKPY_FOR_ROWS(u, n) {
         const int dim = (int)SOKPY_TAB(tabs, otab[u], SOKPY_TAB_DIM);
-        const i64 first = off[perm[seg[u]]];
-        float* g = grad + first;
-        for (i64 k = seg[u] + 1; k < seg[u + 1]; ++k) {
-            sokpy_row_axpy(g, grad + off[perm[k]], 1.0f, dim, false);  // g += 1 * o: exactly g + o
-        }
+        float* g = sokpy_grad_row(grad, off, perm, seg, u, dim);
         int ok = 1;
         SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(g[d]);
         if (!ok) bad[u] = 1;
-        if (threadIdx.x == 0) grad_offsets[u] = first;
+        if (threadIdx.x == 0) grad_offsets[u] = g - grad;
     }
 }
 
@@ -75,7 +92,7 @@ extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* p
     }                                                                                            \
     float* w = data + rows[u] * width;                                                           \
     float* slots = w + vcols;                                                                    \
-    const float* g = grad + grad_offsets[u];                                                             \
+    const float* g = sokpy_grad_row(grad, grad_offsets, perm, seg, u, dim);                      \
     if (rc.stochastic) rc.row_bits = sokpy_round_row_hash(seed, step, sokpy_key_of_row(tabs, ptrs, t, rows[u])); \
     if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == t) {               \
         sokpy_prefetch_row(data + rows[u + SOKPY_PREFETCH_UPDATES] * width, (int)width);         \
@@ -118,8 +135,9 @@ __device__ __forceinline__ void sgd_row(V* __restrict__ w, const float* __restri
                                         const sokpy_rounding& rc) {
     SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d], rc);
 }
-extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
-                                      i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void sgd_update(const i64* otab, const i64* rows, float* grad, const i64* grad_offsets,
+        const i64* perm, const i64* seg, const i64* count, i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    if (count) n = *count;
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -137,8 +155,9 @@ __device__ __forceinline__ void adagrad_row(V* __restrict__ w, float* __restrict
         sokpy_put(w, d, sokpy_get(w, d, rc) - lr * g[d] / (sqrtf(acc) + eps), rc);
     }
 }
-extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
-                                          i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void adagrad_update(const i64* otab, const i64* rows, float* grad, const i64* grad_offsets,
+        const i64* perm, const i64* seg, const i64* count, i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    if (count) n = *count;
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -166,9 +185,9 @@ __device__ __forceinline__ void rowwise_adagrad_row(V* __restrict__ w, float* __
     const float multiplier = lr / (sqrtf(a) + eps);
     for (int d = 0; d < SOKPY_DIM(DIM, dim); ++d) sokpy_put(w, d, sokpy_get(w, d, rc) - g[d] * multiplier, rc);
 }
-extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, const float* grad,
-                                                  const i64* grad_offsets, i64 n, const i64* tabs, const u64* ptrs,
-                                                  const float* hyper) {
+extern "C" __global__ void rowwise_adagrad_update(const i64* otab, const i64* rows, float* grad, const i64* grad_offsets,
+        const i64* perm, const i64* seg, const i64* count, i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    if (count) n = *count;
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_KEYS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -203,8 +222,9 @@ __device__ __forceinline__ void ftrl_row(V* __restrict__ w, float* __restrict__ 
         sokpy_put(w, d, (clipped - zd) / (pow_new / lr + 2.0f * l2), rc);
     }
 }
-extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
-                                       i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void ftrl_update(const i64* otab, const i64* rows, float* grad, const i64* grad_offsets,
+        const i64* perm, const i64* seg, const i64* count, i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    if (count) n = *count;
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)
@@ -228,8 +248,9 @@ __device__ __forceinline__ void adam_row(V* __restrict__ w, float* __restrict__ 
         sokpy_put(w, d, sokpy_get(w, d, rc) - step_size * md / (sqrtf(vd) + eps), rc);
     }
 }
-extern "C" __global__ void adam_update(const i64* otab, const i64* rows, const float* grad, const i64* grad_offsets,
-                                       i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+extern "C" __global__ void adam_update(const i64* otab, const i64* rows, float* grad, const i64* grad_offsets,
+        const i64* perm, const i64* seg, const i64* count, i64 n, const i64* tabs, const u64* ptrs, const float* hyper) {
+    if (count) n = *count;
     SOKPY_UPDATE_TABLE
     SOKPY_FOR_ROWS(u, n) {
         SOKPY_UPDATE_ROW(u)

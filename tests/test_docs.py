@@ -295,3 +295,34 @@ def test_github_anchor():
     )
     assert github_anchor("GPU (device backend)") == "gpu-device-backend"
     assert github_anchor("The `sokrun` launcher") == "the-sokrun-launcher"
+
+
+# ---- the benchmarks page's figures -------------------------------------------------------------
+
+
+def plotted_figures():
+    """``{name: JSON file}`` of ``FIGURES`` in benchmarks/plots.py, read without importing it."""
+    tree = ast.parse((ROOT / "benchmarks" / "plots.py").read_text())
+    (table,) = [
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "FIGURES" for t in n.targets)
+    ]
+    return {key.value: value.elts[0].value for key, value in zip(table.keys, table.values)}
+
+
+def test_every_plot_on_the_benchmarks_page_is_drawn_by_plots_py_from_data_that_exists():
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    figures = plotted_figures()
+    shown = re.findall(r"\]\(img/([\w-]+)\.png\)", page)
+    assert shown and set(shown) <= set(figures), set(shown) - set(figures)
+    assert "python benchmarks/plots.py" in page
+    missing = [f"{name}: {figures[name]}" for name in shown if not (ROOT / "docs" / "data" / figures[name]).exists()]
+    assert not missing, missing
+
+
+def test_every_json_the_benchmarks_page_names_is_in_docs_data():
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    named = set(re.findall(r"`([\w.-]+\.json)`", page))
+    assert len(named) >= 10
+    assert not [n for n in named if not (ROOT / "docs" / "data" / n).exists()]

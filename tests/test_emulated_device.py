@@ -105,11 +105,12 @@ import numpy as np, torch, sokpy
 from sokpy.backends import runtime
 sokpy.init()
 launched = {}
-real = runtime.launch
+be = runtime.current()
+real = be.launch
 def spy(name, n, dim, args):
     launched.setdefault(name, []).append(n)
     return real(name, n, dim, args)
-runtime.launch = spy
+be.launch = spy
 rng = np.random.default_rng(5)
 a, b = sokpy.Variable(1000, 8, seed=1, name="a"), sokpy.Variable(50, 16, seed=2, name="b")
 keys = [rng.choice(rng.permutation(1000)[:40], 3000), rng.choice(rng.permutation(50)[:20], 600)]

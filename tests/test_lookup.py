@@ -609,6 +609,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     per group read (several ranks), with their total read (one rank on a device, in the
     forward) or from the compacted marks (one rank on the host)."""
     from sokpy.backends import kernels
+    from sokpy.exchange.plan.context import StageContext
     from sokpy.exchange.plan.dedup import Dedup
 
     c = kernels.constants()
@@ -629,7 +630,8 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     # Exact values hold everything the deduplication needs: it must not read the keys then.
     given = np.full(n, -7, np.int64) if exact else keys
     hi = pos_bits + value_bits + 2
-    d = Dedup(packed.astype(np.int64), given, tabs, pos_bits, value_bits, hi, exact, bag_of=bag_of)
+    ctx = StageContext.of_runtime()
+    d = Dedup(ctx, packed.astype(np.int64), given, tabs, pos_bits, value_bits, hi, exact, bag_of=bag_of)
     total = int(d.unique_count()[0]) if layout == "unique count read" else None
     per_group = d.counts(3).tolist()  # before the layout, from the running count (what the host reads)
     if layout == "counts read":

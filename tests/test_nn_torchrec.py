@@ -317,6 +317,9 @@ def test_distributed_model_parallel_refuses_what_it_cannot_honour(sokpy_host):
     (table,) = model["ebc"].tables()
     before = sokpy.export(table)[1].clone()
     model["ebc"]({"a": [[3]]}).values().sum().backward()  # SGD, lr 1: row 3 down by 1, inside backward
-    assert table.grad is None and torch.equal(sokpy.export(table)[1][3], before[3] - 1)
+    assert torch.equal(sokpy.export(table)[1][3], before[3] - 1)
+    assert dmp.fused_optimizer.fused  # fused into the backward: no gradient is held
+    with pytest.raises(RuntimeError, match=r"table 'dmp_r': reading table.grad .*SGD\(fused=True\)"):
+        table.grad  # noqa: B018 - the read is the test
     keys = ["ebc.embedding_bags.dmp_r.weight", "ebc.embedding_bags.dmp_r.optimizer"]  # no DDP prefix
     assert dmp.fused_optimizer.param_groups[0]["lr"] == 1.0 and list(dmp.state_dict()) == keys

@@ -32,7 +32,7 @@ from ..backends import runtime
 from ..backends.arrays import Array
 from ..backends.sorting import sort_by_bits
 
-__all__ = ["Merge", "merge_rows", "nonfinite_message"]
+__all__ = ["Merge", "Pieces", "group_rows", "merge_rows", "nonfinite_message"]
 
 
 def nonfinite_message(var, key: int) -> str:
@@ -97,6 +97,44 @@ def merge_rows(
     largest dimension. ``valid`` (bool, optional): entries to leave out (rows of outputs that
     got no gradient, keys a table does not hold). ``runs``: the entries come as that many runs
     ascending by (table, row) (0: unknown), which picks the sort."""
+    p = group_rows(table, rows, offsets, keys, ntables, capacity, valid, runs)
+    n = int(table.shape[0])
+    grad_offsets = runtime.scratch(max(n, 1), np.int64)
+    bad = runtime.xp().zeros(max(n, 1), np.int32)
+    args = (buffer, offsets, p.perm, p.seg, p.table, tabs, n, p.count, grad_offsets, bad)
+    runtime.launch("merge_grads", n, dim, args)
+    return Merge(p.table, p.rows, grad_offsets, p.keys, p.count, bad)
+
+
+class Pieces(NamedTuple):
+    """Gradient entries grouped by (table, row) on the device, not yet summed
+    (:func:`group_rows`): unique row u (u < ``count[0]``, counted on the device) is of table
+    ``table[u]``, stored row ``rows[u]``, key ``keys[u]``; its pieces are the entries
+    ``perm[k]``, k in ``[seg[u], seg[u + 1])``, in arrival order, each starting at element
+    ``offsets[perm[k]]`` of the buffer. ``merge_grads`` sums them; a fused optimizer's update
+    kernel sums them in the pass that updates the row."""
+
+    table: Array
+    rows: Array
+    keys: Array
+    offsets: Array
+    perm: Array
+    seg: Array
+    count: Array
+
+
+def group_rows(
+    table: Array,
+    rows: Array,
+    offsets: Array,
+    keys: Array,
+    ntables: int,
+    capacity: int,
+    valid: Array | None = None,
+    runs: int = 0,
+) -> Pieces:
+    """The entries grouped by (table, row), arrival order within, on the device (one sort and
+    a running count; nothing read back): :func:`merge_rows`'s arguments of the same names."""
     xp = runtime.xp()
     n = int(table.shape[0])
     table_bits, row_bits, pos_bits = _bits(ntables), _bits(capacity), _bits(n)
@@ -136,7 +174,4 @@ def merge_rows(
         seg[xp.where(starts_unique, before - 1, n + 1)] = xp.arange(n, dtype=np.int64)
     first = perm[seg[:n]]  # (past the count: position 0's)
     seg[count] = nvalid
-    grad_offsets = runtime.scratch(max(n, 1), np.int64)
-    bad = xp.zeros(max(n, 1), np.int32)
-    runtime.launch("merge_grads", n, dim, (buffer, offsets, perm, seg, table[first], tabs, n, count, grad_offsets, bad))
-    return Merge(table[first], rows[first], grad_offsets, keys[first], count, bad)
+    return Pieces(table[first], rows[first], keys[first], offsets, perm, seg, count)

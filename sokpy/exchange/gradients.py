@@ -66,7 +66,11 @@ class GradChunk:
     is a table index. ``rows_found``: no row is -1 (static tables, or rows kept by a step),
     so :meth:`entries` need not look. ``runs``: the entries come as this many runs, each
     ascending by (table index, row) (the blocks of the ranks that sent them, when every
-    table's keys were sorted by row); 0: no known order.
+    table's keys were sorted by row); 0: no known order. ``pieces``: where a fused optimizer
+    takes every row (:mod:`sokpy.exchange.fused_updates`), the owner leaves the rows unsummed:
+    ``(perm, seg)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, entry i (a unique row) then
+    has its pieces at ``offsets[perm[k]]``, k in ``[seg[i], seg[i + 1])``; only that optimizer
+    reads such a chunk.
 
     Its arrays belong to the stream it was made on (the backward's); a reader on another
     stream (a step, ``var.grad``) records its own on them first (:meth:`entries` does), so
@@ -89,6 +93,7 @@ class GradChunk:
         rows_found=False,
         runs=0,
         tables_used=None,
+        pieces=None,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
@@ -96,7 +101,7 @@ class GradChunk:
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used, self.tables_used = used, tables_used
         self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
-        self.runs = runs
+        self.runs, self.pieces = runs, pieces
         self.streams = {runtime.current().stream_handle()}  # the streams its arrays are recorded on (made on)
 
     def used_here(self) -> None:
@@ -158,16 +163,17 @@ class GradEntries(NamedTuple):
 
 
 def collect_entries(
-    tables: list, uid_order: np.ndarray, sorted_uids: np.ndarray, used: np.ndarray
+    tables: list, uid_order: np.ndarray, sorted_uids: np.ndarray, used: np.ndarray, refs: list | None = None
 ) -> GradEntries | None:
     """Every gradient entry of an optimizer's ``tables`` (in its param-group order), from all
     chunks they reference, or None when there is none. ``sorted_uids`` are the tables' uids in
     increasing order and ``uid_order`` the table indices in that order (the optimizer's layout
     caches both). Sets ``used[i]`` for the tables whose outputs received a gradient on some
-    rank."""
+    rank. ``refs``: the chunks of each table, where not its ``grad_refs`` (a fused
+    optimizer's, the backward's one chunk)."""
     xp = runtime.xp()
     ntab = len(tables)
-    refs = [v.grad_refs for v in tables]
+    refs = [v.grad_refs for v in tables] if refs is None else refs
     flat = list(chain.from_iterable(refs))
     if not flat:
         return None

@@ -11,7 +11,8 @@ tables' gradients sit in ``table.grad`` between backward and step, so one call c
 torch habit, ``clip_grad_norm_(model.parameters(), ...)``, names no table (they are not
 parameters): while some table holds a gradient the call refuses, naming the tables it would
 leave out (pass the model, or add ``ebc.tables()``; ``torch.nn.utils.clip_grad_norm_`` clips the
-dense part alone, if that is what is meant).
+dense part alone, if that is what is meant). Tables trained by a fused optimizer
+(``fused=True``) hold no gradient to clip: the call refuses them by name.
 
 Example::
 
@@ -38,6 +39,7 @@ import torch
 
 from ..backends import runtime
 from ..exchange import collective
+from ..exchange.fused_updates import refuse_fused
 from ..tables.table import Table, live_tables
 from .modules import EmbeddingCollectionBase
 
@@ -81,6 +83,9 @@ def clip_grad_norm_(
     infinite."""
     given_module = isinstance(parameters, torch.nn.Module)
     dense, tables = _split(parameters)
+    refusal = refuse_fused(tables, "clip_grad_norm_")
+    if refusal is not None:  # the same on every rank (every rank builds the same optimizers), before any change
+        raise RuntimeError(refusal)
     named = {id(t) for t in tables}
     left_out = sorted(t.name for t in live_tables() if t.grad_refs and id(t) not in named)
     error = None

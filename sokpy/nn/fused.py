@@ -23,14 +23,16 @@ _DEFAULT_LR = 0.01
 _DEFAULT_EPS = 1e-8
 # EmbOptimType values (TorchRec re-exports FBGEMM's enum) -> how sokpy builds the optimizer.
 _BUILDERS = {
-    "sgd": lambda tables, lr, eps: SGD(tables, lr=lr),
-    "exact_sgd": lambda tables, lr, eps: SGD(tables, lr=lr),
+    "sgd": lambda tables, lr, eps, fused: SGD(tables, lr=lr, fused=fused),
+    "exact_sgd": lambda tables, lr, eps, fused: SGD(tables, lr=lr, fused=fused),
     # FBGEMM's accumulator starts at 0; eps is added outside the square root, as sokpy's Adagrad.
-    "exact_adagrad": lambda tables, lr, eps: Adagrad(tables, lr=lr, eps=eps, initial_accumulator_value=0.0),
-    "exact_row_wise_adagrad": lambda tables, lr, eps: RowWiseAdagrad(tables, lr=lr, eps=eps),
+    "exact_adagrad": lambda tables, lr, eps, fused: Adagrad(
+        tables, lr=lr, eps=eps, initial_accumulator_value=0.0, fused=fused
+    ),
+    "exact_row_wise_adagrad": lambda tables, lr, eps, fused: RowWiseAdagrad(tables, lr=lr, eps=eps, fused=fused),
     # The approximate row-wise variant applies duplicate keys one after another; sokpy sums them
     # first (as the exact variant), which is what the approximation stands in for.
-    "row_wise_adagrad": lambda tables, lr, eps: RowWiseAdagrad(tables, lr=lr, eps=eps),
+    "row_wise_adagrad": lambda tables, lr, eps, fused: RowWiseAdagrad(tables, lr=lr, eps=eps, fused=fused),
 }
 _WHY_NOT = {
     "adam": "FBGEMM's Adam adds eps after the bias correction; sokpy.optim.Adam follows TensorFlow's formula",
@@ -52,8 +54,13 @@ def _type_name(optimizer: Any) -> str:
     return names.get(value, value.lower())
 
 
-def fused_optimizer(tables: Table | Iterable[Table], fused_params: Mapping[str, Any]) -> SparseOptimizer:
+def fused_optimizer(
+    tables: Table | Iterable[Table], fused_params: Mapping[str, Any], fused: bool = False
+) -> SparseOptimizer:
     """The sokpy optimizer for ``tables`` that TorchRec's ``fused_params`` describe.
+    ``fused=True`` builds it fused into the backward, as FBGEMM runs it (each lookup's
+    backward applies the update and no gradient is held: ``DistributedModelParallel``'s);
+    by default it keeps the gradients until ``step()``.
 
     ``fused_params["optimizer"]``: an ``EmbOptimType`` (TorchRec's or FBGEMM's), its value or
     its name. Mapped: ``SGD``/``EXACT_SGD`` -> :class:`sokpy.optim.SGD`; ``EXACT_ADAGRAD`` ->
@@ -92,7 +99,7 @@ def fused_optimizer(tables: Table | Iterable[Table], fused_params: Mapping[str, 
     lr = float(fused_params.get("learning_rate", _DEFAULT_LR))
     eps = float(fused_params.get("eps", _DEFAULT_EPS))
     params = [tables] if isinstance(tables, Table) else list(tables)
-    return _BUILDERS[kind](params, lr, eps)
+    return _BUILDERS[kind](params, lr, eps, fused)
 
 
 def _type_name_of_mode(mode: Any) -> str:

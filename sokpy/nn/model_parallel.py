@@ -6,9 +6,9 @@ optimizer inside backward, named in the sharders' ``fused_params``. Here the tab
 sharded already (each config's ``target_gpu``), so :class:`DistributedModelParallel` reads
 the same ``fused_params`` from the same sharders (TorchRec's ``EmbeddingBagCollectionSharder``
 / ``EmbeddingCollectionSharder``, or any object with ``fused_params`` and ``module_type``),
-builds the sokpy optimizer FBGEMM's formula gives (:func:`sokpy.nn.fused_optimizer`) and
-steps it inside backward, right after each lookup's gradients reached their rows, as FBGEMM
-does; the dense part is wrapped in ``DistributedDataParallel``. A plan is taken only when it
+builds the sokpy optimizer FBGEMM's formula gives (:func:`sokpy.nn.fused_optimizer`) fused
+into the backward (``fused=True``: each lookup's backward updates the rows where their
+gradients are summed, as FBGEMM does, and holds no gradient); the dense part is wrapped in ``DistributedDataParallel``. A plan is taken only when it
 places nothing (TorchRec's planner, run over sokpy's modules, finds none of its own);
 anything else it cannot honour is refused by name.
 
@@ -121,8 +121,7 @@ class DistributedModelParallel(torch.nn.Module):
                     "(EmbeddingCollectionSharder for an EmbeddingCollection), or train them with DDP and a sokpy "
                     "optimizer over module.tables()"
                 )
-            m._step_in_backward = fused_optimizer(m.tables(), params)
-            optimizers.append(m._step_in_backward)
+            optimizers.append(fused_optimizer(m.tables(), params, fused=True))
         self.fused_optimizer = optimizers[0] if len(optimizers) == 1 else optimizers
         self._plain = [module]  # not a submodule twice (DDP holds it)
         wrap = init_data_parallel and group_running() and any(p.requires_grad for p in module.parameters())

@@ -54,7 +54,6 @@ Example (any number of ranks)::
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -91,7 +90,6 @@ class EmbeddingCollectionBase(torch.nn.Module):
     _pooled = True
     _torchrec_key = "embedding_bags"  # TorchRec's state_dict key: <prefix><this>.<table>.weight
     _weighted = False
-    _step_in_backward: Any = None  # an optimizer DistributedModelParallel steps inside backward
 
     def __init__(
         self,
@@ -220,9 +218,6 @@ class EmbeddingCollectionBase(torch.nn.Module):
             source=(features, weights, self._inputs),
             **kwargs,
         )
-        node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
-        if self._step_in_backward is not None and node is not None:  # as FBGEMM: the step inside backward
-            node.register_hook(functools.partial(_step, self._step_in_backward))
         return outs, batch
 
     # ---- dtype and device --------------------------------------------------------------------------
@@ -270,12 +265,6 @@ class EmbeddingCollectionBase(torch.nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         load_tables(self.tables(), self._torchrec_key, state_dict, prefix, missing_keys, unexpected_keys)
-
-
-def _step(optimizer: Any, *grads: Any) -> None:
-    """The lookup's backward hook: its rows' gradients arrived; the optimizer steps on them."""
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 # TorchRec's MEAN: a weighted bag divided by its length, as FBGEMM's sharded modules do.

@@ -16,7 +16,10 @@ is claimed up front. ``opt.state[var.handle]`` shows them as views ``[local rows
 it merges the gradient rows that arrived for each row (from every rank and every backward
 since ``zero_grad``), refuses on every rank alike, before any change, a merged gradient that
 is not finite, then runs one fused update kernel for all its tables. Rows without a
-gradient are not touched. The numerics are in ``docs/numerics.md``.
+gradient are not touched. The numerics are in ``docs/numerics.md``. With ``fused=True``
+(FBGEMM's and TorchRec's optimizer fused into the backward) the update runs inside each
+lookup's backward instead, where the gradient rows are summed, and no gradient is held
+(:mod:`sokpy.optim.in_backward`); ``step()`` then only runs its closure.
 
 The package's parts: :mod:`sokpy.optim.base` (:class:`SparseOptimizer`: param groups, each
 table's state, the step), :mod:`sokpy.optim.state` (``state_dict`` and ``load_state_dict``:

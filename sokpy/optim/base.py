@@ -2,7 +2,8 @@
 table's state (its step count and its slots, views of its storage), the collective
 :meth:`~SparseOptimizer.step` (the gradient entries from :mod:`sokpy.exchange.gradients`, the agreed
 finite verdict, one fused update kernel for all tables); ``state_dict`` and
-``load_state_dict`` are :mod:`sokpy.optim.state`'s."""
+``load_state_dict`` are :mod:`sokpy.optim.state`'s; a fused optimizer's update inside the
+backward is :mod:`sokpy.optim.in_backward`'s."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 
 from ..backends import handoff, kernels, runtime
 from ..exchange import collective
+from ..exchange.fused_updates import is_fused
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries
-from ..exchange.table_sets import table_set
+from ..exchange.table_sets import TableSet, table_set
 from ..tables.table import Table
-from . import state
+from . import in_backward, state
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
@@ -115,14 +117,33 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     A slot named in ``row_slots`` holds one float per row instead of one per element; an update
     kernel that reduces over a row's dimension sets ``row_kernel`` and is launched with one
-    thread per row (``block.x = 1``)."""
+    thread per row (``block.x = 1``).
+
+    ``fused=True`` (FBGEMM's and TorchRec's optimizer fused into the backward) applies the
+    update inside each lookup's backward, in the pass over the rows that sums their
+    gradients, for users who do not need the tables' gradients: no gradient is held, so
+    ``table.grad``, ``sokpy.nn.clip_grad_norm_`` over the tables and a second optimizer over
+    them are refused by name. Each backward is a step: the tables that got a gradient count
+    it (Adam's bias correction), with the hyper-parameters the param groups hold at that
+    moment (an lr scheduler's changes apply from the next backward); :meth:`step` runs only
+    the closure (call it as usual: lr schedulers expect it), :meth:`zero_grad` has nothing to
+    drop. A non-finite gradient cannot be refused before the rows change, so there is no
+    finite check (``check_finite=True`` is refused), as in FBGEMM."""
 
     kernel: str = ""
     slots: dict = {}  # noqa: RUF012 - a class-level constant of each subclass
     row_slots: tuple = ()
     row_kernel: bool = False
 
-    def __init__(self, params: Params, defaults: dict, check_finite: bool = True) -> None:
+    def __init__(self, params: Params, defaults: dict, check_finite: bool | None = None, fused: bool = False) -> None:
+        name = type(self).__name__
+        if fused and check_finite:
+            raise ValueError(
+                f"{name}(fused=True, check_finite=True): a fused optimizer updates each row in the pass that "
+                "sums its gradient, before any rank could refuse a gradient that is not finite; leave "
+                "check_finite unset under fused=True (no check, as FBGEMM's fused optimizers)"
+            )
+        self.fused = bool(fused)
         self._var_of: dict[int, Table] = {}
         self._layout_cache: _Layout | None = None
         self._last_hyper: tuple[list, np.ndarray] | None = None  # the uniform case's row and array (_hyper)
@@ -131,7 +152,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         if not given:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
         groups: list[dict[str, Any]] = given if isinstance(given[0], dict) else [{"params": given}]
-        self.check_finite = check_finite
+        self.check_finite = not self.fused if check_finite is None else bool(check_finite)
         super().__init__(groups, defaults)
 
     # ---- param groups --------------------------------------------------------------------------
@@ -152,9 +173,14 @@ class SparseOptimizer(torch.optim.Optimizer):
                     "(use a torch optimizer for dense parameters)"
                 )
             if v.optimizer is not None and v.optimizer is not self:
-                raise ValueError(f"table {v.name!r} is already trained by another optimizer")
+                raise ValueError(_trained_already(v, self))
             if id(v.handle) in self._var_of:
                 raise ValueError(f"table {v.name!r} appears in more than one parameter group")
+            if self.fused and v.grad_refs:
+                raise ValueError(
+                    f"table {v.name!r} holds gradients of an earlier backward, which {type(self).__name__}"
+                    "(fused=True) would never apply: call table.zero_grad() first"
+                )
             tables.append(v)
         group["params"] = [v.handle for v in tables]
         _torch_add_param_group(self, group)
@@ -217,16 +243,46 @@ class SparseOptimizer(torch.optim.Optimizer):
         rows = [self.hyper(self.param_groups[int(group_index[i])], int(steps[i])) for i in first.tolist()]
         return _fields(rows)[inverse.reshape(-1)]
 
+    def _advance(self, layout: _Layout, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Counts a step for the tables ``used`` marks; returns every table's step count and
+        hyper-parameters after it."""
+        self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
+        steps = self._steps.values[layout.counts]
+        return steps, self._hyper(layout.group_index, steps)
+
+    def _launch(self, ts: TableSet, steps: np.ndarray, hyper: np.ndarray, rows: tuple, n: int, pieces=None) -> None:
+        """One launch of the update kernel over the tables ``ts`` describes (``steps`` and
+        ``hyper`` per table of ``ts``). ``rows``: ``(table index, stored row, gradient buffer,
+        offsets)`` of n unique rows, each row's gradient summed; or, with ``pieces``
+        (``(perm, seg, count)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, count on the
+        device or None), unsummed pieces that the kernel sums as it updates."""
+        xp, c = runtime.xp(), kernels.constants()
+        tabs = ts.tabs
+        if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
+            tabs = tabs.copy()
+            tabs[:, c["SOKPY_TAB_STEP"]] = steps
+        cols = 1 if self.row_kernel else int(ts.dims.max(initial=1))
+        perm, seg, count = pieces or (None, None, None)
+        args = (*rows, perm, seg, count, n, xp.asarray(tabs), xp.asarray(ts.ptrs), xp.asarray(hyper))
+        runtime.launch(self.kernel, n, cols, args)
+
+    def update_in_backward(self, chunk: GradChunk) -> None:
+        """A fused optimizer's update of its tables' rows from a backward's gradient chunk
+        (called by the lookup's backward: :mod:`sokpy.optim.in_backward`)."""
+        in_backward.update(self, chunk)
+
     @torch.no_grad()
     @runtime.entry
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Applies the gradients the tables hold (``var.grad``): collective, one merge and one
-        fused update for all tables."""
+        fused update for all tables. Under ``fused=True`` the backward applied them already:
+        only the closure runs (it returns its loss)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        xp = runtime.xp()
+        if self.fused:
+            return loss
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
@@ -236,32 +292,11 @@ class SparseOptimizer(torch.optim.Optimizer):
         error = None if grads is None else grads.error
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error if self.check_finite else None)
-        self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
+        steps, hyper = self._advance(layout, used)
         if grads is None:
             return loss
         n = int(grads.table_index.shape[0])
-        steps = self._steps.values[layout.counts]
-        hyper = self._hyper(layout.group_index, steps)
-        tabs = ts.tabs
-        c = kernels.constants()
-        if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
-            tabs = tabs.copy()
-            tabs[:, c["SOKPY_TAB_STEP"]] = steps
-        runtime.launch(
-            self.kernel,
-            n,
-            1 if self.row_kernel else int(ts.dims.max(initial=1)),
-            (
-                grads.table_index,
-                grads.rows,
-                grads.buffer,
-                grads.grad_offsets,
-                n,
-                xp.asarray(tabs),
-                xp.asarray(ts.ptrs),
-                xp.asarray(hyper),
-            ),
-        )
+        self._launch(ts, steps, hyper, (grads.table_index, grads.rows, grads.buffer, grads.grad_offsets), n)
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         chunk = GradChunk(
@@ -322,6 +357,19 @@ class SparseOptimizer(torch.optim.Optimizer):
         dynamic table creates the rows of keys it does not hold, except a capped one, which
         skips them. Checks everything before it changes anything."""
         state.load_state_dict(self, state_dict)
+
+
+def _trained_already(table: Table, optimizer: SparseOptimizer) -> str:
+    """The refusal of a second optimizer over ``table``, naming a fused one."""
+    other = table.optimizer
+    if is_fused(table) or optimizer.fused:
+        fused = other if is_fused(table) else optimizer
+        return (
+            f"table {table.name!r} is already trained by {type(other).__name__}; a table takes one optimizer, "
+            f"and {type(fused).__name__}(fused=True) updates it inside the backward, where no other could see "
+            "its gradient"
+        )
+    return f"table {table.name!r} is already trained by another optimizer"
 
 
 def _fields(rows: list[list[float]]) -> np.ndarray:

@@ -1,7 +1,22 @@
 """The optimizers, one update rule each: :class:`SGD`, :class:`Adagrad`,
 :class:`RowWiseAdagrad`, :class:`Ftrl` and :class:`Adam`. Each names its update kernel
 (``cuda_src/optimizers.cu``), its slots and their start values, and its per-table
-hyper-parameters; :class:`~sokpy.optim.base.SparseOptimizer` does the rest."""
+hyper-parameters; :class:`~sokpy.optim.base.SparseOptimizer` does the rest.
+
+Every one takes ``check_finite`` (refuse, on every rank and before any change, a step whose
+summed gradient is not finite; the default) and ``fused`` (``fused=True``: the update runs
+inside each lookup's backward, where the gradient rows are summed, and no gradient is held;
+see :class:`~sokpy.optim.base.SparseOptimizer`).
+
+Example (an optimizer fused into the backward)::
+
+    import sokpy
+    sokpy.init()
+    v = sokpy.Variable(100, 8, name="kinds_fused_doc")
+    opt = sokpy.optim.RowWiseAdagrad([v], lr=0.1, fused=True)
+    sokpy.lookup_sparse(v, [[1, 2], [2]], combiners="sum").sum().backward()  # rows 1, 2 updated here
+    opt.step()        # nothing left to apply (runs a closure, if given)
+    opt.zero_grad()   # nothing held"""
 
 from __future__ import annotations
 
@@ -33,9 +48,9 @@ class SGD(SparseOptimizer):
 
     kernel = "sgd_update"
 
-    def __init__(self, params: Params, lr: float, check_finite: bool = True) -> None:
+    def __init__(self, params: Params, lr: float, check_finite: bool | None = None, fused: bool = False) -> None:
         _check("lr", lr, lr >= 0, ">= 0")
-        super().__init__(params, {"lr": lr}, check_finite)
+        super().__init__(params, {"lr": lr}, check_finite, fused)
 
     def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"]]
@@ -72,9 +87,10 @@ class Adagrad(SparseOptimizer):
         lr: float = 0.01,
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
+        fused: bool = False,
     ) -> None:
-        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite, fused)
 
     def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"], group["eps"]]
@@ -118,9 +134,10 @@ class RowWiseAdagrad(SparseOptimizer):
         lr: float = 0.01,
         eps: float = 1e-8,
         initial_accumulator_value: float = 0.0,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
+        fused: bool = False,
     ) -> None:
-        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite)
+        super().__init__(params, _adagrad_defaults(lr, eps, initial_accumulator_value), check_finite, fused)
 
     def hyper(self, group: dict, step: int) -> list[float]:
         return [group["lr"], group["eps"]]
@@ -154,7 +171,8 @@ class Ftrl(SparseOptimizer):
         l2: float = 0.0,
         l2_shrinkage: float = 0.0,
         beta: float = 0.0,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
+        fused: bool = False,
     ) -> None:
         _check("lr", lr, lr > 0, "> 0")
         _check("lr_power", lr_power, lr_power <= 0, "<= 0")
@@ -173,6 +191,7 @@ class Ftrl(SparseOptimizer):
                 "beta": beta,
             },
             check_finite,
+            fused,
         )
 
     def hyper(self, group: dict, step: int) -> list[float]:
@@ -210,13 +229,14 @@ class Adam(SparseOptimizer):
         lr: float = 0.001,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
+        fused: bool = False,
     ) -> None:
         _check("lr", lr, lr >= 0, ">= 0")
         _check("eps", eps, eps >= 0, ">= 0")
         for i, b in enumerate(betas):
             _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite, fused)
 
     def hyper(self, group: dict, step: int) -> list[float]:
         b1, b2 = group["betas"]

@@ -17,6 +17,7 @@ import torch
 
 from ..backends import runtime
 from ..exchange import collective
+from ..exchange.fused_updates import refuse_fused
 from ..exchange.gradients import SparseGrad, table_grad
 from ..initializers import Initializer, resolve
 from ..storage import InitSpec, Storage
@@ -128,7 +129,11 @@ class Table:
     def grad(self) -> SparseGrad | None:
         """This rank's sparse gradient: unique global keys (sorted) and their gradient rows,
         summed over every rank and every backward since the last ``zero_grad``, or None.
-        In-place edits of its ``values`` change what the next ``step()`` applies."""
+        In-place edits of its ``values`` change what the next ``step()`` applies. Refused
+        (RuntimeError) where a fused optimizer (``fused=True``) trains the table: it holds none."""
+        refusal = refuse_fused([self], "reading table.grad")
+        if refusal is not None:
+            raise RuntimeError(refusal)
         return table_grad(self)
 
     def zero_grad(self) -> None:

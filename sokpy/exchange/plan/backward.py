@@ -6,15 +6,17 @@ keeps."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from ...backends import kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from ..batch import segment_starts
 from .call import Call
+from .context import StageContext
 from .dedup import Dedup
 from .pooling import Pooled
 
@@ -26,11 +28,11 @@ class GradientRows:
     header, then its rows)."""
 
     dedup: Dedup
-    unique_offsets: Any
+    unique_offsets: Array
     block_elems: np.ndarray
 
 
-def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
+def _readable(grad: torch.Tensor, keep: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """``(tensor, row stride in elements)`` the gradient kernels can read for the output
     gradient ``grad`` (2-D): itself where it is float32 with adjacent columns, else a
     contiguous float32 copy (kept alive in ``keep`` until the kernels ran)."""
@@ -41,15 +43,17 @@ def _readable(grad: torch.Tensor, keep: list) -> tuple[torch.Tensor, int]:
     return g, g.stride(0) if g.shape[0] > 1 else g.shape[1]
 
 
-def grad_pointers(call: Call, grads) -> tuple[np.ndarray, Any, list]:
+def grad_pointers(
+    ctx: StageContext, call: Call, grads: Sequence[torch.Tensor | None]
+) -> tuple[np.ndarray, Array, list[torch.Tensor]]:
     """(used flags [T], device array of the gradients' addresses [T] then their row strides
     [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
     it lies, at its own row stride (an output's slice of a concatenation's gradient, a
     broadcast row); any other is copied into a contiguous one first. (A tensor's address is
     its ``data_ptr()`` on every backend.)"""
-    xp, c = runtime.xp(), kernels.constants()
+    xp, c = ctx.xp, kernels.constants()
     ntab = call.shape.ntables
-    keep: list = []
+    keep: list[torch.Tensor] = []
     words = np.zeros(2 * ntab, np.uint64)
     if call.keyed:
         used = np.full(ntab, grads[0] is not None)
@@ -81,7 +85,16 @@ def evicted_since(call: Call) -> str | None:
     return None
 
 
-def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf, used: np.ndarray, bad=None) -> None:
+def sum_gradient_rows(
+    ctx: StageContext,
+    call: Call,
+    rows: GradientRows,
+    gptr: Array,
+    pooled: Pooled,
+    buf: Array,
+    used: np.ndarray,
+    bad: Array | None = None,
+) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
     no float atomics. A hot key's positions are summed as a tree of pieces
@@ -91,7 +104,7 @@ def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf,
     forward (one rank on the host), segment_sum reads the bags in sorted order
     (``dedup.kbag``), else ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite, where the
     strategy asks for them."""
-    xp, shape, dev = runtime.xp(), call.shape, call.device
+    xp, shape, dev = ctx.xp, call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
     starts = segment_starts(rows.block_elems)[:-1]
@@ -101,11 +114,11 @@ def sum_gradient_rows(call: Call, rows: GradientRows, gptr, pooled: Pooled, buf,
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
     dim = int(shape.dims.max(initial=1))
     cols = kernels.vector_cols(dim)
-    parallel = runtime.current().pieces_in_parallel()
+    parallel = ctx.backend.pieces_in_parallel()
     levels = kernels.piece_levels(d.n) if parallel else []
-    pieces = runtime.scratch(sum(levels) * dim, np.float32) if levels else None
+    pieces = ctx.scratch(sum(levels) * dim, np.float32) if levels else None
     args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
     args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
     for level, slots in enumerate(levels, 1):
-        runtime.launch("segment_piece_sums", slots, cols, (*args, level, slots))
-    runtime.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), buf, rows.unique_offsets, scale, bad))
+        ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
+    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), buf, rows.unique_offsets, scale, bad))

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ...backends import kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from ..batch import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
 from .call_tables import CallTables
+from .context import StageContext
 from .layout import row_header
 
 
@@ -46,11 +47,11 @@ class DeviceBatch:
     keys in one array, where each table's keys and bags start, the bags' offsets and the
     per-key weights (None: unweighted)."""
 
-    keys: Any
-    key_start: Any
-    bag_start: Any
-    offsets: Any
-    weights: Any
+    keys: Array
+    key_start: Array
+    bag_start: Array
+    offsets: Array
+    weights: Array | None
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class Header:
     replies: np.ndarray | None
 
 
-def describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
+def describe(
+    ts: TableSet, batch: Batch, combiners: np.ndarray, keyed: bool, world: int
+) -> tuple[CallShape, np.ndarray]:
     """The call's shape and its host table descriptor (the table set's, with this call's
     combiners, weighting, output layout and exact sort values). A batch whose bags are
     counted on the device (a sequence batch of a KeyedJaggedTensor there) gets its output
@@ -170,9 +173,9 @@ def lay_out_outputs(call: Call) -> Call:
     return dataclasses.replace(call, shape=dataclasses.replace(call.shape, out_size=out_size))
 
 
-def to_device(batch: Batch) -> DeviceBatch:
+def to_device(ctx: StageContext, batch: Batch) -> DeviceBatch:
     """The batch's arrays on the backend."""
-    xp = runtime.xp()
+    xp = ctx.xp
     weights = None if batch.weights is None else xp.asarray(batch.weights)
     return DeviceBatch(
         xp.asarray(batch.keys),

@@ -4,12 +4,12 @@ date as dynamic tables grow."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ...backends import kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from ..table_sets import TableSet
+from .context import StageContext
 
 
 class CallTables:
@@ -20,18 +20,18 @@ class CallTables:
     pooling's source is known. ``evictions`` is the capped tables' eviction counts as the
     call's find left them (the backward checks that none evicted since)."""
 
-    def __init__(self, tables: list, ts: TableSet, tabs: np.ndarray, insert: bool, world: int):
-        self.tables, self.ts, self.tabs = tables, ts, tabs
+    def __init__(self, ctx: StageContext, tables: list, ts: TableSet, tabs: np.ndarray, insert: bool, world: int):
+        self.ctx, self.tables, self.ts, self.tabs = ctx, tables, ts, tabs
         self.ntables = len(tables)
         self.insert, self.world = insert, world
-        self.device_tabs: Any = runtime.xp().asarray(tabs)
-        self.device_ptrs: Any = None
+        self.device_tabs: Array = ctx.xp.asarray(tabs)
+        self.device_ptrs: Array = None
         self.evictions: list[int] = []
 
     def sync(self) -> None:
         """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
         now into this call's descriptor: a growth may have replaced them."""
-        xp, c = runtime.xp(), kernels.constants()
+        xp, c = self.ctx.xp, kernels.constants()
         self.ts.refresh(self.tables)
         for field in ("SOKPY_TAB_DIM", "SOKPY_TAB_WIDTH", "SOKPY_TAB_KIND", "SOKPY_TAB_INDEX_MASK"):
             self.tabs[:, c[field]] = self.ts.tabs[:, c[field]]
@@ -48,9 +48,9 @@ class CallTables:
         else:
             self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
             self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = 0  # gather_rows widened half rows to float32
-        self.device_tabs = runtime.xp().asarray(self.tabs)
+        self.device_tabs = self.ctx.xp.asarray(self.tabs)
 
-    def table_rows(self):
+    def table_rows(self) -> Array:
         """The tables' row addresses, as they are now (a backend array ``[T]``)."""
         c = kernels.constants()
-        return runtime.xp().asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
+        return self.ctx.xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())

@@ -3,12 +3,11 @@ two kernel passes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ...backends import runtime
+from ...backends.arrays import Array
 from ...backends.sorting import sort_by_bits
+from .context import StageContext
 
 
 class Dedup:
@@ -31,60 +30,71 @@ class Dedup:
     ``finish`` then takes the total: the layout is sized by the unique keys."""
 
     def __init__(
-        self, packed, keys, tabs, pos_bits: int, value_bits: int, hi: int, exact: bool, runs=None, bag_of=None
+        self,
+        ctx: StageContext,
+        packed: Array,
+        keys: Array,
+        tabs: Array,
+        pos_bits: int,
+        value_bits: int,
+        hi: int,
+        exact: bool,
+        runs: tuple | None = None,
+        bag_of: Array | None = None,
     ):
-        xp = runtime.xp()
+        self.ctx = ctx
+        xp = ctx.xp
         s = sort_by_bits(packed, pos_bits, hi, runs)
         n = int(s.shape[0])
         self.s, self.n, self.keys, self.tabs, self.exact = s, n, keys, tabs, exact
         self.pos_bits, self.value_bits = pos_bits, value_bits
-        self.pos = runtime.scratch(n, np.int64)
+        self.pos = ctx.scratch(n, np.int64)
         # 1 where a sorted position starts a unique key, else 0 (uint8 read as bool, which
         # numpy compacts faster than ints)
-        self.starts_unique = runtime.scratch(n, np.uint8)
+        self.starts_unique = ctx.scratch(n, np.uint8)
         self.collided_flag = xp.zeros(1, np.int32)
-        self.kbag = None if bag_of is None else runtime.scratch(n, np.int64)
+        self.kbag = None if bag_of is None else ctx.scratch(n, np.int64)
         args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
-        runtime.launch("mark_unique_keys", n, 1, args)
-        self.before: Any = None  # a device array once counted
+        ctx.launch("mark_unique_keys", n, 1, args)
+        self.before: Array = None  # a device array once counted
 
-    def unique_count(self):
+    def unique_count(self) -> Array:
         """The number of unique keys, a device array ``[1]``: the last entry of the running
         count ``before``, where ``before[k]`` is the number of unique keys at sorted positions
         below k (and so the number of the unique key that starts at k)."""
         if self.before is None:
-            self.before = runtime.scratch(self.n + 1, np.int64)
+            self.before = self.ctx.scratch(self.n + 1, np.int64)
             self.before[:1] = 0
-            runtime.xp().cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+            self.ctx.xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
         return self.before[self.n :]
 
-    def counts(self, ngroups: int):
+    def counts(self, ngroups: int) -> Array:
         """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
         Groups are contiguous in sorted order (a binary search finds where each starts)."""
-        xp = runtime.xp()
+        xp = self.ctx.xp
         self.unique_count()
-        edges = runtime.scratch(ngroups + 1, np.int64)
+        edges = self.ctx.scratch(ngroups + 1, np.int64)
         edges[:1], edges[ngroups:] = 0, self.n
         shift = self.pos_bits + self.value_bits
         edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
         return xp.diff(self.before[edges])
 
-    def finish(self, nuniq: int, collided: bool = False, starts=None) -> None:
+    def finish(self, nuniq: int, collided: bool = False, starts: Array | None = None) -> None:
         """Lays out the ``nuniq`` unique keys (read after :meth:`counts` or
         :meth:`unique_count`), numbering each from the running count (the layout kernel walks
         all sorted positions) or, given ``starts`` (their sorted positions), one thread per
         unique key. ``collided``: the read of the flag ``mark_unique_keys`` set."""
-        n = self.n
+        ctx, n = self.ctx, self.n
         if starts is None:
             self.unique_count()  # the running count (made already where the count was read)
         self.collided = bool(collided)
         self.nuniq = size = int(nuniq)
-        self.seg = runtime.scratch(size + 1, np.int64)
+        self.seg = ctx.scratch(size + 1, np.int64)
         self.seg[size:] = n
-        self.first = runtime.scratch(size, np.int64)  # position of each unique key's first use
-        self.ukeys = runtime.scratch(size, np.int64)
-        self.group = runtime.scratch(size, np.int64)
-        ntab, world = int(self.tabs.shape[0]), runtime.world_size()
+        self.first = ctx.scratch(size, np.int64)  # position of each unique key's first use
+        self.ukeys = ctx.scratch(size, np.int64)
+        self.group = ctx.scratch(size, np.int64)
+        ntab, world = int(self.tabs.shape[0]), ctx.comm.size
         count = n if starts is None else size
         args = (
             self.s,
@@ -98,12 +108,12 @@ class Dedup:
             ntab,
             self.tabs,
         )
-        runtime.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        ctx.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
         self.s = self.starts_unique = self.before = None  # sort buffers: back to the pool
 
     def finish_compacted(self) -> None:
         """:meth:`finish` with the unique keys' starts compacted from the marks, for a backend
         whose reads cost no wait (the host), where that costs less than the running count."""
-        xp = runtime.xp()
+        xp = self.ctx.xp
         starts = xp.flatnonzero(self.starts_unique.view(bool))
         self.finish(int(starts.shape[0]), not self.exact and bool(self.collided_flag[0]), starts)

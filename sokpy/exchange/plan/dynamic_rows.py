@@ -4,15 +4,17 @@ admission."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
-from ...backends import runtime
+from ...backends.arrays import Array
 from ...storage import admission, finish_inserts, plan_room
 from .. import collective
 from ..batch import segment_starts
 from .call_tables import CallTables
+from .context import StageContext
 
 
 class _Step(NamedTuple):
@@ -20,12 +22,20 @@ class _Step(NamedTuple):
     table index (the first of a table passed twice), the sightings (or None) and the new
     keys each such table inserts (by table index)."""
 
-    tab: Any
-    seen: Any
+    tab: Array
+    seen: admission.Sightings | None
     new: dict
 
 
-def find_rows(call: CallTables, keys, seg_start, nseg: int, incoming, seg_of=None):
+def find_rows(
+    ctx: StageContext,
+    call: CallTables,
+    keys: Array,
+    seg_start: Array,
+    nseg: int,
+    incoming: Callable[[], np.ndarray],
+    seg_of: Array | None = None,
+) -> Array:
     """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
     tables first (``incoming()`` returns the host's counts of keys per table; it is called,
     and may read them from the device, only then) and initialising the rows an insert
@@ -35,31 +45,31 @@ def find_rows(call: CallTables, keys, seg_start, nseg: int, incoming, seg_of=Non
     ts = call.ts
     n = int(keys.shape[0])
     if ts.dynamic and call.insert:
-        step = _take_step(call, keys, seg_start, nseg) if ts.capped or ts.admitting else None
+        step = _take_step(ctx, call, keys, seg_start, nseg) if ts.capped or ts.admitting else None
         new = {} if step is None else step.new
-        if len(new) < len(ts.dynamic):
-            incoming = incoming()
+        # keys per table, read only where some dynamic table's new keys are not known already
+        counts = incoming() if len(new) < len(ts.dynamic) else np.zeros(call.ntables, np.int64)
         need: dict[int, list] = {}  # a table passed several times reserves once, for all its keys
         for i in ts.dynamic:
             storage = call.tables[i].storage
             entry = need.setdefault(id(storage), [storage, 0])
-            entry[1] = new[i] if i in new else entry[1] + int(incoming[i])
+            entry[1] = new[i] if i in new else entry[1] + int(counts[i])
         for storage, count in need.values():
             storage.reserve(count)
         if step is not None and ts.admitting:
-            _insert_admitted(call, keys, step)
+            _insert_admitted(ctx, call, keys, step)
     call.sync()
-    rows = runtime.scratch(n, np.int64)
+    rows = ctx.scratch(n, np.int64)
     insert = int(call.insert and not ts.admitting)
     args = (keys, n, seg_start, nseg, call.ntables, call.device_tabs, call.device_ptrs, call.world, insert, rows)
-    runtime.launch("find_rows", n, 1, (*args, seg_of))
+    ctx.launch("find_rows", n, 1, (*args, seg_of))
     if ts.dynamic and call.insert:
         finish_inserts([call.tables[i].storage for i in ts.dynamic])
     call.evictions = [call.tables[i].storage.evicted for i in ts.capped]  # rows move only when some are evicted
     return rows
 
 
-def _take_step(call: CallTables, keys, seg_start, nseg: int) -> _Step:
+def _take_step(ctx: StageContext, call: CallTables, keys: Array, seg_start: Array, nseg: int) -> _Step:
     """Capped tables (``max_rows``) and tables with admission (``admit_after``): a find
     without insert tells each owner which keys its tables hold; the tables with admission
     count the sightings of the others (``admission.sight``) and leave out those not
@@ -69,12 +79,12 @@ def _take_step(call: CallTables, keys, seg_start, nseg: int) -> _Step:
     taken back); then each capped shard takes a step and evicts the rows of lowest score to
     make room for its new keys. Costs a find, a sort or two, a read of the counts and, on
     several ranks with capped tables, an allreduce: only calls with such tables pay them."""
-    xp = runtime.xp()
+    xp = ctx.xp
     call.sync()
     n = int(keys.shape[0])
-    rows, seg = runtime.scratch(n, np.int64), runtime.scratch(n, np.int64)
+    rows, seg = ctx.scratch(n, np.int64), ctx.scratch(n, np.int64)
     args = (keys, n, seg_start, nseg, call.ntables, call.device_tabs, call.device_ptrs, call.world, 0, rows, seg)
-    runtime.launch("find_rows", n, 1, args)
+    ctx.launch("find_rows", n, 1, args)
     first: dict[int, int] = {}  # a table passed twice counts once, under its first index
     alias = np.array([first.setdefault(id(t), i) for i, t in enumerate(call.tables)], np.int64)
     tab = xp.asarray(alias)[seg % call.ntables]
@@ -96,7 +106,7 @@ def _take_step(call: CallTables, keys, seg_start, nseg: int) -> _Step:
     return step
 
 
-def _make_room(call: CallTables, keys, rows, tab, alias) -> dict:
+def _make_room(call: CallTables, keys: Array, rows: Array, tab: Array, alias: np.ndarray) -> dict:
     """The capped tables' step (see ``_take_step``), from the call's keys (row -1: not
     held) and their table indices ``tab`` (the first index of a table passed twice):
     returns their rooms by that index."""
@@ -120,11 +130,11 @@ def _make_room(call: CallTables, keys, rows, tab, alias) -> dict:
     return room
 
 
-def _insert_admitted(call: CallTables, keys, step: _Step) -> None:
+def _insert_admitted(ctx: StageContext, call: CallTables, keys: Array, step: _Step) -> None:
     """A call with admission inserts, before its find, the admitted new keys of its tables
     with admission and every key of its other dynamic tables (grouped by table: one
     find_rows with insert), so that the find itself inserts nothing."""
-    xp = runtime.xp()
+    xp = ctx.xp
     seen, tab = step.seen, step.tab
     others = np.zeros(call.ntables, bool)
     others[[i for i in call.ts.dynamic if i not in call.ts.admitting]] = True
@@ -141,4 +151,4 @@ def _insert_admitted(call: CallTables, keys, step: _Step) -> None:
     seg_start = segment_starts(xp.bincount(t, minlength=call.ntables).astype(np.int64), xp)
     call.sync()
     args = (k, m, seg_start, call.ntables, call.ntables, call.device_tabs, call.device_ptrs, call.world, 1)
-    runtime.launch("find_rows", m, 1, (*args, runtime.scratch(m, np.int64), None))
+    ctx.launch("find_rows", m, 1, (*args, ctx.scratch(m, np.int64), None))

@@ -4,10 +4,14 @@ layout)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from ...backends.arrays import Array
 
-def add_per_block(x, cut, values) -> None:
+
+def add_per_block(x: Array, cut: np.ndarray, values: np.ndarray) -> None:
     """Adds ``values[p]`` to ``x[cut[p]:cut[p + 1]]`` for each block p (a loop over ranks, not
     keys or tables)."""
     for lo, hi, v in zip(cut[:-1].tolist(), cut[1:].tolist(), np.asarray(values).tolist()):
@@ -15,7 +19,7 @@ def add_per_block(x, cut, values) -> None:
             x[lo:hi] += v
 
 
-def rows_after_headers(cut, starts, header_slots: int, dim: int, xp=np):
+def rows_after_headers(cut: np.ndarray, starts: np.ndarray, header_slots: int, dim: int, xp: Any = np) -> Array:
     """The element offset of each key's row in a buffer of blocks of rows of one dimension:
     block p's keys, ``[cut[p], cut[p + 1])``, have their rows one after another from
     ``starts[p] + header_slots`` on (after the block's leading slots, ``row_header``)."""

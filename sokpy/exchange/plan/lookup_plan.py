@@ -5,18 +5,21 @@ between one rank and several is a strategy (:class:`~sokpy.exchange.plan.one_ran
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from ...backends import runtime
 from ...timing import timed
 from .. import collective
 from ..batch import Batch, BatchError
+from ..fused_updates import deliver
 from ..routing import route
 from ..table_sets import table_set
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, lay_out_outputs, to_device
 from .call_tables import CallTables
+from .context import StageContext
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
 from .several_ranks import SeveralRanks
@@ -45,16 +48,16 @@ class LookupPlan:
 
     def __init__(
         self,
-        tables,
+        tables: list,
         batch: Batch,
-        combiners,
+        combiners: np.ndarray,
         insert: bool,
         grad_reduction: str,
         keyed: bool,
         error: str | None,
         grad_mode: bool,
         wire_dtype: str = "float32",
-    ):
+    ) -> None:
         self.tables, self.batch = tables, batch
         self.combiners = combiners
         self.insert, self.keyed = bool(insert), bool(keyed)
@@ -67,6 +70,7 @@ class LookupPlan:
         self.seq = 0
         self.keys_ahead: collective.Agreement | None = None  # agree_keys ran: its agreement
         self.trains = np.array([t.requires_grad for t in tables], bool)  # frozen tables get no gradient
+        self.ctx: StageContext | None = None  # the runtime as the stages use it, from the forward on
 
     def call_text(self) -> str:
         """The call in messages, e.g. ``lookup_sparse tables=[user, item]`` (built only for one)."""
@@ -85,7 +89,7 @@ class LookupPlan:
         precedes the rows."""
         if self.keys_ahead is not None:
             return self._forward_after_keys()
-        world = runtime.comm().size
+        world = self._context().comm.size
         with timed("keys"):
             error, header, uids = self._group(world)
         with collective.Call(
@@ -121,17 +125,25 @@ class LookupPlan:
         assert self.strategy is not None and self.keys_ahead is not None
         self.strategy.send_keys(self.keys_ahead, channel.comm)
 
+    def _context(self) -> StageContext:
+        """The call's stage context: built once, in its forward (or :meth:`agree_keys`), and
+        kept for its backward."""
+        if self.ctx is None:
+            self.ctx = StageContext.of_runtime()
+        return self.ctx
+
     def _group(self, world: int) -> tuple[str | None, Header | None, tuple | None]:
         """describe -> route -> the strategy's group: ``(error, header, table uids)``; an
         error of this rank's input (or of this rank's grouping) comes back as its text, for
         the header to raise on every rank."""
         error, header, ts = self.error, None, None
+        ctx = self._context()
         if error is None:
             try:
                 ts = table_set(self.tables)
                 shape, tabs = describe(ts, self.batch, self.combiners, self.keyed, world)
-                tables = CallTables(self.tables, ts, tabs, self.insert, world)
-                device = to_device(self.batch)
+                tables = CallTables(ctx, self.tables, ts, tabs, self.insert, world)
+                device = to_device(ctx, self.batch)
                 self.call = call = Call(
                     tables,
                     shape,
@@ -145,7 +157,7 @@ class LookupPlan:
                 )
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
                 packed, bad = route(tables.device_tabs, *args)
-                self.strategy = OneRank(call) if world == 1 else SeveralRanks(call)
+                self.strategy = OneRank(ctx, call) if world == 1 else SeveralRanks(ctx, call)
                 header = self.strategy.group(packed, bad)
                 self.call = self.strategy.call = lay_out_outputs(call)  # a sequence batch's sizes came with the read
             except BatchError as e:  # a fault the device found in ids that arrived there
@@ -154,7 +166,9 @@ class LookupPlan:
                 error = f"{type(e).__name__}: {e}"
         return error, header, ts.key if error is None and ts is not None else None
 
-    def _agree(self, agreeing: collective.Call, error: str | None, header: Header | None, world: int):
+    def _agree(
+        self, agreeing: collective.Call, error: str | None, header: Header | None, world: int
+    ) -> collective.Agreement:
         """The call's header (the key counts it sends and the row elements it expects back):
         returns the agreement, or raises the same error on every rank."""
         if header is None:  # this rank's error: the header raises it on every rank
@@ -181,20 +195,20 @@ class LookupPlan:
         return self._pool(source)
 
     def _pool(self, source: Source) -> list[torch.Tensor]:
-        assert self.call is not None
-        self.pooled = pool(self.call, source)
+        assert self.call is not None and self.ctx is not None
+        self.pooled = pool(self.ctx, self.call, source)
         if self.grad_mode and self.batch.any_weight_grad():
             self.source = source  # the weights' gradient reads the pooled rows again
-        return outputs(self.call, self.pooled)
+        return outputs(self.ctx, self.call, self.pooled)
 
-    def backward(self, grads):
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Sends each unique key's gradient row to its owner (collective; timed as
         ``"grads"``). ``grads``: the
         outputs' gradients (None for an output that got none). Returns the gradients of the
         weights that require one (None for the others)."""
-        call, strategy, pooled = self.call, self.strategy, self.pooled
-        assert call is not None and strategy is not None and pooled is not None
-        used, gptr, keep = grad_pointers(call, grads)
+        ctx, call, strategy, pooled = self.ctx, self.call, self.strategy, self.pooled
+        assert ctx is not None and call is not None and strategy is not None and pooled is not None
+        used, gptr, keep = grad_pointers(ctx, call, grads)
         used &= self.trains  # a frozen table's rows are computed for the weights' gradients, then dropped
         with collective.Call(
             "lookup_sparse.backward",
@@ -207,8 +221,7 @@ class LookupPlan:
             with timed("grads"):
                 agreement = agreeing.agree(evicted_since(call), volume=strategy.backward_volume())
                 chunk = strategy.backward(gptr, used, pooled, agreement)
-        for t in self.tables:
-            t.grad_refs += (chunk,)
-        grads_of_weights = weight_grads(call, self.source, pooled, gptr)
+        grads_of_weights = weight_grads(ctx, call, self.source, pooled, gptr)  # reads the rows before any update
+        deliver(self.tables, chunk)  # kept for step(), or applied now by a fused optimizer
         del keep  # the gradient copies gptr points to: only now may they go
         return grads_of_weights

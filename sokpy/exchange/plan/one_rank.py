@@ -7,17 +7,17 @@ comes with the verdict and the backward's buffers and launches are sized by it."
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from ...backends import runtime
+from ...backends.arrays import Array
+from ...backends.communicator import Communicator
 from ..batch import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
+from .context import StageContext
 from .dedup import Dedup
 from .dynamic_rows import find_rows
 from .pooling import Pooled, Source
@@ -27,38 +27,38 @@ from .routing import read_verdict
 class OneRank:
     """The stages of a call on one rank, over its :class:`~sokpy.exchange.plan.call.Call`."""
 
-    def __init__(self, call: Call):
-        self.call = call
-        self.packed: Any = None  # route_keys' sort values, kept for the backward's deduplication
+    def __init__(self, ctx: StageContext, call: Call):
+        self.ctx, self.call = ctx, call
+        self.packed: Array = None  # route_keys' sort values, kept for the backward's deduplication
         # the forward's deduplication (a device), its number of unique keys and collision flag
         self.counted: tuple[Dedup, int, bool] | None = None
-        self.rows: Any = None  # each key's stored row (a static table's key is its row)
+        self.rows: Array = None  # each key's stored row (a static table's key is its row)
 
-    def group(self, packed, bad) -> Header:
+    def group(self, packed: Array, bad: Array) -> Header:
         """The call's one read from the device before the header: its verdict on the ids (the
         range check and the faults the device found in ids that arrived there), and on a
         device, for a call that may get a backward, the number of its unique keys and whether
         hashed keys shared a sort value."""
-        call = self.call
-        if call.grad_mode and not runtime.current().free_reads:
+        ctx, call = self.ctx, self.call
+        if call.grad_mode and not ctx.backend.free_reads:
             d = self._deduplicate(packed)
             more = (d.unique_count(), d.collided_flag.astype(np.int64))
-            nuniq, collided = read_verdict(call.batch, call.tables.tables, bad, *more).tolist()
+            nuniq, collided = read_verdict(ctx, call.batch, call.tables.tables, bad, *more).tolist()
             self.counted = (d, nuniq, not call.shape.exact and bool(collided))
         else:
-            read_verdict(call.batch, call.tables.tables, bad)
+            read_verdict(ctx, call.batch, call.tables.tables, bad)
             self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
 
-    def _deduplicate(self, packed, bag_of=None) -> Dedup:
+    def _deduplicate(self, packed: Array, bag_of: Array | None = None) -> Dedup:
         """The call's keys sorted and their unique keys marked (a key's group is its table, so
         tables are runs of groups)."""
         shape, dev = self.call.shape, self.call.device
         runs = (dev.key_start, shape.pos_bits + shape.value_bits)
         args = (packed, dev.keys, self.call.tables.device_tabs, shape.pos_bits, shape.value_bits)
-        return Dedup(*args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
+        return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
 
-    def send_keys(self, agreement: Agreement, comm=None) -> None:
+    def send_keys(self, agreement: Agreement, comm: Communicator | None = None) -> None:
         """Nothing: one rank's keys stay where they are."""
 
     def fetch(self, agreement: Agreement) -> Source:
@@ -68,7 +68,7 @@ class OneRank:
         dev = call.device
         if tables.ts.dynamic:
             starts = call.batch.host_key_start
-            self.rows = find_rows(tables, dev.keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
+            self.rows = find_rows(self.ctx, tables, dev.keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
         else:
             tables.sync()
             self.rows = dev.keys
@@ -78,11 +78,11 @@ class OneRank:
     def backward_volume(self) -> int:
         return 0
 
-    def backward(self, gptr, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
+    def backward(self, gptr: Array, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
         """Sums each unique key's gradient row and keeps them: no other rank adds to them, so
         the kernel checks them as it writes them and the optimizer step needs no merge pass.
         Every buffer and launch is sized by the unique keys."""
-        call, xp = self.call, runtime.xp()
+        ctx, call, xp = self.ctx, self.call, self.ctx.xp
         shape = call.shape
         if self.counted is not None:  # deduplicated and counted in the forward (a device)
             d, nuniq, collided = self.counted
@@ -99,15 +99,15 @@ class OneRank:
             offsets = segment_starts(xp.asarray(shape.dims)[d.group], xp)[:-1] + header_slots
         elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
         rows = GradientRows(d, offsets, elems)
-        buf = runtime.scratch(int(elems.sum()), np.float32)
+        buf = ctx.scratch(int(elems.sum()), np.float32)
         bad = xp.zeros(max(d.nuniq, 1), np.int32)
-        sum_gradient_rows(call, rows, gptr, pooled, buf, used, bad)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
         return self._chunk(rows, buf, bad, used)
 
-    def _chunk(self, rows: GradientRows, buf, bad, used: np.ndarray) -> GradChunk:
+    def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray) -> GradChunk:
         """The rows segment_sum wrote are the whole gradients. The backward's one read: whether
         any row is not finite."""
-        xp, call, d = runtime.xp(), self.call, rows.dedup
+        xp, call, d = self.ctx.xp, self.call, rows.dedup
         nuniq = d.nuniq
         any_bad = bool(bad[:nuniq].any())
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]

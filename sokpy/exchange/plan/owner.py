@@ -6,15 +6,16 @@ merged into the owner's :class:`~sokpy.exchange.gradients.GradChunk` (:func:`own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ...backends import handoff, runtime
+from ...backends.arrays import Array
 from ..batch import segment_starts
-from ..grad_merge import merge_rows
+from ..fused_updates import fused_taker
+from ..grad_merge import group_rows, merge_rows
 from ..gradients import GradChunk
 from .call import Call
+from .context import StageContext
 from .dynamic_rows import find_rows
 from .layout import rows_after_headers
 
@@ -26,11 +27,11 @@ class ReceivedKeys:
     (peer, table) segment starts (``seg_start``) and each key's segment (``seg``, filled by
     the find)."""
 
-    keys: Any
+    keys: Array
     per_peer: np.ndarray
-    counts: Any
-    seg_start: Any
-    seg: Any
+    counts: Array
+    seg_start: Array
+    seg: Array
 
 
 @dataclass(frozen=True)
@@ -40,40 +41,44 @@ class OwnedRows:
     elements sent to each peer (its header, then the rows it asked for). The backward reads
     them again; the reply's buffer itself is not kept."""
 
-    rows: Any
-    seg_elem: Any
+    rows: Array
+    seg_elem: Array
     send_elems: np.ndarray
 
 
-def gather_owned_rows(call: Call, received: ReceivedKeys, replies, sent_at: int) -> tuple[OwnedRows, Any]:
+def gather_owned_rows(
+    ctx: StageContext, call: Call, received: ReceivedKeys, replies: np.ndarray, sent_at: int
+) -> tuple[OwnedRows, Array]:
     """Finds the received keys' rows (growing dynamic tables first) and gathers them, widened
     to float32, into the reply: one ``gather_rows`` launch. Returns the rows' record and the
     buffer that holds the reply from element ``sent_at`` on (the elements in front of it are
     for the rows this rank receives, where they arrive in place). ``replies``: the elements
     each peer expects back (header included, from the collective header), so that the
     per-table counts need not come to the host."""
-    xp, shape, tables = runtime.xp(), call.shape, call.tables
+    xp, shape, tables = ctx.xp, call.shape, call.tables
     world, ntab = shape.world, shape.ntables
 
-    def incoming():  # keys per table, for growing dynamic tables (a read only for them)
-        return handoff.to_host(received.counts).reshape(world, ntab).sum(axis=0)
+    def incoming() -> np.ndarray:  # keys per table, for growing dynamic tables (a read only for them)
+        return ctx.to_host(received.counts).reshape(world, ntab).sum(axis=0)
 
-    rows = find_rows(tables, received.keys, received.seg_start, world * ntab, incoming, received.seg)
+    rows = find_rows(ctx, tables, received.keys, received.seg_start, world * ntab, incoming, received.seg)
     send_elems = np.asarray(replies, np.int64)
     peer_start = segment_starts(send_elems)[:-1]
     elems = received.counts.reshape(world, ntab) * xp.asarray(shape.dims)
     within = xp.cumsum(elems, axis=1) - elems
     seg_elem = (xp.asarray(peer_start + shape.header_slots)[:, None] + within).reshape(-1)
-    buffer = runtime.scratch(sent_at + int(send_elems.sum()), np.float32)
+    buffer = ctx.scratch(sent_at + int(send_elems.sum()), np.float32)
     reply = buffer[sent_at:]
     reply[xp.asarray((peer_start[:, None] + np.arange(shape.header_slots)).reshape(-1))] = 0.0
     nkeys = int(received.keys.shape[0])
     args = (rows, nkeys, received.seg_start, seg_elem, world * ntab, ntab, tables.device_tabs, tables.device_ptrs)
-    runtime.launch("gather_rows", nkeys, int(shape.dims.max(initial=1)), (*args, reply))
+    ctx.launch("gather_rows", nkeys, int(shape.dims.max(initial=1)), (*args, reply))
     return OwnedRows(rows, seg_elem, send_elems), buffer
 
 
-def owner_chunk(call: Call, received: ReceivedKeys, owned: OwnedRows, grecv, own: int) -> GradChunk:
+def owner_chunk(
+    ctx: StageContext, call: Call, received: ReceivedKeys, owned: OwnedRows, grecv: Array, own: int
+) -> GradChunk:
     """The owner's gradient rows, merged: per received key, its table and where its row
     starts (the same places its forward row left from; the block from this rank itself is
     ``own`` elements further on, where it was written, not received), then the rows of equal
@@ -81,7 +86,7 @@ def owner_chunk(call: Call, received: ReceivedKeys, owned: OwnedRows, grecv, own
     (each sender's flags lead its block) and of keys a table does not hold. The backward's
     one read: the flags, the number of unique rows and whether any sum is not finite; the
     optimizer step then reads nothing."""
-    xp, me = runtime.xp(), runtime.comm().rank
+    xp, me = ctx.xp, ctx.comm.rank
     shape, tables = call.shape, call.tables
     world, ntab = shape.world, shape.ntables
     starts = segment_starts(owned.send_elems)[:-1]
@@ -101,9 +106,12 @@ def owner_chunk(call: Call, received: ReceivedKeys, owned: OwnedRows, grecv, own
     if tables.ts.dynamic:
         valid &= owned.rows >= 0  # insert=False: keys the table does not hold
     # Exact sort values are the stored rows: each sender's block is sorted by (table, row).
+    runs = world if shape.exact else 0
+    if fused_taker(tables.tables) is not None:  # its update kernel sums each row's pieces
+        return _pieces_chunk(ctx, call, table, owned.rows, offsets, received.keys, grecv, flags, valid, runs)
     args = (table, owned.rows, offsets, received.keys, grecv, tables.device_tabs, ntab, tables.ts.capacity)
-    m = merge_rows(*args, int(shape.dims.max(initial=1)), valid=valid, runs=world if shape.exact else 0)
-    head = handoff.to_host(xp.concatenate([flags.astype(np.int64), m.flags()]))
+    m = merge_rows(*args, int(shape.dims.max(initial=1)), valid=valid, runs=runs)
+    head = ctx.to_host(xp.concatenate([flags.astype(np.int64), m.flags()]))
     used = head[: world * ntab].reshape(world, ntab) != 0
     table, rows, grad_offsets, keys, error = m.take(int(head[-2]), bool(head[-1]), tables.tables)
     return GradChunk(
@@ -119,4 +127,39 @@ def owner_chunk(call: Call, received: ReceivedKeys, owned: OwnedRows, grecv, own
         by_table=True,
         rows_found=True,
         tables_used=used.any(axis=0),
+    )
+
+
+def _pieces_chunk(
+    ctx: StageContext,
+    call: Call,
+    table: Array,
+    rows: Array,
+    offsets: Array,
+    keys: Array,
+    grecv: Array,
+    flags: Array,
+    valid: Array,
+    runs: int,
+) -> GradChunk:
+    """The owner's gradient rows grouped by (table, row) and left unsummed, for the fused
+    optimizer that trains every table of the call: the backward's one read takes the flags
+    and the number of unique rows (no finite verdict: a fused optimizer checks none)."""
+    xp, tables, shape = ctx.xp, call.tables, call.shape
+    p = group_rows(table, rows, offsets, keys, shape.ntables, tables.ts.capacity, valid=valid, runs=runs)
+    head = ctx.to_host(xp.concatenate([flags.astype(np.int64).reshape(-1), p.count]))
+    used = head[:-1].reshape(shape.world, shape.ntables) != 0
+    n = int(head[-1])
+    return GradChunk(
+        tables.tables,
+        grecv,
+        p.keys[:n],
+        p.rows[:n],
+        p.table[:n],
+        p.offsets,
+        uids=tables.ts.uids,
+        by_table=True,
+        rows_found=True,
+        tables_used=used.any(axis=0),
+        pieces=(p.perm, p.seg),
     )

@@ -6,13 +6,14 @@ read the pooled rows again (:func:`weight_grads`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from ...backends import handoff, kernels, runtime
+from ...backends import kernels
+from ...backends.arrays import Array
 from .call import Call
+from .context import StageContext
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,9 @@ class Source:
     one rank, an element offset in the received rows on several). ``rows`` keeps the received
     rows' buffer alive for as long as something reads it (None: the tables' own rows)."""
 
-    table_rows: Any
-    offsets: Any
-    rows: Any = None
+    table_rows: Array
+    offsets: Array
+    rows: Array = None
 
 
 @dataclass(frozen=True)
@@ -32,44 +33,48 @@ class Pooled:
     """The pooling's results: the output buffer, each bag's denominator (its combiner's) and,
     where gradients follow, each key's bag."""
 
-    out: Any
-    den: Any
-    bag_of: Any
+    out: Array
+    den: Array
+    bag_of: Array
 
 
-def pool(call: Call, source: Source) -> Pooled:
+def pool(ctx: StageContext, call: Call, source: Source) -> Pooled:
     """``combine_forward`` over every bag of every table: one launch."""
     b, dev, t = call.batch, call.device, call.tables
     nbags = int(b.offsets.shape[0]) - 1
-    out = runtime.scratch(call.shape.out_size, np.float32)
-    den = runtime.scratch(max(nbags, 1), np.float32)
-    bag_of = runtime.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
+    out = ctx.scratch(call.shape.out_size, np.float32)
+    den = ctx.scratch(max(nbags, 1), np.float32)
+    bag_of = ctx.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
     args = (source.table_rows, source.offsets, dev.offsets, dev.weights, dev.bag_start, call.shape.ntables)
     cols = kernels.vector_cols(int(call.shape.dims.max(initial=1)))
-    runtime.launch("combine_forward", nbags, cols, (*args, t.device_tabs, nbags, out, den, bag_of))
+    ctx.launch("combine_forward", nbags, cols, (*args, t.device_tabs, nbags, out, den, bag_of))
     return Pooled(out, den, bag_of)
 
 
-def outputs(call: Call, pooled: Pooled) -> list[torch.Tensor]:
+def outputs(ctx: StageContext, call: Call, pooled: Pooled) -> list[torch.Tensor]:
     """The call's outputs: one tensor per table, or one ``[B, sum(dims)]`` tensor when keyed.
     They share the output buffer without being autograd views of it, so that each may be
     modified in place like any other function's output."""
-    storage = handoff.to_torch(pooled.out).untyped_storage()
+    storage = ctx.to_torch(pooled.out).untyped_storage()
     dims = call.shape.dims
     if call.keyed:
         width = int(dims.sum())
-        return [_alias(storage, 0, call.shape.out_size // max(width, 1), width)]
+        return [_alias(ctx, storage, 0, call.shape.out_size // max(width, 1), width)]
     start = call.tables.tabs[:, kernels.constants()["SOKPY_TAB_OUT_START"]].tolist()
     bags = np.diff(call.batch.host_bag_start())
-    return [_alias(storage, s, int(n), d) for s, n, d in zip(start, bags, dims.tolist())]
+    return [_alias(ctx, storage, s, int(n), d) for s, n, d in zip(start, bags, dims.tolist())]
 
 
-def _alias(storage, offset: int, rows: int, cols: int) -> torch.Tensor:
+def _alias(ctx: StageContext, storage: torch.UntypedStorage, offset: int, rows: int, cols: int) -> torch.Tensor:
     """A ``[rows, cols]`` float32 tensor over ``storage`` from element ``offset`` on."""
-    return torch.empty(0, dtype=torch.float32, device=handoff.device()).set_(storage, offset, (rows, cols), (cols, 1))
+    return torch.empty(0, dtype=torch.float32, device=ctx.backend.torch_device()).set_(
+        storage, offset, (rows, cols), (cols, 1)
+    )
 
 
-def weight_grads(call: Call, source: Source | None, pooled: Pooled, gptr) -> list:
+def weight_grads(
+    ctx: StageContext, call: Call, source: Source | None, pooled: Pooled, gptr: Array
+) -> list[torch.Tensor | None]:
     """The gradients of the per-key weights that require one (None for the others), from the
     outputs' gradients (``gptr``, as ``backward.grad_pointers`` gives them) and the rows the
     pooling read. On one rank those are the tables' own rows, whose addresses are taken now
@@ -78,16 +83,16 @@ def weight_grads(call: Call, source: Source | None, pooled: Pooled, gptr) -> lis
     if not b.any_weight_grad():
         return [None] * len(b.weight_grads)
     assert source is not None  # kept by the forward for these gradients
-    xp, dev = runtime.xp(), call.device
+    xp, dev = ctx.xp, call.device
     n = int(b.keys.shape[0])
-    dw = runtime.scratch(max(n, 1), np.float32)
+    dw = ctx.scratch(max(n, 1), np.float32)
     table_rows = source.table_rows
     if source.rows is None:  # the tables' own rows
         call.tables.sync()
         table_rows = call.tables.table_rows()
     args = (table_rows, source.offsets, gptr, pooled.out, dev.weights, pooled.den, pooled.bag_of, dev.key_start)
-    runtime.launch("weight_grad", n, 1, (*args, dev.bag_start, call.shape.ntables, call.tables.device_tabs, n, dw))
-    out: list = []
+    ctx.launch("weight_grad", n, 1, (*args, dev.bag_start, call.shape.ntables, call.tables.device_tabs, n, dw))
+    out: list[torch.Tensor | None] = []
     for t, (w, layout) in enumerate(zip(b.weight_grads, b.weight_layouts)):
         if w is None:
             out.append(None)
@@ -98,7 +103,7 @@ def weight_grads(call: Call, source: Source | None, pooled: Pooled, gptr) -> lis
         else:
             lo, hi = b.host_key_start()[t : t + 2]
             part = dw[int(lo) : int(hi)]
-        g = handoff.to_torch(xp.ascontiguousarray(part)).to(w.dtype)
+        g = ctx.to_torch(xp.ascontiguousarray(part)).to(w.dtype)
         if kind == "coo":
             if info is not None:  # entries were put in row-major order: undo it
                 inv = np.empty_like(info)

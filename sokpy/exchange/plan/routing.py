@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...backends import handoff, runtime
+from ...backends.arrays import Array
 from ..batch import Batch
+from .context import StageContext
 
 
-def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
+def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *more: Array) -> np.ndarray:
     """The call's one read from the device before its header: the verdict on its ids (``bad``,
     route_keys' first position of a key out of range, and the faults the device found in ids
     parsed there, ``batch.faults``), read together with the int64 device arrays ``more``,
@@ -24,7 +25,7 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
     faults = [] if batch.faults is None else [batch.faults.vector]
     nfaults = sum(int(f.shape[0]) for f in faults)
     sizes = [batch.key_start] if batch.sizes_pending() else []
-    head = handoff.to_host(runtime.xp().concatenate([bad, *faults, *sizes, *more]))
+    head = ctx.to_host(ctx.xp.concatenate([bad, *faults, *sizes, *more]))
     if batch.faults is not None:
         batch.faults.explain(head[1 : 1 + nfaults])
     rest = head[1 + nfaults :]
@@ -32,18 +33,18 @@ def read_verdict(batch: Batch, tables: list, bad, *more) -> np.ndarray:
         nsizes = int(batch.key_start.shape[0])
         batch.keep_sizes(rest[:nsizes].copy())
         rest = rest[nsizes:]
-    _check_range(batch, tables, int(head[0]))
+    _check_range(ctx, batch, tables, int(head[0]))
     return rest
 
 
-def _check_range(batch: Batch, tables: list, bad: int) -> None:
+def _check_range(ctx: StageContext, batch: Batch, tables: list, bad: int) -> None:
     """Raises for route_keys' first key out of range (at position ``bad`` of ``batch``'s keys;
     their number: none), naming its table, key and position."""
     if bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts
         key_start = batch.host_key_start()
         t = int(np.searchsorted(key_start, bad, side="right")) - 1
         var = tables[t]
-        key = int(handoff.to_host(batch.keys[bad : bad + 1])[0])
+        key = int(ctx.to_host(batch.keys[bad : bad + 1])[0])
         raise ValueError(
             f"table {var.name!r} (index {t}): key {key} at position "
             f"{bad - int(key_start[t])} is out of range [0, {var.rows})"

@@ -7,17 +7,18 @@ to its owner, which merges what arrives."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ...backends import runtime
+from ...backends.arrays import Array
+from ...backends.communicator import Communicator
 from ..batch import segment_starts
 from ..collective import Agreement
 from ..gradients import GradChunk
 from ..wire import from_wire, to_wire
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
+from .context import StageContext
 from .dedup import Dedup
 from .layout import add_per_block, rows_after_headers
 from .owner import OwnedRows, ReceivedKeys, gather_owned_rows, owner_chunk
@@ -38,18 +39,18 @@ class KeyGroups:
     counts: np.ndarray
     owner_bounds: np.ndarray
     recv_elems: np.ndarray
-    unique_offsets: Any
+    unique_offsets: Array
 
 
-def group_keys(call: Call, packed, bad) -> tuple[KeyGroups, Header]:
+def group_keys(ctx: StageContext, call: Call, packed: Array, bad: Array) -> tuple[KeyGroups, Header]:
     """Deduplicates the routed keys and reads, in the call's one read from the device before
     the header, the verdict on its ids (the range check, the faults the device found in ids
     that arrived there), whether hashed keys collided and the unique keys per (owner, table)."""
-    xp, b, shape = runtime.xp(), call.batch, call.shape
+    xp, b, shape = ctx.xp, call.batch, call.shape
     world, ntab = shape.world, shape.ntables
     tabs = call.tables.device_tabs
-    d = Dedup(packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
-    rest = read_verdict(b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
+    d = Dedup(ctx, packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
+    rest = read_verdict(ctx, b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
     per = rest[1:].reshape(world, ntab)
     d.finish(int(per.sum()), bool(rest[0]))
     owner_bounds = segment_starts(per.sum(axis=1))
@@ -66,14 +67,16 @@ def group_keys(call: Call, packed, bad) -> tuple[KeyGroups, Header]:
     return KeyGroups(d, per, owner_bounds, recv_elems, unique_offsets), Header(msg, volume, recv_elems)
 
 
-def exchange_keys(call: Call, groups: KeyGroups, agreement: Agreement, comm) -> ReceivedKeys:
+def exchange_keys(
+    ctx: StageContext, call: Call, groups: KeyGroups, agreement: Agreement, comm: Communicator
+) -> ReceivedKeys:
     """Keys out (per peer, its per-table counts, then its unique keys table after table) and
     in, over ``comm``. The counts that arrive stay on the device: the header told each
     message's length."""
-    xp, ntab = runtime.xp(), call.shape.ntables
+    xp, ntab = ctx.xp, call.shape.ntables
     msg = ntab + groups.counts.sum(axis=1)
     blk = segment_starts(msg)[:-1]
-    send = runtime.scratch(int(msg.sum()), np.int64)
+    send = ctx.scratch(int(msg.sum()), np.int64)
     send[xp.asarray((blk[:, None] + np.arange(ntab)).reshape(-1))] = xp.asarray(groups.counts.reshape(-1))
     bounds = groups.owner_bounds
     for p, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
@@ -83,16 +86,18 @@ def exchange_keys(call: Call, groups: KeyGroups, agreement: Agreement, comm) -> 
     rblk = segment_starts(recv_msg)[:-1]
     counts = recv[xp.asarray((rblk[:, None] + np.arange(ntab)).reshape(-1))]
     keys = xp.concatenate([recv[a + ntab : a + m] for a, m in zip(rblk.tolist(), recv_msg.tolist())])
-    seg = runtime.scratch(int(keys.shape[0]), np.int64)
+    seg = ctx.scratch(int(keys.shape[0]), np.int64)
     return ReceivedKeys(keys, recv_msg - ntab, counts, segment_starts(counts, xp), seg)
 
 
-def exchange_rows(call: Call, groups: KeyGroups, owned: OwnedRows, both, sent_at: int, large: bool) -> Source:
+def exchange_rows(
+    ctx: StageContext, call: Call, groups: KeyGroups, owned: OwnedRows, both: Array, sent_at: int, large: bool
+) -> Source:
     """Rows back (the reply in ``both`` from element ``sent_at`` on), then every key's row
     offset in what arrived (``expand_segments``). In float32 the rows this rank asks itself for
     are not copied but read where gather_rows put them: one buffer holds the received rows and
     then the sent ones, so that one address reaches both (the own keys' offsets are moved)."""
-    comm, xp, d = runtime.comm(), runtime.xp(), groups.dedup
+    comm, xp, d = ctx.comm, ctx.xp, groups.dedup
     recv_elems, unique_offsets = groups.recv_elems, groups.unique_offsets
     reply = both[sent_at:]
     if call.wire_dtype == "float32":
@@ -102,18 +107,18 @@ def exchange_rows(call: Call, groups: KeyGroups, owned: OwnedRows, both, sent_at
         me, rstart = comm.rank, segment_starts(recv_elems)[:-1]
         lo, hi = groups.owner_bounds[me : me + 2]  # the own keys: group order is owner order
         if hi > lo:
-            unique_offsets = runtime.scratch(d.nuniq, np.int64)
+            unique_offsets = ctx.scratch(d.nuniq, np.int64)
             unique_offsets[...] = groups.unique_offsets
             pstart = segment_starts(owned.send_elems)[:-1]
             unique_offsets[lo:hi] += recv_total + int(pstart[me]) - int(rstart[me])
     else:
-        wire = to_wire(reply, call.wire_dtype, runtime.scratch)
+        wire = to_wire(reply, call.wire_dtype, ctx.scratch)
         arrived, _ = comm.alltoallv(wire, owned.send_elems, recv_elems, large=large)
-        rows_in = from_wire(arrived, call.wire_dtype, runtime.scratch)
-    offsets = runtime.scratch(max(int(call.device.keys.shape[0]), 1), np.int64)
-    runtime.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, unique_offsets, d.nuniq, offsets))
+        rows_in = from_wire(arrived, call.wire_dtype, ctx.scratch)
+    offsets = ctx.scratch(max(int(call.device.keys.shape[0]), 1), np.int64)
+    ctx.launch("expand_segments", d.nuniq, 1, (d.pos, d.seg, unique_offsets, d.nuniq, offsets))
     call.tables.read_rows_from(tables=False)
-    table_rows = xp.full(call.shape.ntables, runtime.current().address_of(rows_in), np.uint64)
+    table_rows = xp.full(call.shape.ntables, ctx.backend.address_of(rows_in), np.uint64)
     return Source(table_rows, offsets, rows_in)
 
 
@@ -121,20 +126,20 @@ class SeveralRanks:
     """The stages of a call on several ranks, over its :class:`~sokpy.exchange.plan.call.Call`; it
     keeps each stage's record for the next and for the backward."""
 
-    def __init__(self, call: Call):
-        self.call = call
+    def __init__(self, ctx: StageContext, call: Call):
+        self.ctx, self.call = ctx, call
         self.groups: KeyGroups | None = None
         self.received: ReceivedKeys | None = None
         self.owned: OwnedRows | None = None
 
-    def group(self, packed, bad) -> Header:
-        self.groups, header = group_keys(self.call, packed, bad)
+    def group(self, packed: Array, bad: Array) -> Header:
+        self.groups, header = group_keys(self.ctx, self.call, packed, bad)
         return header
 
-    def send_keys(self, agreement: Agreement, comm=None) -> None:
+    def send_keys(self, agreement: Agreement, comm: Communicator | None = None) -> None:
         """The key exchange, over ``comm`` (default: sokpy's communicator)."""
         assert self.groups is not None  # group() ran: the call had no error
-        self.received = exchange_keys(self.call, self.groups, agreement, comm or runtime.comm())
+        self.received = exchange_keys(self.ctx, self.call, self.groups, agreement, comm or self.ctx.comm)
 
     def fetch(self, agreement: Agreement) -> Source:
         """The rows of the keys :meth:`send_keys` sent: found and gathered by their owners,
@@ -143,32 +148,32 @@ class SeveralRanks:
         assert groups is not None and self.received is not None  # send_keys() ran
         in_place = call.wire_dtype == "float32"
         sent_at = int(groups.recv_elems.sum()) if in_place else 0
-        self.owned, both = gather_owned_rows(call, self.received, agreement.replies, sent_at)
-        return exchange_rows(call, groups, self.owned, both, sent_at, agreement.large)
+        self.owned, both = gather_owned_rows(self.ctx, call, self.received, agreement.replies, sent_at)
+        return exchange_rows(self.ctx, call, groups, self.owned, both, sent_at, agreement.large)
 
     def backward_volume(self) -> int:
         assert self.groups is not None
         return int(self.groups.recv_elems.sum())
 
-    def backward(self, gptr, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
+    def backward(self, gptr: Array, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
         """Each unique key's gradient row to its owner, in the blocks its forward rows came in
         (reversed); the owner merges them. In float32 one buffer holds what arrives and then
         what is sent, so that the owner reads its own block where segment_sum wrote it."""
-        call, comm = self.call, runtime.comm()
+        ctx, call, comm = self.ctx, self.call, self.ctx.comm
         groups, received, owned = self.groups, self.received, self.owned
         assert groups is not None and received is not None and owned is not None
         in_place = call.wire_dtype == "float32"
         recv_total = int(owned.send_elems.sum()) if in_place else 0
-        both = runtime.scratch(recv_total + int(groups.recv_elems.sum()), np.float32)
+        both = ctx.scratch(recv_total + int(groups.recv_elems.sum()), np.float32)
         buf = both[recv_total:]
         rows = GradientRows(groups.dedup, groups.unique_offsets, groups.recv_elems)
-        sum_gradient_rows(call, rows, gptr, pooled, buf, used)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used)
         if in_place:
             out = both[:recv_total]
             comm.alltoallv(buf, groups.recv_elems, owned.send_elems, agreement.large, out=out, skip_self=True)
             me, starts = comm.rank, segment_starts(groups.recv_elems)[:-1]
             own = recv_total + int(starts[me]) - int(segment_starts(owned.send_elems)[me])
-            return owner_chunk(call, received, owned, both, own)
-        wire = to_wire(buf, call.wire_dtype, runtime.scratch)
+            return owner_chunk(ctx, call, received, owned, both, own)
+        wire = to_wire(buf, call.wire_dtype, ctx.scratch)
         grecv, _ = comm.alltoallv(wire, groups.recv_elems, owned.send_elems, large=agreement.large)
-        return owner_chunk(call, received, owned, from_wire(grecv, call.wire_dtype, runtime.scratch), 0)
+        return owner_chunk(ctx, call, received, owned, from_wire(grecv, call.wire_dtype, ctx.scratch), 0)

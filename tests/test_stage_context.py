@@ -1,0 +1,143 @@
+"""A lookup's stages are handed what they use of the runtime (``StageContext``: the backend,
+its array module, the communicator) and never reach the runtime's process-wide state: the
+plan builds the context once per call and keeps it for the call's backward."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+import numpy as np
+import torch
+from conftest import ROOT
+from multirank import ranks
+
+import sokpy
+
+PLAN = ROOT / "sokpy" / "exchange" / "plan"
+BUILDER = "context.py"  # the one module of the plan that reads the runtime: it builds the context
+GLOBAL = ("runtime", "handoff")  # the runtime, and its hand-off (which asks the runtime's backend)
+
+
+def runtime_reaches(source: str) -> list[str]:
+    """Where ``source`` reaches the runtime's process-wide state: an import of
+    ``sokpy.backends.runtime`` or ``sokpy.backends.handoff`` (however it is spelled), or an
+    attribute read from a name ``runtime`` or ``handoff``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = (node.module or "").split(".")
+            names = [a.name for a in node.names if a.name in GLOBAL or module[-1] in GLOBAL]
+            found += [f"line {node.lineno}: imports {name}" for name in names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[-1] in GLOBAL]
+            found += [f"line {node.lineno}: imports {name}" for name in names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in GLOBAL:
+            found.append(f"line {node.lineno}: reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_stage_reaches_the_runtime():
+    stages = sorted(p for p in PLAN.glob("*.py") if p.name != BUILDER)
+    assert len(stages) >= 12, stages  # the plan's modules, not an empty folder
+    reaches = {p.name: runtime_reaches(p.read_text()) for p in stages}
+    assert not {name: found for name, found in reaches.items() if found}
+
+
+def test_the_check_finds_every_way_to_reach_the_runtime():
+    """The check above can fail: a stage written as the stages once were is caught, each
+    reach on its line; so is the builder, the one module let through."""
+    stage = """
+from ...backends import handoff, runtime
+from ...backends.runtime import scratch
+import sokpy.backends.runtime as rt
+from ..batch import Batch
+
+def read_verdict(batch: Batch, bad):
+    return handoff.to_host(runtime.xp().concatenate([bad]))
+"""
+    assert runtime_reaches(stage) == [
+        "line 2: imports handoff",
+        "line 2: imports runtime",
+        "line 3: imports scratch",
+        "line 4: imports sokpy.backends.runtime",
+        "line 8: reads handoff.to_host",
+        "line 8: reads runtime.xp",
+    ]
+    assert runtime_reaches("from ..routing import route\nxp = ctx.xp\n") == []
+    assert runtime_reaches((PLAN / BUILDER).read_text())  # it builds the context from the runtime
+
+
+class _Recording:
+    """A backend or communicator as the stages see it, recording what they ask of it."""
+
+    def __init__(self, target, record: list):
+        self._target, self._record = target, record
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)
+        if name in ("launch", "scratch", "to_host", "to_torch", "alltoallv"):
+
+            def recorded(*args, **kwargs):
+                self._record.append(args[0] if name == "launch" else name)
+                return value(*args, **kwargs)
+
+            return recorded
+        return value
+
+
+def _spy_on_contexts(monkeypatch) -> tuple[list, list]:
+    """(the contexts the plans build, what their stages asked of them), the contexts'
+    backend and communicator recording."""
+    from sokpy.exchange.plan import context
+
+    built: list = []
+    asked: list = []
+    real = context.StageContext.of_runtime
+
+    def of_runtime():
+        ctx = real()
+        rec = dataclasses.replace(ctx, backend=_Recording(ctx.backend, asked), comm=_Recording(ctx.comm, asked))
+        built.append(rec)
+        return rec
+
+    monkeypatch.setattr(context.StageContext, "of_runtime", staticmethod(of_runtime))
+    return built, asked
+
+
+def _call_and_backward(rank: int):
+    """A call over a static and a dynamic table, with per-key weights that require a
+    gradient, and its backward: ``(outputs, the weights' gradient)``."""
+    static = sokpy.Variable(50, 4, initializer=0.5, name="ctx_static")
+    dynamic = sokpy.DynamicVariable(4, initializer=0.25, name="ctx_dynamic")
+    ids = [torch.tensor([[1, 2], [3, 1 + rank]]), torch.tensor([[7, 9], [9, 11]])]
+    weights = [torch.ones(2, 2, requires_grad=True), None]
+    outs = sokpy.lookup_sparse([static, dynamic], ids, combiners=["sum", "sum"], sp_weights=weights)
+    sum(o.sum() for o in outs).backward()
+    return outs, weights[0].grad
+
+
+def test_one_rank_builds_one_context_per_call_and_its_stages_use_it(sokpy_host, monkeypatch):
+    built, asked = _spy_on_contexts(monkeypatch)
+    outs, wgrad = _call_and_backward(0)
+    assert len(built) == 1  # forward and backward: one context
+    plan_kernels = {"combine_forward", "find_rows", "mark_unique_keys", "unique_key_heads", "segment_sum"}
+    assert plan_kernels | {"weight_grad", "scratch", "to_torch"} <= set(asked), asked
+    # Rows as initialised: 0.5 in every column of the static table, 0.25 of the dynamic one.
+    np.testing.assert_array_equal(outs[0].detach().numpy(), np.full((2, 4), 1.0, np.float32))
+    np.testing.assert_array_equal(outs[1].detach().numpy(), np.full((2, 4), 0.5, np.float32))
+    np.testing.assert_array_equal(wgrad.numpy(), np.full((2, 2), 2.0, np.float32))  # d(sum)/dw: a row's sum
+
+
+@ranks(2, 3)
+def test_several_ranks_exchange_over_the_contexts_communicator(rank, world_size, monkeypatch):
+    """The key, row and gradient exchanges of a call go over the communicator its context
+    holds (the collective headers are the agreement layer's); the context is built once."""
+    built, asked = _spy_on_contexts(monkeypatch)
+    outs, wgrad = _call_and_backward(rank)
+    assert len(built) == 1
+    assert asked.count("alltoallv") == 3, asked  # keys out, rows back, gradient rows to the owners
+    assert {"gather_rows", "expand_segments", "segment_sum", "find_rows"} <= set(asked), asked
+    np.testing.assert_array_equal(outs[0].detach().numpy(), np.full((2, 4), 1.0, np.float32))
+    np.testing.assert_array_equal(outs[1].detach().numpy(), np.full((2, 4), 0.5, np.float32))
+    np.testing.assert_array_equal(wgrad.numpy(), np.full((2, 2), 2.0, np.float32))
