@@ -23,8 +23,7 @@ Example::
 
 from __future__ import annotations
 
-import functools
-import sys
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,29 +47,14 @@ __all__ = [
     "COMBINERS",
     "GRAD_REDUCTIONS",
     "LookupCall",
+    "Prepared",
+    "lookup_from",
+    "made",
     "plan_of",
     "set_lookup_hook",
 ]
 
 GRAD_REDUCTIONS = ("sum", "mean")
-
-
-def _opaque_to_compile(fn):
-    """``torch.compiler.disable(fn)`` without importing ``torch._dynamo`` at import time (it
-    is most of ``import sokpy``'s time, in every rank of every job). Nothing can compile a
-    caller of ``fn`` before ``torch._dynamo`` is imported, so until then ``fn`` runs as it is;
-    after that, through dynamo's ``disable``. The wrapper carries dynamo's marker, so a traced
-    caller ends its graph at the call (a graph break) instead of tracing into it."""
-    disabled = torch._disable_dynamo(fn) if hasattr(torch, "_disable_dynamo") else torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if "torch._dynamo" in sys.modules:
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # torch.compiler.disable's mark on a function
-    return call
 
 
 class _LookupFunction(torch.autograd.Function):
@@ -94,7 +78,7 @@ class _LookupFunction(torch.autograd.Function):
         return _backward(ctx.plan, ctx.nweights, grads)
 
 
-@_opaque_to_compile  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
+@runtime.opaque_to_compile  # the backward exchange is opaque to torch.compile too (a compiled graph's backward calls it)
 @runtime.entry  # on the stream autograd runs this backward on
 def _backward(plan, nweights: int, grads):
     weight_grads = plan.backward(grads)
@@ -137,10 +121,11 @@ def _prepare(params, sp_ids, sp_weights, combiners, pooled: bool = True):
 class LookupCall:
     """One call of :func:`lookup` as its caller made it, before anything ran: what a training
     pipeline (``sokpy.nn.TrainPipeline``) records in one step, matches in the next and
-    prepares ahead (:func:`plan_of` makes its plan). ``source``, where the caller made the
-    ids from an input of its own: ``(features, weights, make)``, with ``make(features,
-    weights)`` returning ``(sp_ids, sp_weights, input_error)`` as this call got them (a
-    ``sokpy.nn`` module's input and its conversion)."""
+    prepares ahead (:func:`plan_of` makes its plan). ``source``, where the caller's ids are
+    made from an input of its own (:func:`lookup_from`): ``(features, weights, make)``, with
+    ``make(features, weights)`` returning ``(sp_ids, sp_weights, input_error)``; such a call
+    holds no ids until :func:`made` made them, once (a ``sokpy.nn`` module's input and its
+    conversion)."""
 
     params: list
     sp_ids: Any
@@ -164,6 +149,24 @@ class LookupCall:
         return (tuple(map(id, self.params)), combs, trains, *flags)
 
 
+def made(call: LookupCall) -> LookupCall:
+    """The call with its ids made from its source: ``make(features, weights)``, run here, once
+    per call (a call without a source is returned as it is)."""
+    if call.source is None:
+        return call
+    features, weights, make = call.source
+    sp_ids, sp_weights, fault = make(features, weights)
+    return dataclasses.replace(call, sp_ids=sp_ids, sp_weights=sp_weights, input_error=fault)
+
+
+class Prepared(NamedTuple):
+    """A call as made (its ids, :func:`made`) and its plan: what a training pipeline prepares
+    ahead and the lookup hook hands back."""
+
+    call: LookupCall
+    plan: LookupPlan
+
+
 def plan_of(call: LookupCall) -> LookupPlan:
     """The call's plan, its input converted and checked (nothing exchanged yet: its forward,
     or its ``agree_keys`` and ``send_keys`` ahead, do that)."""
@@ -182,7 +185,7 @@ def plan_of(call: LookupCall) -> LookupPlan:
 
 class _Hook(NamedTuple):
     thread: int
-    plan_for: Callable[[LookupCall], LookupPlan | None]
+    plan_for: Callable[[LookupCall], Prepared | None]
     after: Callable[[], None]
 
 
@@ -190,11 +193,12 @@ _hook: _Hook | None = None
 
 
 def set_lookup_hook(
-    plan_for: Callable[[LookupCall], LookupPlan | None] | None, after: Callable[[], None] = lambda: None
+    plan_for: Callable[[LookupCall], Prepared | None] | None, after: Callable[[], None] = lambda: None
 ) -> None:
     """While set (None unsets it), every :func:`lookup` call of the thread that set it first
-    asks ``plan_for(call)``: a plan whose keys it exchanged ahead (the call then runs only its
-    rows), or None (the call runs in line); once the call has run, ``after()``.
+    asks ``plan_for(call)``: the call as it made it ahead and the plan whose keys it exchanged
+    (:class:`Prepared`: the call then runs only its rows, and its ids are not made again), or
+    None (the call runs in line); once the call has run, ``after()``.
     ``sokpy.nn.TrainPipeline`` sets it around its model's forward; ``plan_for`` may raise a
     call's error, which the call raises."""
     global _hook
@@ -204,51 +208,63 @@ def set_lookup_hook(
 # torch.compile sees a lookup as one opaque call (a graph break): it never traces into the
 # numpy, kernel and MPI work, and a new batch size costs at most one re-trace of the graph
 # after it (dynamo then marks that dimension dynamic).
-@_opaque_to_compile
+@runtime.opaque_to_compile
 @runtime.entry
-def lookup(
+def lookup(params, sp_ids, sp_weights=None, combiners=None, **flags: Any) -> list[torch.Tensor]:
+    """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed=True``, one
+    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); with
+    ``pooled=False``, :func:`lookup_sequence`'s rows (combiners must be "sum"). ``flags``:
+    ``insert``, ``grad_reduction``, ``keyed``, ``wire_dtype`` and ``pooled``, as
+    :func:`lookup_sparse` and :func:`lookup_sequence` take them."""
+    outs, _ = _run(_call(params, sp_ids, sp_weights, combiners, **flags))
+    return outs
+
+
+@runtime.opaque_to_compile
+@runtime.entry
+def lookup_from(params, source: tuple, combiners=None, **flags: Any) -> tuple[list[torch.Tensor], Any]:
+    """:func:`lookup` (``flags``: its keyword arguments) of a caller's own input: ``source`` is
+    ``(features, weights, make)``, and ``make(features, weights)`` returns ``(sp_ids,
+    sp_weights, input_error)`` (a fault the caller found in this rank's input, a module's
+    missing feature, say: the call raises it as an InputError on every rank, as its own
+    checks would, instead of leaving the other ranks waiting in the exchange). ``make`` runs
+    once, here, unless a training pipeline made the call ahead (``set_lookup_hook``).
+    Returns the outputs and the ``sp_ids`` the call took."""
+    outs, call = _run(_call(params, None, None, combiners, source=source, **flags))
+    return outs, call.sp_ids
+
+
+def _call(
     params,
     sp_ids,
-    sp_weights=None,
-    combiners=None,
+    sp_weights,
+    combiners,
     *,
     insert: bool = True,
     grad_reduction: str = "sum",
     keyed: bool = False,
     wire_dtype: str = "float32",
-    input_error: str | None = None,
     pooled: bool = True,
     source: tuple | None = None,
-):
-    """``lookup_sparse`` for a list of tables, returning a list (or, ``keyed``, one
-    ``[B, sum(dims)]`` tensor in a one-element list: every table's bags side by side); not
-    ``pooled``, :func:`lookup_sequence`'s rows (combiners must be "sum").
-    ``input_error``: a fault the caller found in this rank's input before the call (a module's
-    missing feature); the call then raises it as an InputError on every rank, as its own
-    checks would, instead of leaving the other ranks waiting in the exchange. ``source``: see
-    :class:`LookupCall`."""
+) -> LookupCall:
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
     check_wire_dtype(wire_dtype)
-    call = LookupCall(
-        list(params),
-        sp_ids,
-        sp_weights,
-        combiners,
-        insert,
-        grad_reduction,
-        keyed,
-        wire_dtype,
-        pooled,
-        torch.is_grad_enabled(),
-        input_error,
-        source,
-    )
+    flags = (insert, grad_reduction, keyed, wire_dtype, pooled, torch.is_grad_enabled())
+    return LookupCall(list(params), sp_ids, sp_weights, combiners, *flags, None, source)
+
+
+def _run(call: LookupCall) -> tuple[list[torch.Tensor], LookupCall]:
+    """Runs ``call`` (its plan the lookup hook's where it prepared one, else made here, its ids
+    first); returns its outputs and the call as made."""
     hook = _hook if _hook is not None and _hook.thread == threading.get_ident() else None
-    plan = None if hook is None else hook.plan_for(call)
-    if plan is None:
+    prepared = None if hook is None else hook.plan_for(call)
+    if prepared is None:
         with timed("keys"):  # the input parsed and checked: the first of the call's keys phase
+            call = made(call)
             plan = plan_of(call)
+    else:
+        call, plan = prepared
     if not plan.grad_mode or plan.error is not None:
         outs = plan.forward()  # with an error: raises it on every rank (the others in the node below)
     else:
@@ -259,7 +275,7 @@ def lookup(
         outs = list(_LookupFunction.apply(plan, len(weights), handle, *weights))
     if hook is not None:
         hook.after()
-    return outs
+    return outs, call
 
 
 def lookup_sparse(

@@ -210,17 +210,18 @@ def test_host_synchronisations_per_step_do_not_grow_with_tables(nranks):
 
 # The same budget for sokpy.nn's modules, whatever form their input takes on the device
 # (tests/workers/nn_syncs_worker.py): a KeyedJaggedTensor parsed once, its features put in the
-# module's order by a gather where they live, so keys in another order, lengths-only or
+# module's order by a gather where they live, so keys in another order, a subset of a wider
+# KJT (the other features' keys follow as a tail the plan passes over), lengths-only or
 # offsets-only, weighted or not, pooled or sequence (each feature's key count, which an
 # EmbeddingCollection's outputs are cut by, comes with the lookup's verdict), cost no read of
-# their own. A subset of a wider KJT needs one read more in the forward, merged with the check
-# of the KJT's offsets: the size of the picked features, which the gather allocates.
-NN_SYNCS = {"subset": (2, 1, 0), "subset-lengths": (2, 1, 0)}
+# their own: one read per forward, one per backward, none per optimizer step.
+NN_BUDGET = (1, 1, 0)
 NN_FORMS = ["order", "order-lengths", "other_order", "other_order-lengths", "subset", "subset-lengths", "dict"]
 
 
 def nn_budget(module: str, form: str) -> tuple[int, int, int]:
-    return NN_SYNCS.get(form, (1, 1, 0))
+    assert form in NN_FORMS, form
+    return NN_BUDGET
 
 
 @pytest.mark.parametrize("nranks", [1, 2])
@@ -237,6 +238,25 @@ def test_nn_modules_keep_the_read_budget_for_every_input_form(nranks):
     assert sorted(counts) == sorted(cases), out
     for (rank, module, form), got in counts.items():
         assert got == nn_budget(module, form), f"rank {rank}, {module}, {form}: reads {got}"
+    assert all(f"nnwgrad {r} ok" in out for r in range(nranks)), out  # a subset's weights' gradients
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_a_train_pipeline_parses_once_and_keeps_the_read_budget(nranks):
+    """Under TrainPipeline a module's input is parsed once per step (ahead, by the pipeline)
+    and a step reads the host as often as a step of the plain loop: the next batch's keys in
+    place of the forward's."""
+    out = run_mpi(nranks, "pipeline_reads_worker.py", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("pipereads "):
+            _, rank, module, form, reads, parses, plain = line.split()
+            counts[int(rank), module, form] = (int(reads), int(parses), int(plain))
+    forms = ["order-lengths", "other_order-lengths", "subset-lengths"]
+    assert sorted(counts) == sorted((r, m, f) for r in range(nranks) for m in ("ebc", "ec") for f in forms), out
+    for (rank, module, form), (reads, parses, plain) in counts.items():
+        budget = sum(nn_budget(module, form))
+        assert (reads, parses, plain) == (budget, 1, budget), f"rank {rank}, {module}, {form}"
 
 
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------

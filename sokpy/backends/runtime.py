@@ -1,4 +1,6 @@
-"""Process-wide state: the job's world (over MPI or torch.distributed), this rank's place in it, and the backend.
+"""Process-wide state: the job's world (over MPI or torch.distributed), this rank's place in it, and the backend;
+and the decorators of sokpy's public entries (:func:`entry`: the backend's stream scope;
+:func:`opaque_to_compile`: one opaque call to ``torch.compile``).
 
 Example::
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import numpy as np
+import torch
 
 from .. import timing
 from . import launchers, registry, watchdog
@@ -338,3 +342,21 @@ def entry(fn):
             return fn(*args, **kwargs)
 
     return run
+
+
+def opaque_to_compile(fn):
+    """``torch.compiler.disable(fn)`` without importing ``torch._dynamo`` at import time (it
+    is most of ``import sokpy``'s time, in every rank of every job). Nothing can compile a
+    caller of ``fn`` before ``torch._dynamo`` is imported, so until then ``fn`` runs as it is;
+    after that, through dynamo's ``disable``. The wrapper carries dynamo's marker, so a traced
+    caller ends its graph at the call (a graph break) instead of tracing into it."""
+    disabled = torch._disable_dynamo(fn) if hasattr(torch, "_disable_dynamo") else torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" in sys.modules:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # torch.compiler.disable's mark on a function
+    return call

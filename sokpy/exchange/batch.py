@@ -64,7 +64,9 @@ class Batch(NamedTuple):
     which the lookup reads with its counts; None for a batch whose values were checked.
     ``sizes``: where a device ``key_start``'s host copy is kept once read (None: it is read
     whenever asked for). A sequence batch of a device ``key_start`` has that same array as
-    its ``bag_start`` (one bag per key), read with it."""
+    its ``bag_start`` (one bag per key), read with it. ``tail``: ``keys`` runs on past
+    ``key_start[-1]`` with keys of no table (zeros), which the plan passes over: a subset of
+    a KeyedJaggedTensor's features, picked where they live without reading their size."""
 
     keys: np.ndarray
     offsets: np.ndarray
@@ -76,6 +78,12 @@ class Batch(NamedTuple):
     weight_layouts: list
     faults: Faults | None = None
     sizes: HostSizes | None = None
+    tail: bool = False
+
+    def nkeys(self) -> int:
+        """The call's number of keys (where ``tail``: ``key_start[-1]`` on the host, read with
+        the lookup's verdict)."""
+        return int(self.host_key_start()[-1]) if self.tail else int(self.keys.shape[0])
 
     def any_weight_grad(self) -> bool:
         """Whether some table's weights require a gradient."""

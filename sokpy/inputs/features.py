@@ -1,8 +1,8 @@
 """A ``sokpy.nn`` module's input as the batch of its features: :func:`module_batch` (the
 batch, or the fault's text that the lookup raises on every rank alike), :func:`features_batch`
 (a dict feature -> ids, or a KeyedJaggedTensor parsed once, its features picked in the
-module's order where they lie: on the device by a gather, without a read where the module
-reads every feature), and each feature's part of that batch as tensors
+module's order where they lie: on the device by a gather, without a read, the features the
+module does not read left as the batch's tail), and each feature's part of that batch as tensors
 (:func:`feature_offsets`, :func:`feature_ids`), which a sequence module's outputs take
 instead of reading the input again."""
 
@@ -95,41 +95,46 @@ def features_batch(features, weights, names: list[str], reader: str, weighted: b
 
 def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     """The KJT's batch with table t reading its feature ``features[t]``: the features put in
-    the tables' order by a gather where they live. Its size needs no read where the tables
-    read every feature; a subset's does (on the device: one read, with the faults of the
-    KJT's offsets, which raise first)."""
+    the tables' order by a gather where they live, nothing read. Where the tables read only
+    some of the KJT's features, the others' keys follow as the batch's tail (zeros the plan
+    passes over, ``Batch.tail``): the batch keeps the KJT's size, and the picked features'
+    size comes with the lookup's read."""
     xp, stride, nfeat = place.xp, keyed.stride, keyed.nfeatures
     table_of: list[int | None] = [None] * nfeat
     for t, f in enumerate(features):
         table_of[f] = t
-    every = sorted(features) == list(range(nfeat))
+    tail = sorted(features) != list(range(nfeat))
     starts = keyed.offsets[xp.asarray(np.arange(nfeat + 1, dtype=np.int64) * stride)]
     pick = xp.asarray(np.array(features, np.int64))
     first = starts[:-1][pick]  # where each table's values start among the KJT's
     key_start = segment_starts((starts[1:] - starts[:-1])[pick], xp)
-    if not every or not place.device:
+    if not place.device:  # on the host its size is at hand, and its offsets' faults raise now
         key_start = read_structure(place, keyed, table_of, key_start)
-    n = int(keyed.values.shape[0]) if every else int(key_start[-1])
+    n = int(keyed.values.shape[0])
     bag = (np.array(features, np.int64)[:, None] * stride + np.arange(stride, dtype=np.int64)).reshape(-1)
     offsets = xp.empty(len(bag) + 1, np.int64)
     offsets[:-1] = keyed.offsets[xp.asarray(bag)] - xp.repeat(first - xp.asarray(key_start[:-1]), stride)
     offsets[-1:] = xp.asarray(key_start[-1:])
     pos = xp.arange(n, dtype=np.int64)
-    table = xp.searchsorted(xp.asarray(key_start[1:]), pos, side="right")
+    table = xp.minimum(xp.searchsorted(xp.asarray(key_start[1:]), pos, side="right"), max(len(features) - 1, 0))
     # Within the values: wrong offsets (their fault is raised first) gather wrong keys, never past them.
-    src = xp.clip(first[table] + pos - xp.asarray(key_start)[table], 0, max(int(keyed.values.shape[0]) - 1, 0))
+    src = xp.clip(first[table] + pos - xp.asarray(key_start)[table], 0, max(n - 1, 0))
+    keys, weights = keyed.values[src], None if keyed.weights is None else keyed.weights[src]
+    overflow = None if keyed.overflow is None else keyed.overflow[src]
+    if tail:  # the tail's keys: zeros of weight 1, none that overflows
+        real = pos < xp.asarray(key_start[-1:])
+        keys = xp.where(real, keys, 0)
+        weights = None if weights is None else xp.where(real, weights, weights.dtype.type(1))
+        overflow = None if overflow is None else overflow & real
     grads: list[torch.Tensor | None] = [None] * len(features)
     layouts: list[tuple | None] = [None] * len(features)
     if keyed.grad is not None:  # the gradient finds its way back through torch's gather
         grad = keyed.grad[_tensor(src)]
         grads[0], layouts[0] = grad, ("keyed", tuple(grad.shape))
-    weights = None if keyed.weights is None else keyed.weights[src]
     bag_start = np.arange(len(features) + 1, dtype=np.int64) * stride
     weighted = np.full(len(features), keyed.weights is not None)
-    batch = Batch(
-        keyed.values[src], offsets, weights, key_start, bag_start, weighted, grads, layouts, None, HostSizes()
-    )
-    return check_keyed(place, batch, keyed, table_of, None if keyed.overflow is None else keyed.overflow[src])
+    args = (keys, offsets, weights, key_start, bag_start, weighted, grads, layouts, None, HostSizes(), tail)
+    return check_keyed(place, Batch(*args), keyed, table_of, overflow)
 
 
 def _tensor(a) -> torch.Tensor:

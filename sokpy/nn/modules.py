@@ -63,7 +63,7 @@ import torch
 from ..backends import runtime
 from ..exchange.wire import check_wire_dtype
 from ..inputs.features import module_batch
-from ..lookup import GRAD_REDUCTIONS, lookup
+from ..lookup import GRAD_REDUCTIONS, lookup_from
 from ..tables.dynamic import DynamicVariable
 from ..tables.static import Variable
 from ..tables.table import Table
@@ -201,21 +201,16 @@ class EmbeddingCollectionBase(torch.nn.Module):
         return batch, None, fault
 
     def _lookup(self, features: Any, weights: Mapping[Any, Any] | None, **kwargs: Any) -> tuple[Any, Any]:
-        """One lookup call over every feature, and the batch it took; a fault in this rank's
-        input is raised by the lookup on every rank alike (its source: what a training
-        pipeline prepares ahead)."""
-        tables = [var for _, var, _ in self.feature_tables]
-        batch, _, fault = self._inputs(features, weights)
-        outs = lookup(
-            tables,
-            batch,
-            None,
+        """One lookup call over every feature, and the batch it took: the input is parsed by
+        the call (:meth:`_inputs`), once, or was parsed ahead by a training pipeline; a fault
+        in this rank's input is raised by the lookup on every rank alike."""
+        outs, batch = lookup_from(
+            [var for _, var, _ in self.feature_tables],
+            (features, weights, self._inputs),
             [_COMBINER.get(p, p) if p else "sum" for _, _, p in self.feature_tables],
             insert=self.inserts(),
             grad_reduction=self.grad_reduction,
             wire_dtype=self.wire_dtype,
-            input_error=fault,
-            source=(features, weights, self._inputs),
             **kwargs,
         )
         return outs, batch

@@ -68,8 +68,7 @@ import torch
 from .. import timing
 from ..backends import runtime
 from ..exchange import collective
-from ..exchange.plan import LookupPlan
-from ..lookup import LookupCall, set_lookup_hook
+from ..lookup import LookupCall, Prepared, set_lookup_hook
 from .pipeline_calls import Recipe
 from .prefetch import Next, Prefetched, Prefetcher
 
@@ -248,17 +247,19 @@ class _Step:
         self.expected = expected
         self._start: Callable[[list], None] | None = start
 
-    def plan_for(self, call: LookupCall) -> LookupPlan | None:
-        plan = None
+    def plan_for(self, call: LookupCall) -> Prepared | None:
+        """The call as prepared ahead (made and its keys exchanged), where it is the next one
+        prepared; else None (the call runs in line), its recipe kept for the next batch."""
+        prepared = None
         if self.ready and self.ready[0][0].matches(call, self.batch):
-            recipe, plan = self.ready.popleft()
+            recipe, prepared = self.ready.popleft()
             self.recipes.append(recipe)
-            if isinstance(plan, BaseException):  # its keys' agreement failed on every rank
-                raise _again(plan)
+            if isinstance(prepared, BaseException):  # its keys' agreement failed on every rank
+                raise _again(prepared)
             self.ahead += 1
         else:
             self.recipes.append(Recipe.of(call, self.batch))
-        return plan
+        return prepared
 
     def called(self) -> None:
         if len(self.recipes) == self.expected:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from ..lookup import LookupCall
+from ..lookup import LookupCall, made
 from .batch_paths import Path, find, resolve
 
 __all__ = ["Recipe"]
@@ -103,11 +103,7 @@ class Recipe:
         ids, weights = _at(batch, self.ids), _at(batch, self.weights)
         if self.call.source is None:
             return dataclasses.replace(self.call, sp_ids=ids, sp_weights=weights)
-        make = self.call.source[2]
-        sp_ids, sp_weights, fault = make(ids, weights)
-        return dataclasses.replace(
-            self.call, sp_ids=sp_ids, sp_weights=sp_weights, input_error=fault, source=(ids, weights, make)
-        )
+        return made(dataclasses.replace(self.call, source=(ids, weights, self.call.source[2])))
 
     def matches(self, call: LookupCall, batch: Any) -> bool:
         """Whether the model's ``call`` in ``batch`` is this recipe's call for that batch: the

@@ -36,7 +36,7 @@ from .. import timing
 from ..backends import runtime
 from ..errors import InputError
 from ..exchange import collective
-from ..lookup import plan_of
+from ..lookup import Prepared, plan_of
 from .pipeline_calls import Recipe
 
 __all__ = ["Next", "Prefetched", "Prefetcher"]
@@ -54,8 +54,8 @@ class Next:
 
 @dataclass
 class Prefetched:
-    """A batch's calls with their keys exchanged (``plans``, the LookupPlans, in the order of
-    ``recipes``); ``error`` (raised on every rank by the call ``recipes[len(plans)]``, whose
+    """A batch's calls with their keys exchanged (``plans``, each call as made and its
+    LookupPlan, :class:`~sokpy.lookup.Prepared`, in the order of ``recipes``); ``error`` (raised on every rank by the call ``recipes[len(plans)]``, whose
     plan failed; the calls after it were not prepared); ``batch_error``: the batch itself
     failed (an uneven end of the data, an iterator that raised, other calls on other ranks),
     for every rank to raise before training it; ``ended``: every rank's data ended.
@@ -131,12 +131,12 @@ class Prefetcher:
                     except InputError as e:
                         out.error = e
                         break
-                out.plans.append(plan)
+                out.plans.append(Prepared(call, plan))
             with timing.timed("keys"):
-                for plan in out.plans:
-                    plan.send_keys(self.channel)
+                for prepared in out.plans:
+                    prepared.plan.send_keys(self.channel)
             if self.side is not None:
-                out.arrays = _device_arrays(out.plans)
+                out.arrays = _device_arrays([prepared.plan for prepared in out.plans])
             return out
 
     def _agree_batch(self, nxt: Next, recipes: list[Recipe], before: int) -> bool:

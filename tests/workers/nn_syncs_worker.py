@@ -4,7 +4,9 @@ form a module's input takes on the device: a KeyedJaggedTensor with the module's
 order, in another order, a subset of a wider KJT, lengths-only or offsets-only, weighted or
 not, and a dict feature -> ids; each step's outputs are those the module gives for the same
 ids on the host, one input per feature; and ``lookup_sequence`` on a KJT. Prints one line per case:
-"nnsyncs RANK MODULE FORM FORWARD BACKWARD STEP" (tests/test_device_double.py)."""
+"nnsyncs RANK MODULE FORM FORWARD BACKWARD STEP" (tests/test_device_double.py); then
+"nnwgrad RANK ok" once a subset of a wider KJT whose weights require a gradient gave the
+outputs and weights' gradients of the same ids as a dict."""
 
 import functools
 
@@ -119,3 +121,35 @@ for form in ("order", "order-lengths"):
         for got, expected in zip(outs, want, strict=True):
             assert torch.equal(got.detach().cpu(), expected), (form, got, expected)
     print(f"nnsyncs {rank} lookup_sequence {form} {' '.join(map(str, reads))}", flush=True)
+
+# A subset of a wider KJT whose weights require a gradient, into a weighted module with a
+# dynamic table: the outputs and the weights' gradients (none for the features the module
+# does not read) are those of the same ids as a dict of the module's features.
+configs = [
+    EmbeddingBagConfig(f"nns_wg_{f}", 4, None if f == "f1" else 500, [f], "sum", target_gpu=-1) for f in FEATURES
+]
+m = EmbeddingBagCollection(configs, is_weighted=True)
+rng = np.random.default_rng(rank + 10)
+x, _ = features("subset-lengths", rng, True)
+names, batch = list(x.keys()), x.stride()
+host_weights = x.weights().cpu()
+offsets = torch.cat([torch.zeros(1, dtype=torch.int64), x.lengths().cpu().cumsum(0)])
+results = []
+for form in ("kjt", "dict"):
+    w = host_weights.clone().requires_grad_(True)
+    device_w = w.to(m.device)
+    if form == "kjt":
+        out = m(KeyedJaggedTensor(names, x.values(), device_w, lengths=x.lengths()))
+    else:
+        parts = {}
+        for i, f in enumerate(names):
+            lo, hi = int(offsets[i * batch]), int(offsets[(i + 1) * batch])
+            parts[f] = (x.values()[lo:hi], dev(offsets[i * batch : (i + 1) * batch + 1] - lo), device_w[lo:hi])
+        out = m({f: parts[f] for f in FEATURES})
+    out.values().pow(2).sum().backward()
+    results.append((out.values().detach().cpu(), w.grad))
+(out_kjt, grad_kjt), (out_dict, grad_dict) = results
+assert torch.equal(out_kjt, out_dict) and torch.equal(grad_kjt, grad_dict), (grad_kjt, grad_dict)
+unread = torch.cat([torch.arange(int(offsets[i * batch]), int(offsets[(i + 1) * batch])) for i in (0, 3)])
+assert not grad_kjt[unread].any() and grad_kjt.any(), grad_kjt
+print(f"nnwgrad {rank} ok", flush=True)

@@ -126,7 +126,9 @@ def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) ->
     # Every table of the call has this dimension (0: they differ): rows of consecutive keys
     # then lie one dimension apart, whatever their tables.
     one_dim = int(ts.dims[0]) if ntab and (ts.dims == ts.dims[0]).all() else 0
-    pos_bits, value_bits = sort_bits(n, world * ntab)
+    # A batch's tail (keys of no table, passed over) is one group more, after every other.
+    ngroups = world * ntab + int(batch.tail)
+    pos_bits, value_bits = sort_bits(n, ngroups)
     exact = ts.row_bits <= value_bits
     if exact.all() and ntab:  # rows alone: their bits are all the sort needs above the position
         value_bits = int(ts.row_bits.max())
@@ -140,7 +142,7 @@ def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) ->
         pos_bits=pos_bits,
         value_bits=value_bits,
         exact=bool(exact.all()),
-        sort_hi=pos_bits + value_bits + bits(world * ntab),
+        sort_hi=pos_bits + value_bits + bits(ngroups),
         header_slots=row_header(ntab),
     )
     return shape, tabs

@@ -21,7 +21,10 @@ class Dedup:
     ``packed`` is the sort's second buffer (it is not needed after this). ``tabs`` is the
     call's table descriptor: the unique keys of a static table with exact sort values come from
     those values, not from ``keys``. Given ``bag_of`` (each position's bag), ``kbag`` is the bag
-    of each sorted position (``bag_of[pos]``), else None.
+    of each sorted position (``bag_of[pos]``), else None. ``end`` (a ``[1]`` array): the
+    number of the call's keys where a tail of keys of no table follows them (their packed
+    values sort last, :func:`~sokpy.exchange.plan.routing.pass_over_tail`): those are no
+    unique keys, and the last unique key's positions end there; None: no tail.
 
     Built in two steps: the constructor sorts and marks where unique keys start, then
     :meth:`finish` lays them out. Several ranks first need the unique keys per (owner, table)
@@ -41,6 +44,7 @@ class Dedup:
         exact: bool,
         runs: tuple | None = None,
         bag_of: Array | None = None,
+        end: Array | None = None,
     ):
         self.ctx = ctx
         xp = ctx.xp
@@ -56,6 +60,9 @@ class Dedup:
         self.kbag = None if bag_of is None else ctx.scratch(n, np.int64)
         args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
         ctx.launch("mark_unique_keys", n, 1, args)
+        self.end = n if end is None else end
+        if end is not None:  # the tail, sorted last, starts no unique key
+            self.starts_unique *= (xp.arange(n, dtype=np.int64) < end).astype(np.uint8)
         self.before: Array = None  # a device array once counted
 
     def unique_count(self) -> Array:
@@ -90,7 +97,7 @@ class Dedup:
         self.collided = bool(collided)
         self.nuniq = size = int(nuniq)
         self.seg = ctx.scratch(size + 1, np.int64)
-        self.seg[size:] = n
+        self.seg[size:] = self.end
         self.first = ctx.scratch(size, np.int64)  # position of each unique key's first use
         self.ukeys = ctx.scratch(size, np.int64)
         self.group = ctx.scratch(size, np.int64)

@@ -22,6 +22,7 @@ from .call_tables import CallTables
 from .context import StageContext
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
+from .routing import pass_over_tail
 from .several_ranks import SeveralRanks
 
 # "length_mean": TorchRec's MEAN (a weighted bag divided by its length), what sokpy.nn's modules use.
@@ -157,6 +158,9 @@ class LookupPlan:
                 )
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
                 packed, bad = route(tables.device_tabs, *args)
+                if self.batch.tail:
+                    low = shape.pos_bits + shape.value_bits
+                    pass_over_tail(ctx, packed, device.key_start, world * shape.ntables, low)
                 self.strategy = OneRank(ctx, call) if world == 1 else SeveralRanks(ctx, call)
                 header = self.strategy.group(packed, bad)
                 self.call = self.strategy.call = lay_out_outputs(call)  # a sequence batch's sizes came with the read

@@ -54,8 +54,11 @@ class OneRank:
         """The call's keys sorted and their unique keys marked (a key's group is its table, so
         tables are runs of groups)."""
         shape, dev = self.call.shape, self.call.device
-        runs = (dev.key_start, shape.pos_bits + shape.value_bits)
         args = (packed, dev.keys, self.call.tables.device_tabs, shape.pos_bits, shape.value_bits)
+        if self.call.batch.tail:  # the tail is no table's run: the whole array is sorted
+            end = dev.key_start[-1:]
+            return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, None, bag_of=bag_of, end=end)
+        runs = (dev.key_start, shape.pos_bits + shape.value_bits)
         return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
 
     def send_keys(self, agreement: Agreement, comm: Communicator | None = None) -> None:
@@ -68,7 +71,8 @@ class OneRank:
         dev = call.device
         if tables.ts.dynamic:
             starts = call.batch.host_key_start
-            self.rows = find_rows(self.ctx, tables, dev.keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
+            keys = dev.keys[: call.batch.nkeys()]  # not the tail (its size came with the verdict)
+            self.rows = find_rows(self.ctx, tables, keys, dev.key_start, tables.ntables, lambda: np.diff(starts()))
         else:
             tables.sync()
             self.rows = dev.keys

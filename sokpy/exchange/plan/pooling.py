@@ -41,7 +41,8 @@ class Pooled:
 def pool(ctx: StageContext, call: Call, source: Source) -> Pooled:
     """``combine_forward`` over every bag of every table: one launch."""
     b, dev, t = call.batch, call.device, call.tables
-    nbags = int(b.offsets.shape[0]) - 1
+    # A tail's keys are in no bag (a sequence batch's bags are its keys: only the call's)
+    nbags = int(b.host_bag_start()[-1]) if b.tail else int(b.offsets.shape[0]) - 1
     out = ctx.scratch(call.shape.out_size, np.float32)
     den = ctx.scratch(max(nbags, 1), np.float32)
     bag_of = ctx.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
@@ -84,8 +85,10 @@ def weight_grads(
         return [None] * len(b.weight_grads)
     assert source is not None  # kept by the forward for these gradients
     xp, dev = ctx.xp, call.device
-    n = int(b.keys.shape[0])
-    dw = ctx.scratch(max(n, 1), np.float32)
+    n = b.nkeys()
+    dw = ctx.scratch(max(int(b.keys.shape[0]), 1), np.float32)
+    if b.tail:  # no weight of the tail gets a gradient
+        dw[n:] = 0
     table_rows = source.table_rows
     if source.rows is None:  # the tables' own rows
         call.tables.sync()
@@ -99,7 +102,7 @@ def weight_grads(
             continue
         kind, info = layout
         if kind == "keyed":
-            part = dw[:n]
+            part = dw[: int(b.keys.shape[0])]
         else:
             lo, hi = b.host_key_start()[t : t + 2]
             part = dw[int(lo) : int(hi)]

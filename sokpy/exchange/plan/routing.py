@@ -4,7 +4,8 @@ The route stage runs the routing service's ``route_keys`` (:func:`sokpy.exchange
 over the keys of all the call's tables; :func:`read_verdict` reads what it and the device's
 input parsing found (a key out of range, a fault in ids parsed on the device) in the call's
 one read from the device, and raises the error that names the table, the key and its
-position."""
+position. A batch's tail (keys of no table, :func:`pass_over_tail`) is routed to a group of
+its own, after every other, which the deduplication passes over."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *mor
         rest = rest[nsizes:]
     _check_range(ctx, batch, tables, int(head[0]))
     return rest
+
+
+def pass_over_tail(ctx: StageContext, packed: Array, key_start: Array, ngroups: int, low_bits: int) -> None:
+    """Gives the keys past ``key_start[-1]`` (a batch's tail: keys of no table) the group
+    ``ngroups``, after every other, in place: the sort puts them last, where the
+    deduplication passes over them (``low_bits``: the bits below the group, the sort value's
+    and the position's)."""
+    xp = ctx.xp
+    pos = xp.arange(int(packed.shape[0]), dtype=np.int64)
+    packed[...] = xp.where(pos < key_start[-1:], packed, (ngroups << low_bits) | pos)
 
 
 def _check_range(ctx: StageContext, batch: Batch, tables: list, bad: int) -> None:

@@ -49,7 +49,9 @@ def group_keys(ctx: StageContext, call: Call, packed: Array, bad: Array) -> tupl
     xp, b, shape = ctx.xp, call.batch, call.shape
     world, ntab = shape.world, shape.ntables
     tabs = call.tables.device_tabs
-    d = Dedup(ctx, packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
+    end = call.device.key_start[-1:] if b.tail else None
+    args = (packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
+    d = Dedup(ctx, *args, end=end)
     rest = read_verdict(ctx, b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
     per = rest[1:].reshape(world, ntab)
     d.finish(int(per.sum()), bool(rest[0]))
