@@ -165,3 +165,6 @@ def test_describe_hands_each_call_its_own_descriptor(sokpy_host):
     fresh_shape, fresh = call._describe(ts, batch, codes, False, 1)
     assert again_shape == fresh_shape == shape
     np.testing.assert_array_equal(again, fresh)
+    # The same keys and bags with a tail (keys of no table, one sort group more): another shape.
+    tailed = batch._replace(tail=True)
+    assert describe(ts, tailed, codes, False, 1)[0] == call._describe(ts, tailed, codes, False, 1)[0] != shape

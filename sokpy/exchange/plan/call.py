@@ -102,6 +102,7 @@ def describe(
         bool(keyed),
         world,
         int(batch.keys.shape[0]),
+        bool(batch.tail),
     )
     found = ts.described.get(key)
     if found is None:
@@ -114,6 +115,8 @@ def describe(
 
 
 def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
+    # Everything this reads of the batch is in describe's key: a field read here and not
+    # there would hand one call another's shape.
     c = kernels.constants()
     ntab = len(ts.dims)
     n = int(batch.keys.shape[0])
