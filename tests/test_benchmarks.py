@@ -231,3 +231,18 @@ def test_pipeline_benchmark_job_times_the_phases_of_both_loops():
         s = bench_pipeline.summarise(data["ranks"])
         assert s["keys_last_ms"] <= s["keys_ms"] + s["wait_ms"] + 1e-9 and s["step_ms"] > 0, s
         assert (s["ahead_ms"] > 0) == (mode == "pipeline"), (mode, s)
+
+
+def test_host_step_benchmark_pairs_both_steps(tmp_path):
+    """benchmarks/bench_host_step.py on a few rounds: both steps start from the same rows
+    (their forward outputs agree), both change them, and every clock has both sides' times
+    and the ratio of their pairs."""
+    out = tmp_path / "host_step.json"
+    script = str(ROOT / "benchmarks" / "bench_host_step.py")
+    run([script, "--steps", "2", "--rounds", "3", "--warmup-rounds", "1", "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    assert r["check"]["forward_max_abs_diff"] <= 1e-6
+    assert all(v > 0 for v in r["check"]["step_changed_rows_by"].values()), r["check"]
+    for clock in ("cpu", "wall"):
+        got = r["result"][clock]
+        assert got["sokpy_ms_per_step"] > 0 and got["torch_ms_per_step"] > 0 and got["ratio_median"] > 0, got

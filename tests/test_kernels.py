@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT
 
 from sokpy.backends import arrays, kernels
-from sokpy.backends.kernels import KernelError, device
+from sokpy.backends.kernels import KernelError, device, sources
 from sokpy.backends.kernels import cache as kernel_cache
 
 SOURCES = kernels.kernel_sources()
@@ -135,6 +135,12 @@ def test_numpy_address_is_the_data_address(case):
     x = _address_cases()[case]
     ptr, dtype, contiguous = arrays.info(x)
     assert (ptr, dtype, contiguous) == (x.ctypes.data, x.dtype, x.flags.c_contiguous)
+    param = sources.Param("float* x")
+    if contiguous:  # a launch's check of an array argument takes the same address
+        assert sources.check_array("k", param, x) == x.ctypes.data
+    else:
+        with pytest.raises(KernelError, match="argument x must be contiguous"):
+            sources.check_array("k", param, x)
 
 
 def test_copy_rows_reads_read_only_and_offset_views(copy_rows):

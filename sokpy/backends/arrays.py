@@ -43,7 +43,7 @@ _addressof = ctypes.addressof
 _byte_view: Callable[..., ctypes.c_char] = ctypes.c_char.from_buffer  # takes a numpy array: a buffer
 
 
-def _numpy_address(x: np.ndarray) -> int:
+def numpy_address(x: np.ndarray) -> int:
     """The data address of a numpy array. ``x.ctypes.data`` builds a ctypes helper object
     every time, and a launch passes several arrays; a ctypes view of a writable contiguous
     buffer gives the same address for less. Read-only, empty or strided arrays take the
@@ -59,7 +59,7 @@ def info(x):
     or None for anything else."""
     if type(x) is np.ndarray:  # the common case, first
         contiguous = x.flags.c_contiguous
-        return (_numpy_address(x) if contiguous else x.ctypes.data), x.dtype, contiguous
+        return (numpy_address(x) if contiguous else x.ctypes.data), x.dtype, contiguous
     if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # torch.Tensor
         return x.data_ptr(), numpy_dtype_of_torch(x.dtype), x.is_contiguous()
     iface = getattr(x, "__cuda_array_interface__", None) or getattr(x, "__array_interface__", None)

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from .arrays import numpy_address
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
@@ -80,12 +82,33 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     >>> hostpool.aligned_empty((3, 16), np.float32).ctypes.data % hostpool.ALIGN
     0
     """
-    dtype = np.dtype(dtype)
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    dtype = _dtype(dtype)
+    if isinstance(shape, (int, np.integer)):
+        return _aligned(int(shape), dtype, int(shape))
+    shape = tuple(shape)
+    return _aligned(shape, dtype, math.prod(shape))
+
+
+_dtypes: dict = {}
+
+
+def _dtype(dtype) -> np.dtype:
+    """``np.dtype(dtype)``, remembered for each way of naming it (a call asks for a few)."""
+    try:
+        found = _dtypes.get(dtype)
+    except TypeError:  # a structured dtype's description (a list): not a key
+        return np.dtype(dtype)
+    if found is None:
+        found = np.dtype(dtype)
+        if len(_dtypes) < 64:
+            _dtypes[dtype] = found
+    return found
+
+
+def _aligned(shape: int | tuple, dtype: np.dtype, count: int) -> np.ndarray:
+    """:func:`aligned_empty` of ``count`` elements in ``shape`` (a tuple, or the count)."""
+    raw = np.empty(count * dtype.itemsize + ALIGN, np.uint8)
+    return np.ndarray(shape, dtype, raw, -numpy_address(raw) % ALIGN)
 
 
 def _give_back(ref) -> None:
@@ -108,7 +131,7 @@ def empty(shape, dtype) -> np.ndarray:
     ((1000, 64), dtype('float32'), True)
     """
     global _idle_bytes
-    dtype = np.dtype(dtype)
+    dtype = _dtype(dtype)
     if isinstance(shape, (int, np.integer)):
         count = int(shape)
         shape = None
@@ -117,7 +140,7 @@ def empty(shape, dtype) -> np.ndarray:
         count = math.prod(shape)
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES or _limit <= 0 or nbytes == 0:
-        return aligned_empty(count if shape is None else shape, dtype)
+        return _aligned(count if shape is None else shape, dtype, count)
     size = size_class(nbytes)
     with _lock:
         idle = _free.get(size)

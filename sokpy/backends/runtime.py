@@ -294,8 +294,10 @@ def backend() -> str:
 
 def current():
     """The backend object of the initialised runtime (``sokpy/backends/backend.py``)."""
-    comm()
-    return _state.backend
+    be = _state.backend
+    if be is None or _state.comm is None:
+        comm()  # raises: not initialised
+    return be
 
 
 def xp():

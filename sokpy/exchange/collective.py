@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import weakref
-from contextlib import ExitStack
 from typing import NamedTuple
 
 import numpy as np
@@ -173,7 +172,7 @@ class Call:
         self.grad_mode = bool(grad_mode)
         self.label_text = label_text
         self.seq = 0
-        self._stack: ExitStack | None = None
+        self._watched: watchdog.call | None = None
 
     def describe(self) -> str:
         """e.g. ``lookup_sparse tables=[user, item]``, or ``backward of lookup_sparse ...
@@ -197,15 +196,15 @@ class Call:
         return fp
 
     def __enter__(self) -> Call:
-        self._stack = ExitStack()
         if self.channel is None:
-            self._stack.enter_context(watchdog.call(_described(self)))
+            self._watched = watchdog.call(_described(self))
+            self._watched.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.__exit__(*exc)  # the watchdog sees the call's exception (a transport that lost a peer)
+        if self._watched is not None:
+            watched, self._watched = self._watched, None
+            watched.__exit__(*exc)  # the watchdog sees the call's exception (a transport that lost a peer)
 
     def agree(
         self, error: str | None, counts=None, volume: int = 0, error_type: type = InputError, replies=None

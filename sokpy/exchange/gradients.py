@@ -121,14 +121,19 @@ class GradChunk:
             return np.ones(self.ntables, bool)
         return self.used.any(axis=0)
 
-    def entries(self, index: np.ndarray):
+    def entries(self, index: np.ndarray | None):
         """The entries of the tables that ``index`` maps (chunk table -> caller's index, -1 to
-        skip): ``(caller index, rows, offsets, keys)``, skipping unused ones and rows < 0. Its
-        reader, on the current stream, may also read ``buffer``."""
+        skip; None: each table its own index): ``(caller index, rows, offsets, keys)``,
+        skipping unused ones and rows < 0. Its reader, on the current stream, may also read
+        ``buffer``."""
         self.used_here()
         xp = runtime.xp()
-        index = np.asarray(index)
         every_entry = self.rows_found and (self.used is None or bool(self.used.all()))
+        if index is None:
+            if every_entry and self.by_table:
+                return self.group, self.rows, self.offsets, self.keys  # all of them, as they are
+            index = np.arange(self.ntables)
+        index = np.asarray(index)
         if every_entry and self.by_table and (index == np.arange(self.ntables)).all():
             return self.group, self.rows, self.offsets, self.keys  # all of them, as they are
         t = self.group if self.by_table else self.group % self.ntables  # (an int64 remainder is slow)
@@ -176,7 +181,13 @@ def collect_entries(
     chunks: dict[int, GradChunk] = {}
     holders: dict[int, slice | list[int]] = {}
     if len(flat) == ntab and len(set(map(id, flat))) == 1:  # the usual: one chunk, held by all
-        chunks[id(flat[0])], holders[id(flat[0])] = flat[0], slice(None)
+        chunk = flat[0]
+        if chunk.tables == tables:  # of these tables, in this order: each its own index
+            used |= chunk.table_used()
+            mine, rows, offsets, keys = chunk.entries(None)
+            merged = chunk.merged and all(len(held) <= 1 for held in refs)
+            return GradEntries(mine, rows, offsets, keys, chunk.buffer, merged, chunk.error, chunk.runs)
+        chunks[id(chunk)], holders[id(chunk)] = chunk, slice(None)
     else:
         held_by: dict[int, list[int]] = {}
         for i, held in enumerate(refs):

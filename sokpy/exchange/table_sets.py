@@ -47,10 +47,14 @@ class TableSet:
         self.row_bits = np.array([bits(int(x) + 1) if not t.dynamic else 64 for x, t in zip(local, tables)], np.int64)
         self.epoch = -1
         self.streams: set[int] = set()
+        # What lookup calls over these tables made of the descriptor, by the call's shape
+        # (``plan.call.describe``): forgotten when a storage buffer is replaced.
+        self.described: dict = {}
         self.refresh(tables)
 
     def refresh(self, tables) -> None:
         if self.epoch != epoch():
+            self.described = {}
             for i, t in enumerate(tables):
                 t.storage.descriptor(self.tabs[i], self.ptrs[i])
             # Every stored row index of these tables is below this (for sort widths).

@@ -299,6 +299,7 @@ class KeyedTensor:
 
     def __init__(self, keys: list[str], length_per_key: list[int], values: torch.Tensor, key_dim: int = 1):
         self._keys, self._lengths, self._values, self._key_dim = list(keys), list(length_per_key), values, key_dim
+        self._where: dict[str, tuple[int, int]] | None = None  # key -> (start, length), made on first use
 
     def keys(self) -> list[str]:
         return self._keys
@@ -322,9 +323,13 @@ class KeyedTensor:
         return dict(zip(self._keys, self._values.split(self._lengths, dim=self._key_dim)))
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
+        """The feature's slice of the values (one narrow, as TorchRec's; not a split of all)."""
+        if self._where is None:
+            self._where = dict(zip(self._keys, zip(self.offset_per_key(), self._lengths)))
+        where = self._where.get(key)
+        if where is None:
             raise KeyError(f"the KeyedTensor has no key {key!r} (its keys: {self._keys})")
-        return self.to_dict()[key]
+        return self._values.narrow(self._key_dim, *where)
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, values={list(self._values.shape)})"

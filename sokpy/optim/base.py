@@ -147,6 +147,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         self.fused = bool(fused)
         self._var_of: dict[int, Table] = {}
         self._layout_cache: _Layout | None = None
+        self._last_hyper: tuple[list, np.ndarray] | None = None  # the uniform case's row and array (_hyper)
         self._steps = _StepCounts()
         given: list[Any] = list(params)
         if not given:
@@ -229,9 +230,15 @@ class SparseOptimizer(torch.optim.Optimizer):
         distinct (group, step count)."""
         if group_index.size and (group_index == group_index[0]).all() and (steps == steps[0]).all():
             # The usual case, one group whose tables stepped alike: one row for all (np.unique
-            # would cost more than the rest of this).
-            one = _fields([self.hyper(self.param_groups[int(group_index[0])], int(steps[0]))])
-            return np.repeat(one, group_index.size, axis=0)
+            # would cost more than the rest of this), the last step's array while the row and
+            # the number of tables are the same (a changed lr gives another row).
+            row = self.hyper(self.param_groups[int(group_index[0])], int(steps[0]))
+            last = self._last_hyper
+            if last is not None and last[0] == row and last[1].shape[0] == group_index.size:
+                return last[1]
+            out = np.repeat(_fields([row]), group_index.size, axis=0)
+            self._last_hyper = (row, out)
+            return out
         combo = group_index * (int(steps.max(initial=0)) + 1) + steps
         _, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
         rows = [self.hyper(self.param_groups[int(group_index[i])], int(steps[i])) for i in first.tolist()]

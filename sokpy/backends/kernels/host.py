@@ -109,17 +109,19 @@ class _HostKernel:
         fn.restype = None
         self._fn = fn
         self._emulate_blocks = emulate_blocks
+        # The array parameters, by position, worked out once for every launch.
+        self._arrays = tuple((i, p) for i, p in enumerate(params) if p.pointer)
 
     def convert(self, args) -> list:
         """The launch arguments as the compiled launcher takes them (checked)."""
         if len(args) != len(self.params):
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
-        conv = []
-        for p, x in zip(self.params, args):
-            if p.pointer:
-                conv.append(None if x is None else check_array(self.name, p, x))
-            else:
-                conv.append(x)
+        conv = list(args)
+        name = self.name
+        for i, p in self._arrays:
+            x = conv[i]
+            if x is not None:
+                conv[i] = check_array(name, p, x)
         return conv
 
     def __call__(self, grid, block, args):

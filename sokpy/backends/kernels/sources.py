@@ -104,6 +104,11 @@ def constants() -> dict[str, int]:
 
 
 def check_array(kernel: str, p: Param, x):
+    """The data address of ``x``, the array argument ``p`` of ``kernel``: an array of ``p``'s
+    dtype, C-contiguous (raises :class:`KernelError` naming the kernel and argument for
+    anything else)."""
+    if type(x) is np.ndarray and x.dtype is p.dtype and x.flags.c_contiguous:  # the common case, first
+        return arrays.numpy_address(x)
     found = arrays.info(x)
     if found is None:
         raise KernelError(f"sokpy kernel {kernel}: argument {p.name} must be an array, got {type(x).__name__}")

@@ -95,7 +95,34 @@ def describe(
     counted on the device (a sequence batch of a KeyedJaggedTensor there) gets its output
     layout from :func:`lay_out_outputs` once the call's read brought its sizes (its
     ``out_size`` is 0 until then). Raises ValueError for a keyed output over tables of
-    different batch sizes."""
+    different batch sizes.
+
+    A training loop makes the same call again and again: the result is kept with the table
+    set (which forgets it when a storage buffer is replaced, :meth:`TableSet.refresh`), by
+    everything it is made of, and each call gets its own copy of the descriptor."""
+    bags = batch.bag_start.tobytes() if isinstance(batch.bag_start, np.ndarray) else None
+    key = (
+        np.asarray(combiners).tobytes(),
+        batch.weighted.tobytes(),
+        bags,
+        bool(keyed),
+        world,
+        int(batch.keys.shape[0]),
+        bool(batch.tail),
+    )
+    found = ts.described.get(key)
+    if found is None:
+        found = _describe(ts, batch, combiners, keyed, world)
+        if len(ts.described) >= 64:
+            ts.described.clear()
+        ts.described[key] = found
+    shape, tabs = found
+    return shape, tabs.copy()
+
+
+def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) -> tuple[CallShape, np.ndarray]:
+    # Everything this reads of the batch is in describe's key: a field read here and not
+    # there would hand one call another's shape.
     c = kernels.constants()
     ntab = len(ts.dims)
     n = int(batch.keys.shape[0])
