@@ -3,7 +3,8 @@
 double (no GPU needed): CuPy routines and copies, kernel launches, NCCL calls and reads of
 device values per step, for 4 to 500 tables. On a GPU each of them costs the host a few
 microseconds whatever its size, so the counts, not the double's own run time, say what the
-host will spend; they must not grow with the number of tables.
+host will spend; they must not grow with the number of tables. Each phase's total (routines,
+copies, launches and NCCL calls) is printed beside its budget (``BUDGETS``).
 
     sokrun -np 2 python benchmarks/bench_device_host.py --out bench_out/device_host.json
 
@@ -33,6 +34,10 @@ import torch  # noqa: E402
 import sokpy  # noqa: E402
 from sokpy.nn import KeyedJaggedTensor  # noqa: E402
 from sokpy.testing import device_double  # noqa: E402
+
+# Device operations per phase (CuPy routines, copies, kernel launches and NCCL calls together)
+# that the device path is held to: at one rank, and at two or more (flat in the ranks).
+BUDGETS = {1: dict(forward=6, backward=6, step=2), 2: dict(forward=12, backward=10, step=2)}
 
 
 def phase_counts(ntab: int, args, rank: int) -> dict:
@@ -81,12 +86,16 @@ def main(argv=None) -> int:
         report["by_tables"][ntab] = phase_counts(ntab, args, rank)
     if rank == 0:
         print(f"# host work per step on the device path (emulated), {report['ranks']} rank(s)")
-        print("tables  phase     array  kernel  NCCL  reads  ms(double)")
+        budget = BUDGETS[min(report["ranks"], 2)]
+        print("tables  phase     array  kernel  NCCL  total  budget  reads  ms(double)")
         for ntab, phases in report["by_tables"].items():
             for name, r in phases.items():
+                r["total"] = r["array"] + r["kernel"] + r["NCCL"]
+                r["budget"] = budget[name]
                 print(
-                    f"{ntab:6d}  {name:8s} {r['array']:6.0f} {r['kernel']:7.0f} {r['NCCL']:5.0f} {r['reads']:6.0f}"
-                    f"  {r['ms']:9.1f}"
+                    f"{ntab:6d}  {name:8s} {r['array']:6.0f} {r['kernel']:7.0f} {r['NCCL']:5.0f} {r['total']:6.0f}"
+                    f"  {r['budget']:6d} {r['reads']:6.0f}  {r['ms']:9.1f}"
+                    + ("" if r["total"] <= r["budget"] + 1e-9 else "  over budget")
                 )
         _common.write_json(args.out, report)
         print(f"wrote {args.out}")

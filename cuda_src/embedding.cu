@@ -82,9 +82,13 @@ extern "C" __global__ void init_rows(const i64* seg_start, int nseg, const i64* 
 // sort_value is the key's row on its owner when that fits in value_bits (tabs EXACT), else the top
 // value_bits of a mix of the key: equal keys always get equal values, and the caller compares
 // the keys themselves where values are equal, so a shared value never merges two keys.
-// A static table's key outside [0, rows) lowers *bad to its position (bad starts at n).
+// A static table's key outside [0, rows) lowers *bad to its position (bad starts at n, or at -1:
+// compared as unsigned words, -1 is above every position).
+// Where packed32 is not null, the values (below 2^32) are written there as 32-bit words
+// instead, for a library sort that then sorts half the bytes (packed is null).
 extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_start, int ntables, const i64* tabs,
-                                      int world, int pos_bits, int value_bits, i64* packed, i64* bad) {
+                                      int world, int pos_bits, int value_bits, i64* packed, i64* bad,
+                                      unsigned int* packed32) {
     const double inv_world = 1.0 / (double)world;
     // The table's fields are read when a thread's run of keys enters a table (keys of one
     // table are contiguous and a thread's keys increase), not once per key.
@@ -105,7 +109,7 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
         i64 owner = target, local = k;
         if (kind == SOKPY_KIND_STATIC || kind == SOKPY_KIND_STATIC_AT) {
             if (k < 0 || k >= rows) {
-                atomicMin(bad, j);
+                atomicMin((u64*)bad, (u64)j);
                 owner = 0;
                 local = 0;
             } else if (kind == SOKPY_KIND_STATIC) {
@@ -117,40 +121,89 @@ extern "C" __global__ void route_keys(const i64* keys, i64 n, const i64* key_sta
         u64 sort_value = (u64)local;
         if (!exact) sort_value = value_bits > 0 ? sokpy_mix64((u64)k ^ 0x5851f42d4c957f2dULL) >> (64 - value_bits) : 0;
         const u64 g = (u64)owner * (u64)ntables + group_bits;
-        packed[j] = (i64)((g << (value_bits + pos_bits)) | (sort_value << pos_bits) | (u64)j);
+        const u64 v = (g << (value_bits + pos_bits)) | (sort_value << pos_bits) | (u64)j;
+        if (packed32) {
+            packed32[j] = (unsigned int)v;
+        } else {
+            packed[j] = (i64)v;
+        }
+    }
+}
+
+// Sorted value k of a call's keys: an int64 word of s or, where s is null, a 32-bit word of s32.
+__device__ __forceinline__ i64 sokpy_sorted(const i64* s, const unsigned int* s32, i64 k) {
+    return s ? s[k] : (i64)s32[k];
+}
+
+// ---- a KeyedJaggedTensor's offsets as a whole ----------------------------------------------
+// The faults of a KeyedJaggedTensor's offsets (off: m + 1 entries over n values), each the first
+// index where it holds, lowered from -1 (compared as unsigned words, -1 is above every index):
+// vector[0] START (off[0] != 0: 0), vector[1] END (off[m] != n: 0), vector[2] DECREASE (first i
+// with off[i + 1] < off[i]), vector[3] PAST (first i with off[i + 1] > n). When key_start is not
+// null, key_start[f] = off[min(f * stride, m)] for f <= nfeatures: where each feature's values
+// start. One offset per row.
+extern "C" __global__ void keyed_offsets_faults(const i64* off, i64 m, i64 n, i64 stride, int nfeatures,
+                                                i64* key_start, i64* vector) {
+    u64* v = (u64*)vector;
+    SOKPY_FOR_KEYS(i, m + 1) {
+        const i64 o = off[i];
+        if (i == 0 && o != 0) atomicMin(v, (u64)0);
+        if (i == m && o != n) atomicMin(v + 1, (u64)0);
+        if (i < m) {
+            const i64 next = off[i + 1];
+            if (next < o) atomicMin(v + 2, (u64)i);
+            if (next > n) atomicMin(v + 3, (u64)i);
+        }
+        if (key_start) {
+            if (stride > 0 && i % stride == 0 && i / stride <= nfeatures) key_start[i / stride] = o;
+            if (i == m) {  // features whose start lies past the offsets (stride 0, or too few offsets)
+                for (i64 f = stride > 0 ? m / stride + 1 : 0; f <= nfeatures; ++f) key_start[f] = o;
+            }
+        }
     }
 }
 
 // ---- the requester: unique keys ------------------------------------------------------------
-// The call's packed values after one sort (s, route_keys' layout): pos[k] is the position
+// The call's packed values after one sort (s, or s32 as 32-bit words, route_keys' layout): pos[k] is the position
 // value k came from, and starts_unique[k] = 1 where a unique key starts: its (group, sort value)
 // differs from the previous value's or, where sort values are not exact (the top bits of a
 // hash), its key does. Two keys that share a hashed sort value and interleave by position
 // give more than one unique entry each (never a merge of two keys); *collided becomes 1 where
 // a run of equal sort values holds more than one key, so the caller knows that a key may
-// appear more than once. When bag_of (each position's bag) is not null, kbag[k] = bag_of[pos[k]]
-// too, the bags in the order segment_sum reads them.
-extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys, int pos_bits, int exact,
+// appear more than once (*collided starts at 0 or -1). When bag_of (each position's bag) is not null, kbag[k] = bag_of[pos[k]]
+// too, the bags in the order segment_sum reads them. When before is not null, before[0] = 0
+// (the start of the running count unique_key_heads reads); when nuniq is not null, the unique
+// keys are added to *nuniq (one atomic per thread), so that the count comes with no pass of its
+// own.
+extern "C" __global__ void mark_unique_keys(const i64* s, const unsigned int* s32, i64 n, const i64* keys,
+                                            int pos_bits, int exact,
                                             const i64* bag_of, i64* pos, i64* kbag, unsigned char* starts_unique,
-                                            int* collided) {
+                                            i64* collided, i64* before, i64* nuniq) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
+    i64 found = 0;
     SOKPY_FOR_KEYS(k, n) {
-        const i64 p = s[k] & mask;
+        if (k == 0 && before) before[0] = 0;
+        const i64 v = sokpy_sorted(s, s32, k);
+        const i64 p = v & mask;
         pos[k] = p;
         if (bag_of) {
-            if (k + SOKPY_PREFETCH_BAGS < n) sokpy_prefetch_word(bag_of + (s[k + SOKPY_PREFETCH_BAGS] & mask));
+            if (k + SOKPY_PREFETCH_BAGS < n)
+                sokpy_prefetch_word(bag_of + (sokpy_sorted(s, s32, k + SOKPY_PREFETCH_BAGS) & mask));
             kbag[k] = bag_of[p];
         }
         int b = 1;
         if (k > 0) {
-            b = (s[k] >> pos_bits) != (s[k - 1] >> pos_bits);
-            if (!b && !exact && keys[p] != keys[s[k - 1] & mask]) {
+            const i64 prev = sokpy_sorted(s, s32, k - 1);
+            b = (v >> pos_bits) != (prev >> pos_bits);
+            if (!b && !exact && keys[p] != keys[prev & mask]) {
                 b = 1;
-                atomicMax(collided, 1);
+                atomicMax(collided, (i64)1);
             }
         }
         starts_unique[k] = (unsigned char)b;
+        found += b;
     }
+    if (nuniq && found) atomicAdd((unsigned long long*)nuniq, (unsigned long long)found);
 }
 
 // Lays out the unique keys. Unique key u starts at sorted position k = starts[u] (given
@@ -161,11 +214,13 @@ extern "C" __global__ void mark_unique_keys(const i64* s, i64 n, const i64* keys
 // first use, the key and its group (owner * ntables + table). The key of a static table whose
 // sort value is its exact stored row (tabs EXACT) comes back from that row and the owner
 // (sokpy_static_key), not from a read of keys at a random position: on the host that read is a
-// cache miss per unique key.
-extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, const unsigned char* starts_unique,
-                                            const i64* before, i64 count, const i64* keys, int pos_bits, int value_bits,
-                                            int ntables, const i64* tabs, int world, i64* seg, i64* first, i64* ukeys,
-                                            i64* group) {
+// cache miss per unique key. The end of the last unique key's positions, seg[nuniq] = n (the
+// number of sorted positions), is written too.
+extern "C" __global__ void unique_key_heads(const i64* s, const unsigned int* s32, const i64* starts,
+                                            const unsigned char* starts_unique,
+                                            const i64* before, i64 count, i64 n, const i64* keys, int pos_bits,
+                                            int value_bits, int ntables, const i64* tabs, int world, i64* seg,
+                                            i64* first, i64* ukeys, i64* group) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     const i64 value_mask = ((i64)1 << value_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
@@ -173,6 +228,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
     i64 cur = -1, owner = 0, kind = 0;
     int from_row = 0;
     SOKPY_FOR_KEYS(i, count) {
+        if (i == 0) seg[starts ? count : before[count]] = n;
         i64 k = i, u = i;
         if (starts) {
             k = starts[i];
@@ -180,7 +236,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const i64* starts, con
             if (!starts_unique[i]) continue;
             u = before[i];
         }
-        const i64 v = s[k];
+        const i64 v = sokpy_sorted(s, s32, k);
         const i64 p = v & mask;
         const i64 g = v >> (pos_bits + value_bits);
         if (g != cur) {
@@ -738,15 +794,18 @@ __device__ __forceinline__ void sokpy_key_row(float* __restrict__ o, const sokpy
 // position to its gradient row. grad[t] is the address of dL/d(output of table t), its bag
 // rows grad[ntables + t] elements apart (columns adjacent; a stride of 0 repeats one row);
 // grad[t] = 0 means the output got no gradient: a zero row. When bad is
-// not null (zeroed by the caller), bad[u] = 1 marks a row that is not finite. The unique keys
+// not null, *bad (set above every unique key's number by the caller) is lowered to the number
+// of the first row that is not finite. The unique keys
 // are the first nuniq, or, when count is not null, the first *count (a number the device knows
-// and the host does not: the launch covers nuniq, an upper bound). Launched with
-// kernels.vector_cols(dim) columns, as combine_forward.
+// and the host does not: the launch covers nuniq, an upper bound). Row u is written at
+// dst_off[u], or, when off_stride > 0, at off_base + u * off_stride, which is then written to
+// dst_off[u] (rows of one dimension one after another: no pass of their own lays them out).
+// Launched with kernels.vector_cols(dim) columns, as combine_forward.
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
                                        const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,
-                                       float* pieces, i64 piece_stride, int parallel, float* dst, const i64* dst_off,
-                                       float scale, int* bad) {
+                                       float* pieces, i64 piece_stride, int parallel, float* dst, i64* dst_off,
+                                       i64 off_base, i64 off_stride, float scale, i64* bad) {
     if (count) nuniq = *count;
     const sokpy_positions ps = {bag_of, kbag, den, perm, seg[nuniq], pieces, piece_stride};
     // The table's fields are read when the group changes (unique keys come group by group),
@@ -758,8 +817,17 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
             cur = group[u];
             table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
         }
-        SOKPY_WITH_DIM(sokpy_key_row, table.dim, dst + dst_off[u], table, ps, seg[u], seg[u + 1], parallel, scale,
-                       bad ? bad + u : 0)
+        i64 off;
+        if (off_stride > 0) {
+            off = off_base + u * off_stride;
+            if (threadIdx.x == 0) dst_off[u] = off;
+        } else {
+            off = dst_off[u];
+        }
+        int row_bad = 0;
+        SOKPY_WITH_DIM(sokpy_key_row, table.dim, dst + off, table, ps, seg[u], seg[u + 1], parallel, scale,
+                       bad ? &row_bad : 0)
+        if (row_bad) atomicMin(bad, u);
     }
 }
 

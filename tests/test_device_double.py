@@ -259,6 +259,35 @@ def test_a_train_pipeline_parses_once_and_keeps_the_read_budget(nranks):
         assert (reads, parses, plain) == (budget, 1, budget), f"rank {rank}, {module}, {form}"
 
 
+# Device operations per phase at one rank (CuPy routines, copies, kernel launches and NCCL calls
+# together; tests/workers/device_ops_worker.py), flat in the number of tables. Host ids: the
+# keys' copy and one copy of the small arrays with the start values of the flags the kernels
+# report in, route_keys, the sort, mark_unique_keys (which counts the unique keys too) and
+# combine_forward; the backward: the gradients' addresses (with the start of the first bad
+# row), the running count, unique_key_heads, segment_sum (which lays out the rows) and, where a
+# key is hot enough, a level of segment_piece_sums; the step: the update (the descriptors and
+# hyper-parameters stay on the device). Ids on the device: the joined keys instead of the keys'
+# copy; a KeyedJaggedTensor: one fill of the status buffer and the check of its offsets
+# (keyed_offsets_faults) instead of both copies.
+ONE_RANK_OPS = (6, 6, 2)
+DEVICE_OPS_CASES = ("host_ids", "device_ids", "kjt")
+
+
+def test_device_operations_per_phase_stay_within_budget_at_one_rank():
+    out = run_mpi(1, "device_ops_worker.py", "4,100", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    counts = {}
+    for line in out.splitlines():
+        if line.startswith("ops "):
+            _, _, case, ntab, *phases = line.split()
+            counts[case, int(ntab)] = tuple(map(int, phases))
+    assert sorted(counts) == sorted((c, n) for c in DEVICE_OPS_CASES for n in (4, 100)), out
+    for (case, ntab), got in counts.items():
+        ops, reads = got[:3], got[3:]
+        assert reads == (1, 1, 0), f"{case}, {ntab} tables: host reads {reads}"
+        assert all(g <= b for g, b in zip(ops, ONE_RANK_OPS)), f"{case}, {ntab} tables: {ops} > {ONE_RANK_OPS}"
+        assert ops[0] == counts[case, 4][0], f"{case}: the forward grows with tables: {ops} at {ntab}"
+
+
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------
 
 
@@ -383,3 +412,31 @@ def test_record_stream_or_an_event_keeps_freed_memory_from_reuse(order):
         del b
         side.run_until(side.enqueued)  # the side stream ran past the work: the block is free again
         assert _address(xp.empty(1000, np.float32)) == address
+
+
+def test_a_batch_looked_up_twice_gives_the_same_rows_and_gradients():
+    """A KeyedJaggedTensor's batch carries the flags its first lookup's kernels report in;
+    a second lookup of the same batch gets flags of its own (same outputs, same gradient)."""
+    code = """
+import torch, sokpy
+from sokpy.inputs import to_batch
+from sokpy.lookup import lookup
+from sokpy.nn import KeyedJaggedTensor
+from sokpy.testing import device_double as dd
+sokpy.init()
+tabs = [sokpy.Variable(100, 4, name=f"twice{t}", initializer=0.5) for t in range(3)]
+opt = sokpy.optim.SGD(tabs, lr=0.0)
+vals = dd.to_device(torch.tensor([1, 2, 2, 5, 7, 7, 9, 9, 9, 3, 3, 1]))
+kjt = KeyedJaggedTensor(["a", "b", "c"], vals, offsets=dd.to_device(torch.arange(0, 13, 2)))
+batch = to_batch(kjt, None, 3)
+for _ in range(2):
+    outs = lookup(tabs, batch, None, "sum")
+    sum((o * 1.5).sum() for o in outs).backward()
+    g = tabs[2].grad
+    print("out", torch.cat([o.detach().cpu() for o in outs]).sum().item(), g.keys.tolist(), g.values.sum().item())
+    opt.zero_grad()
+"""
+    res = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("out ")]
+    assert lines == ["out 24.0 [1, 3, 9] 24.0"] * 2, res.stdout

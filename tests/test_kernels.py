@@ -438,7 +438,8 @@ def _segment_rows(case, dim, shapes, parallel, sorted_bags=True):
         kernels.get("segment_piece_sums", backend)(grid, block, [*common, pieces, dim, level, slots])
     dst = np.full(nuniq * dim, np.nan, np.float32)
     grid, block = kernels.launch_shape(nuniq, cols, shapes)
-    args = [*common, pieces, dim, int(parallel), dst, np.arange(0, nuniq * dim, dim), 1.0, np.zeros(nuniq, np.int32)]
+    offsets = np.arange(0, nuniq * dim, dim)
+    args = [*common, pieces, dim, int(parallel), dst, offsets, 0, 0, 1.0, np.full(1, nuniq, np.int64)]
     kernels.get("segment_sum", backend)(grid, block, args)
     return dst.reshape(nuniq, dim)
 
@@ -607,3 +608,49 @@ def test_sightings_count_in_every_row_take_back_exactly_and_saturate(sokpy_host,
     runtime.launch("count_sightings", 4, 3, (*args, 1))
     runtime.launch("count_sightings", 4, 3, (*args, -1))
     assert (f.counters == np.iinfo(np.uint32).max).all() and (f.estimate(keys) == 2**32 - 1).all()
+
+
+# ---- a KeyedJaggedTensor's offsets ------------------------------------------------------------
+
+
+def _offsets_faults_reference(off: np.ndarray, n: int, stride: int, nfeatures: int):
+    """numpy's answer: the first index of each fault (-1: none) and offsets[min(f * stride, m)]."""
+
+    def first(mask) -> int:
+        hits = np.flatnonzero(mask)
+        return int(hits[0]) if hits.size else -1
+
+    m = off.size - 1
+    faults = [0 if off[0] != 0 else -1, 0 if off[m] != n else -1]
+    faults += [first(off[1:] < off[:-1]), first(off[1:] > n)]
+    key_start = off[np.minimum(np.arange(nfeatures + 1) * stride, m)]
+    return faults, key_start
+
+
+@pytest.mark.parametrize("shapes", ["host", "device"])
+@pytest.mark.parametrize("fault", ["none", "start", "end", "decrease", "past", "several"])
+def test_keyed_offsets_faults_matches_numpy(shapes, fault):
+    rng = np.random.default_rng(len(fault))
+    nfeatures, stride = 5, 40
+    lengths = rng.integers(0, 4, nfeatures * stride)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(off[-1])
+    if fault in ("start", "several"):
+        off[0] = 3
+    if fault in ("end", "several"):
+        n += 1
+    if fault in ("decrease", "several"):
+        off[77] = off[76] - 1
+        off[150] = off[149] - 2
+    if fault == "past":
+        off[120] = n + 5
+    want_faults, want_starts = _offsets_faults_reference(off, n, stride, nfeatures)
+    vector = np.full(7, -1, np.int64)
+    key_start = np.full(nfeatures + 1, -7, np.int64)
+    m = off.size - 1
+    grid, block = kernels.launch_shape(m + 1, 1, shapes)
+    backend = "host" if shapes == "host" else "device_shapes"
+    kernels.get("keyed_offsets_faults", backend)(grid, block, [off, m, n, stride, nfeatures, key_start, vector])
+    assert vector[:4].tolist() == want_faults
+    assert (vector[4:] == -1).all()
+    assert key_start.tolist() == want_starts.tolist()

@@ -103,6 +103,15 @@ def _shapes_run(rank, world_size, monkeypatch, folder, comm=None):
             opt.step()
             opt.zero_grad()
 
+    # A KeyedJaggedTensor: its offsets checked and its key starts found (keyed_offsets_faults).
+    from sokpy.nn import KeyedJaggedTensor
+
+    kjt_values = torch.tensor(rng.integers(0, 40, 12), dtype=torch.int64)
+    kjt = KeyedJaggedTensor(["a", "b"], kjt_values, offsets=torch.tensor([0, 2, 5, 9, 12]))
+    with torch.no_grad():
+        kjt_outs = sokpy.lookup_sparse(tables[:2], kjt, combiners="sum")
+    results["kjt_out"] = torch.cat([o.reshape(-1) for o in kjt_outs]).numpy().copy()
+
     # A capped table (8 rows a rank) through 12 steps of 2 keys per rank: evictions move rows and
     # mark slots (set_slot_states, copy_rows).
     capped = sokpy.DynamicVariable(4, max_rows=8 * world_size, evict="lfu", name="shape_capped")

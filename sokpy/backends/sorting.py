@@ -69,7 +69,7 @@ def sort_words(hi: int) -> np.dtype:
 def _library_sort(values, hi: int):
     """``values`` sorted in place by the array module's sort, as :func:`sort_words`' words."""
     word = sort_words(hi)
-    if word == values.dtype:
+    if word == values.dtype or values.dtype == np.uint32:  # 32-bit words already: sorted as they are
         values.sort()
         return values
     narrow = values.astype(word)

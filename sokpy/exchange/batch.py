@@ -35,10 +35,14 @@ class Faults(NamedTuple):
     verdict: ``vector`` (a device int64 array, where each kind of fault first occurs, -1
     where there is none) and ``explain(vector)``, which takes that vector read to the host
     and raises the :class:`BatchError` of the first fault, as the host's check names it (it
-    reads the values it names: the error path)."""
+    reads the values it names: the error path). ``status``: where the parse made one buffer
+    for what a one-rank lookup reads (None: it did not), ``[3 flags | vector | key_start]``,
+    all starting at -1: the lookup's kernels report in the flags (``DeviceBatch.flags``), and
+    the three parts are then read as one."""
 
     vector: Any
     explain: Callable[[np.ndarray], None]
+    status: Any = None
 
 
 class HostSizes:
@@ -48,6 +52,7 @@ class HostSizes:
 
     def __init__(self) -> None:
         self.key_start: np.ndarray | None = None
+        self.status_taken = False  # a lookup took the flags of the parse's status (Faults.status)
 
 
 class Batch(NamedTuple):

@@ -44,16 +44,28 @@ __all__ = ["route", "sort_bits", "owners", "stray_key", "repeated_key", "rows_of
 
 
 def route(
-    tabs: Array, keys: Array, key_start: Array, ntables: int, world: int, pos_bits: int, value_bits: int
+    tabs: Array,
+    keys: Array,
+    key_start: Array,
+    ntables: int,
+    world: int,
+    pos_bits: int,
+    value_bits: int,
+    bad: Array | None = None,
+    words32: bool = False,
 ) -> tuple[Array, Array]:
     """``(packed, bad)`` of route_keys: ``bad`` is a one-element array of the backend with the
     first position of a key out of range, or n (read it when the caller needs the host to
-    know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile)."""
-    xp = runtime.xp()
+    know: a key out of range gets a valid packed value, owner 0 and row 0, meanwhile). A
+    ``bad`` given (holding n) is used instead of a new one. ``words32``: ``packed`` as uint32
+    words (the caller knows that the values fit), for a library sort of half the bytes."""
     n = int(keys.shape[0])
-    packed = runtime.scratch(n, np.int64)
-    bad = xp.full(1, n, np.int64)
-    runtime.launch("route_keys", n, 1, (keys, n, key_start, ntables, tabs, world, pos_bits, value_bits, packed, bad))
+    packed = runtime.scratch(n, np.uint32 if words32 else np.int64)
+    if bad is None:
+        bad = runtime.xp().full(1, n, np.int64)
+    wide, narrow = (None, packed) if words32 else (packed, None)
+    args = (keys, n, key_start, ntables, tabs, world, pos_bits, value_bits, wide, bad, narrow)
+    runtime.launch("route_keys", n, 1, args)
     return packed, bad
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends import handoff
+from ..backends import handoff, kernels, runtime
+from ..backends.resident import resident
 from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
 from .forms import Bags, Keyed, Place, parse, place_of
 
@@ -81,12 +82,13 @@ def _fixed_offsets(place: Place, key_start, bag_start, bags, hotness):
     of table t starts at ``key_start[t] + (b - bag_start[t]) * hotness[t]``."""
     nbags = int(bag_start[-1])
     if (hotness == hotness[0]).all():  # then key_start[t] = bag_start[t] * hotness
-        return place.xp.arange(nbags + 1, dtype=np.int64) * int(hotness[0])
+        # (on a device, the copy of a batch of this shape made before: nothing to compute or copy)
+        return resident(np.arange(nbags + 1, dtype=np.int64) * int(hotness[0]))
     offsets = np.empty(nbags + 1, np.int64)
     offsets[:-1] = np.repeat(key_start[:-1] - bag_start[:-1] * hotness, bags)
     offsets[:-1] += np.arange(nbags, dtype=np.int64) * np.repeat(hotness, bags)
     offsets[-1] = key_start[-1]
-    return place.xp.asarray(offsets)
+    return resident(offsets)
 
 
 def _joined_offsets(place: Place, own, own_start, key_start, bag_start, bags):
@@ -109,13 +111,17 @@ def keyed_batch(keyed: Keyed, place: Place) -> Batch:
     layouts: list[tuple | None] = [None] * ntab
     if keyed.grad is not None:
         grads[0], layouts[0] = keyed.grad, ("keyed", tuple(keyed.grad.shape))
-    key_start = keyed.offsets[place.xp.asarray(bag_start)]
+    # One buffer for what a one-rank lookup reads of it: the lookup's flags, the faults, then
+    # key_start (offsets[bag_start], which keyed_offsets_faults writes), all starting at -1.
+    status = place.xp.full(3 + COO + 1 + ntab + 1, -1, np.int64)
+    vector, key_start = status[3 : 3 + COO + 1], status[3 + COO + 1 :]
+    _structure(place, keyed, vector, key_start, ntab)
     weighted = np.full(ntab, keyed.weights is not None)
     sizes = HostSizes()  # key_start's host copy, once the lookup read it
     batch = Batch(
         keyed.values, keyed.offsets, keyed.weights, key_start, bag_start, weighted, grads, layouts, None, sizes
     )
-    return check_keyed(place, batch, keyed, list(range(ntab)), keyed.overflow)
+    return check_keyed(place, batch, keyed, list(range(ntab)), keyed.overflow, status)
 
 
 # ---- the check --------------------------------------------------------------------------------
@@ -155,11 +161,11 @@ def _value_candidates(v: np.ndarray, batch: Batch) -> list[tuple]:
     return out
 
 
-def _settle(place: Place, batch: Batch, vector, explain) -> Batch:
+def _settle(place: Place, batch: Batch, vector, explain, status=None) -> Batch:
     """The batch, checked: on the host its first fault raised now; on the device its vector
-    kept for the lookup's read."""
+    (and the status buffer it lies in, if any) kept for the lookup's read."""
     if place.device:
-        return batch._replace(faults=Faults(vector, explain))
+        return batch._replace(faults=Faults(vector, explain, status))
     explain(vector)
     return batch
 
@@ -169,6 +175,8 @@ def _check_tables(place: Place, batch: Batch, own: Any, own_start: Any, overflow
     one after another (table t's from ``own_start[t]``; None where every table's bags are
     dense ids, whose offsets cannot be wrong), ``overflow`` where a key does not fit int64
     (or None) and ``coo`` each table's COO weights mismatch (or None)."""
+    if own is None and overflow is None and batch.weights is None and all(c is None for c in coo):
+        return batch  # dense int64 ids without weights: nothing here can be wrong (route_keys checks the range)
     xp = place.xp
     none = xp.full(1, -1, np.int64)
     counts = np.diff(batch.key_start)
@@ -212,35 +220,53 @@ def _check_tables(place: Place, batch: Batch, own: Any, own_start: Any, overflow
     return _settle(place, batch, vector, explain)
 
 
-def _structure(xp, keyed: Keyed) -> list:
-    """The vector's START, END, DECREASE and PAST entries: a KeyedJaggedTensor's offsets as a whole."""
+def _structure(place: Place, keyed: Keyed, vector=None, key_start=None, nfeatures: int = 0):
+    """An int64 vector whose START, END, DECREASE and PAST entries are the faults of a
+    KeyedJaggedTensor's offsets as a whole: ``keyed_offsets_faults``, one launch, lowers them
+    in ``vector`` (given: all -1; else a new one of those four). Given ``key_start``
+    (``[nfeatures + 1]``), it gets where each feature's values start (``offsets[f * stride]``)
+    in the same launch."""
     off, n = keyed.offsets, int(keyed.values.shape[0])
-    return [
-        _first(xp, off[:1] != 0),
-        _first(xp, off[-1:] != n),
-        _first(xp, off[1:] < off[:-1]),
-        _first(xp, off[1:] > n),
-    ]
+    if off.dtype != np.int64:
+        off = off.astype(np.int64)
+    if vector is None:
+        vector = place.xp.full(PAST + 1, -1, np.int64)
+    m = int(off.shape[0]) - 1
+    args = (off, m, n, int(keyed.stride), nfeatures, key_start, vector)
+    if place.device or runtime.current().xp is np:
+        runtime.launch("keyed_offsets_faults", m + 1, 1, args)
+    elif m >= 0:  # host arrays under a device backend: the same kernel, the host's build
+        grid, block = kernels.launch_shape(m + 1, 1, "host")
+        kernels.get("keyed_offsets_faults", "host")(grid, block, args)
+    return vector
 
 
 def read_structure(place: Place, keyed: Keyed, table_of: Sequence[int | None], more) -> np.ndarray:
     """``more`` (an int64 array where the KJT lives) on the host, read with the faults of the
     KJT's offsets as a whole, which raise at once (on the device: one read)."""
     xp = place.xp
-    head = handoff.to_host(xp.concatenate([*_structure(xp, keyed), xp.asarray(more)]))
+    head = handoff.to_host(xp.concatenate([_structure(place, keyed), xp.asarray(more)]))
     fault = _keyed_fault(head[: PAST + 1], keyed, table_of)
     if fault is not None:
         raise BatchError(*fault)
     return head[PAST + 1 :]
 
 
-def check_keyed(place: Place, batch: Batch, keyed: Keyed, table_of: Sequence[int | None], overflow: Any) -> Batch:
+def check_keyed(
+    place: Place, batch: Batch, keyed: Keyed, table_of: Sequence[int | None], overflow: Any, status=None
+) -> Batch:
     """Checks a KeyedJaggedTensor's input: its offsets as a whole (its features and bags
     named, each feature after the table it feeds, ``table_of[f]``: None for a feature the
     call does not read), then the keys and weights of ``batch``, the tables' part of it
-    (``overflow``: where one of its keys does not fit int64, or None)."""
+    (``overflow``: where one of its keys does not fit int64, or None). ``status``: the
+    buffer :func:`keyed_batch` made, whose faults :func:`_structure` found already."""
     xp = place.xp
-    vector = xp.concatenate([*_structure(xp, keyed), *_values_faults(xp, batch, overflow), xp.full(1, -1, np.int64)])
+    if status is None:
+        vector = _structure(place, keyed, xp.full(COO + 1, -1, np.int64))
+    else:
+        vector = status[3 : 3 + COO + 1]
+    if overflow is not None or batch.weights is not None:
+        vector[OVERFLOW : WEIGHT + 1] = xp.concatenate(_values_faults(xp, batch, overflow))
 
     def explain(v: np.ndarray) -> None:
         if (v < 0).all():
@@ -251,7 +277,7 @@ def check_keyed(place: Place, batch: Batch, keyed: Keyed, table_of: Sequence[int
         t, _, message = min(_value_candidates(v, batch))
         raise BatchError(t, message)
 
-    return _settle(place, batch, vector, explain)
+    return _settle(place, batch, vector, explain, status)
 
 
 def _keyed_fault(v: np.ndarray, keyed: Keyed, table_of: Sequence[int | None]) -> tuple | None:

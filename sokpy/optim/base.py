@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, kernels, runtime
+from ..backends.resident import resident
 from ..exchange import collective
 from ..exchange.fused_updates import is_fused
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries
@@ -256,14 +257,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         offsets)`` of n unique rows, each row's gradient summed; or, with ``pieces``
         (``(perm, seg, count)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, count on the
         device or None), unsummed pieces that the kernel sums as it updates."""
-        xp, c = runtime.xp(), kernels.constants()
+        c = kernels.constants()
         tabs = ts.tabs
         if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
             tabs = tabs.copy()
             tabs[:, c["SOKPY_TAB_STEP"]] = steps
         cols = 1 if self.row_kernel else int(ts.dims.max(initial=1))
         perm, seg, count = pieces or (None, None, None)
-        args = (*rows, perm, seg, count, n, xp.asarray(tabs), xp.asarray(ts.ptrs), xp.asarray(hyper))
+        args = (*rows, perm, seg, count, n, resident(tabs), resident(ts.ptrs), resident(hyper))
         runtime.launch(self.kernel, n, cols, args)
 
     def update_in_backward(self, chunk: GradChunk) -> None:

@@ -25,11 +25,14 @@ from .pooling import Pooled
 class GradientRows:
     """Where ``segment_sum`` writes each unique key's gradient row: the call's unique keys,
     each one's element offset in the buffer, and the elements of each peer's block (its
-    header, then its rows)."""
+    header, then its rows). ``laid_out = (base, stride)``: the rows lie one after another from
+    element ``base``, ``stride`` apart, and ``segment_sum`` writes ``unique_offsets`` itself
+    (else they are given)."""
 
     dedup: Dedup
     unique_offsets: Array
     block_elems: np.ndarray
+    laid_out: tuple[int, int] | None = None
 
 
 def _readable(grad: torch.Tensor, keep: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -47,21 +50,24 @@ def grad_pointers(
     ctx: StageContext, call: Call, grads: Sequence[torch.Tensor | None]
 ) -> tuple[np.ndarray, Array, list[torch.Tensor]]:
     """(used flags [T], device array of the gradients' addresses [T] then their row strides
-    [T], tensors to keep alive). A float32 gradient whose columns are adjacent is read where
+    [T], tensors to keep alive). The array holds one word more, set to ``2**62``: the start
+    value of the first unique key whose gradient row is not finite, which ``segment_sum``
+    lowers (:func:`first_bad_row`), copied with the addresses. A float32 gradient whose columns are adjacent is read where
     it lies, at its own row stride (an output's slice of a concatenation's gradient, a
     broadcast row); any other is copied into a contiguous one first. (A tensor's address is
     its ``data_ptr()`` on every backend.)"""
     xp, c = ctx.xp, kernels.constants()
     ntab = call.shape.ntables
     keep: list[torch.Tensor] = []
-    words = np.zeros(2 * ntab, np.uint64)
+    words = np.zeros(2 * ntab + 1, np.uint64)
+    words[2 * ntab] = NO_BAD_ROW
     if call.keyed:
         used = np.full(ntab, grads[0] is not None)
         if grads[0] is not None:
             g, stride = _readable(grads[0], keep)
             start = call.tables.tabs[:, c["SOKPY_TAB_OUT_START"]].astype(np.uint64)
             words[:ntab] = g.data_ptr() + 4 * start
-            words[ntab:] = stride
+            words[ntab : 2 * ntab] = stride
     else:
         used = np.fromiter((g is not None for g in grads), bool, ntab)
         addresses, strides = [0] * ntab, [0] * ntab
@@ -69,8 +75,19 @@ def grad_pointers(
             if grad is not None:
                 g, strides[t] = _readable(grad, keep)
                 addresses[t] = g.data_ptr()
-        words[:] = addresses + strides
+        words[: 2 * ntab] = addresses + strides
     return used, xp.asarray(words), keep
+
+
+#: The start value of :func:`first_bad_row`'s word: above any unique key's number.
+NO_BAD_ROW = 1 << 62
+
+
+def first_bad_row(gptr):
+    """The int64 word of ``gptr`` (as :func:`grad_pointers` gives it) that ``segment_sum``
+    lowers to the number of the first unique key whose gradient row is not finite (a view:
+    no copy)."""
+    return gptr[-1:].view(np.int64)
 
 
 def evicted_since(call: Call) -> str | None:
@@ -102,15 +119,17 @@ def sum_gradient_rows(
     first writes them, one launch per level the call's positions could reach (the hot keys are
     not known here), into a slot each. Where the deduplication ran after the
     forward (one rank on the host), segment_sum reads the bags in sorted order
-    (``dedup.kbag``), else ``bag_of``. ``bad`` (int32, one per unique key) gets the rows that are not finite, where the
-    strategy asks for them."""
+    (``dedup.kbag``), else ``bag_of``. ``bad`` (int64 ``[1]``, above every unique key's number)
+    is lowered to the first unique key whose row is not finite, where the strategy asks for it.
+    On one rank nothing reads the blocks' headers, and they are not written."""
     xp, shape, dev = ctx.xp, call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
-    starts = segment_starts(rows.block_elems)[:-1]
-    flags = np.zeros((world, header_slots), np.float32)
-    flags[:, :ntab] = used
-    buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+    if world > 1:  # the owners read the headers; on one rank nothing does, and nothing writes them
+        starts = segment_starts(rows.block_elems)[:-1]
+        flags = np.zeros((world, header_slots), np.float32)
+        flags[:, :ntab] = used
+        buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
     dim = int(shape.dims.max(initial=1))
     cols = kernels.vector_cols(dim)
@@ -121,4 +140,6 @@ def sum_gradient_rows(
     args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
     for level, slots in enumerate(levels, 1):
         ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
-    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), buf, rows.unique_offsets, scale, bad))
+    base, stride = rows.laid_out if rows.laid_out is not None else (0, 0)
+    tail = (buf, rows.unique_offsets, base, stride, scale, bad)
+    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail))

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...backends import kernels
 from ...backends.arrays import Array
+from ...backends.resident import resident
 from ..batch import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
@@ -45,13 +46,18 @@ class CallShape:
 class DeviceBatch:
     """The batch's arrays as the kernels take them (on a GPU, device arrays): every table's
     keys in one array, where each table's keys and bags start, the bags' offsets and the
-    per-key weights (None: unweighted)."""
+    per-key weights (None: unweighted). On a device, ``flags`` (int64 ``[3]``, each starting at
+    -1) holds what the kernels report back to the call's one read: route_keys' first key out
+    of range (-1: none), mark_unique_keys' collision flag (above 0: collided) and its count of
+    unique keys (less one); None on the host, whose kernels get arrays of their own. The
+    flags come with the batch's copy, or with the parse's status (``Faults.status``)."""
 
     keys: Array
     key_start: Array
     bag_start: Array
     offsets: Array
     weights: Array | None
+    flags: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -179,13 +185,28 @@ def lay_out_outputs(call: Call) -> Call:
 
 
 def to_device(ctx: StageContext, batch: Batch) -> DeviceBatch:
-    """The batch's arrays on the backend."""
+    """The batch's arrays on the backend. On a device, the small int64 arrays the host holds
+    (where tables and bags start, the bags' offsets where they were made on the host) travel
+    with the start values of ``flags`` in one copy; the keys, where the host holds them, in one
+    more. A batch whose parse made a status buffer (a KeyedJaggedTensor's) has its flags there
+    (in its first lookup call), and its host arrays are copies kept from an earlier batch of
+    its shape."""
     xp = ctx.xp
     weights = None if batch.weights is None else xp.asarray(batch.weights)
-    return DeviceBatch(
-        xp.asarray(batch.keys),
-        xp.asarray(batch.key_start),
-        xp.asarray(batch.bag_start),
-        xp.asarray(batch.offsets),
-        weights,
+    key_start, bag_start, offsets = arrays = [batch.key_start, batch.bag_start, batch.offsets]
+    if xp is np:
+        return DeviceBatch(batch.keys, key_start, bag_start, offsets, weights)
+    status = None if batch.faults is None else batch.faults.status
+    if status is not None and batch.sizes is not None and not batch.sizes.status_taken:
+        batch.sizes.status_taken = True  # its flags start at -1 once: a second call of this batch copies its own
+        key_start, bag_start, offsets = (resident(a) if isinstance(a, np.ndarray) else a for a in arrays)
+        return DeviceBatch(xp.asarray(batch.keys), key_start, bag_start, offsets, weights, status[:3])
+    small = [a for a in arrays if isinstance(a, np.ndarray)]
+    packed = xp.asarray(np.concatenate([np.full(3, -1, np.int64), *(a.astype(np.int64) for a in small)]))
+    views, at = {}, 3
+    for a in small:
+        views[id(a)], at = packed[at : at + a.shape[0]], at + a.shape[0]
+    key_start, bag_start, offsets = (
+        views.get(id(a), a) if isinstance(a, np.ndarray) else xp.asarray(a) for a in arrays
     )
+    return DeviceBatch(xp.asarray(batch.keys), key_start, bag_start, offsets, weights, packed[:3])

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...backends import kernels
 from ...backends.arrays import Array
+from ...backends.resident import resident
 from ..table_sets import TableSet
 from .context import StageContext
 
@@ -24,19 +25,19 @@ class CallTables:
         self.ctx, self.tables, self.ts, self.tabs = ctx, tables, ts, tabs
         self.ntables = len(tables)
         self.insert, self.world = insert, world
-        self.device_tabs: Array = ctx.xp.asarray(tabs)
+        self.device_tabs: Array = resident(tabs)
         self.device_ptrs: Array = None
         self.evictions: list[int] = []
 
     def sync(self) -> None:
         """Takes the storage fields (sizes, index masks, addresses) of the tables as they are
         now into this call's descriptor: a growth may have replaced them."""
-        xp, c = self.ctx.xp, kernels.constants()
+        c = kernels.constants()
         self.ts.refresh(self.tables)
         for field in ("SOKPY_TAB_DIM", "SOKPY_TAB_WIDTH", "SOKPY_TAB_KIND", "SOKPY_TAB_INDEX_MASK"):
             self.tabs[:, c[field]] = self.ts.tabs[:, c[field]]
-        self.device_tabs = xp.asarray(self.tabs)
-        self.device_ptrs = xp.asarray(self.ts.ptrs)
+        self.device_tabs = resident(self.tabs)
+        self.device_ptrs = resident(self.ts.ptrs)
 
     def read_rows_from(self, tables: bool) -> None:
         """Where the pooling reads its rows: the tables' own (``tables``; each at its row
@@ -48,9 +49,9 @@ class CallTables:
         else:
             self.tabs[:, c["SOKPY_TAB_SRC_STRIDE"]] = 1
             self.tabs[:, c["SOKPY_TAB_SRC_DTYPE"]] = 0  # gather_rows widened half rows to float32
-        self.device_tabs = self.ctx.xp.asarray(self.tabs)
+        self.device_tabs = resident(self.tabs)
 
     def table_rows(self) -> Array:
         """The tables' row addresses, as they are now (a backend array ``[T]``)."""
         c = kernels.constants()
-        return self.ctx.xp.asarray(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]].copy())
+        return resident(self.ts.ptrs[:, c["SOKPY_PTR_DATA"]])

@@ -45,6 +45,7 @@ class Dedup:
         runs: tuple | None = None,
         bag_of: Array | None = None,
         end: Array | None = None,
+        flags: Array | None = None,
     ):
         self.ctx = ctx
         xp = ctx.xp
@@ -56,23 +57,38 @@ class Dedup:
         # 1 where a sorted position starts a unique key, else 0 (uint8 read as bool, which
         # numpy compacts faster than ints)
         self.starts_unique = ctx.scratch(n, np.uint8)
-        self.collided_flag = xp.zeros(1, np.int32)
+        if flags is None:
+            self.collided_flag = xp.zeros(1, np.int64)
+            self.nuniq_count = None
+        else:  # both start at -1: the collision flag (above 0: collided) and the count (less one)
+            self.collided_flag = flags[:1]
+            self.nuniq_count = flags[1:2]
         self.kbag = None if bag_of is None else ctx.scratch(n, np.int64)
-        args = (s, n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique, self.collided_flag)
-        ctx.launch("mark_unique_keys", n, 1, args)
+        # the running count of unique keys (:meth:`unique_count`): its first entry is written here
+        self.before: Array = ctx.scratch(n + 1, np.int64) if flags is not None else None
+        args = (*self._words(), n, keys, pos_bits, int(exact), bag_of, self.pos, self.kbag, self.starts_unique)
+        args += (self.collided_flag,)
+        ctx.launch("mark_unique_keys", n, 1, (*args, self.before, self.nuniq_count))
+        self.counted = False  # whether the running count was made
         self.end = n if end is None else end
-        if end is not None:  # the tail, sorted last, starts no unique key
+        if end is not None:  # the tail, sorted last, starts no unique key (flags count none: not given then)
             self.starts_unique *= (xp.arange(n, dtype=np.int64) < end).astype(np.uint8)
-        self.before: Array = None  # a device array once counted
+
+    def _words(self) -> tuple:
+        """The sorted values as the kernels take them: ``(s, None)`` for int64 words, ``(None,
+        s)`` for 32-bit ones (``routing.route``'s ``words32``)."""
+        return (self.s, None) if self.s.dtype == np.int64 else (None, self.s)
 
     def unique_count(self) -> Array:
         """The number of unique keys, a device array ``[1]``: the last entry of the running
         count ``before``, where ``before[k]`` is the number of unique keys at sorted positions
         below k (and so the number of the unique key that starts at k)."""
-        if self.before is None:
-            self.before = self.ctx.scratch(self.n + 1, np.int64)
-            self.before[:1] = 0
+        if not self.counted:
+            if self.before is None:
+                self.before = self.ctx.scratch(self.n + 1, np.int64)
+                self.before[:1] = 0
             self.ctx.xp.cumsum(self.starts_unique, dtype=np.int64, out=self.before[1:])
+            self.counted = True
         return self.before[self.n :]
 
     def counts(self, ngroups: int) -> Array:
@@ -97,18 +113,20 @@ class Dedup:
         self.collided = bool(collided)
         self.nuniq = size = int(nuniq)
         self.seg = ctx.scratch(size + 1, np.int64)
-        self.seg[size:] = self.end
+        count = n if starts is None else size
+        if count == 0:  # no launch: unique_key_heads writes seg[nuniq] = n otherwise
+            self.seg[size:] = self.end
         self.first = ctx.scratch(size, np.int64)  # position of each unique key's first use
         self.ukeys = ctx.scratch(size, np.int64)
         self.group = ctx.scratch(size, np.int64)
         ntab, world = int(self.tabs.shape[0]), ctx.comm.size
-        count = n if starts is None else size
         args = (
-            self.s,
+            *self._words(),
             starts,
             self.starts_unique,
             self.before,
             count,
+            n,
             self.keys,
             self.pos_bits,
             self.value_bits,
@@ -116,6 +134,8 @@ class Dedup:
             self.tabs,
         )
         ctx.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        if count and self.end is not n:  # a tail: the last unique key's positions end at its start
+            self.seg[size:] = self.end
         self.s = self.starts_unique = self.before = None  # sort buffers: back to the pool
 
     def finish_compacted(self) -> None:

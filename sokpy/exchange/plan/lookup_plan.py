@@ -157,8 +157,14 @@ class LookupPlan:
                     self.wire_dtype,
                 )
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
-                packed, bad = route(tables.device_tabs, *args)
-                if self.batch.tail:
+                flags = device.flags
+                # one rank sorts with a library sort where the values fit 32-bit words: half the bytes
+                # (a tail's keys take a group past the others: their values, in 64 bits)
+                tail = bool(self.batch.tail)
+                words32 = world == 1 and ctx.backend.library_sort and shape.sort_hi <= 32 and not tail
+                bad = None if flags is None else flags[:1]
+                packed, bad = route(tables.device_tabs, *args, bad=bad, words32=words32)
+                if tail:
                     low = shape.pos_bits + shape.value_bits
                     pass_over_tail(ctx, packed, device.key_start, world * shape.ntables, low)
                 self.strategy = OneRank(ctx, call) if world == 1 else SeveralRanks(ctx, call)

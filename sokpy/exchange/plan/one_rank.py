@@ -15,7 +15,7 @@ from ..batch import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
-from .backward import GradientRows, sum_gradient_rows
+from .backward import NO_BAD_ROW, GradientRows, first_bad_row, sum_gradient_rows
 from .call import Call, Header
 from .context import StageContext
 from .dedup import Dedup
@@ -40,17 +40,24 @@ class OneRank:
         device, for a call that may get a backward, the number of its unique keys and whether
         hashed keys shared a sort value."""
         ctx, call = self.ctx, self.call
-        if call.grad_mode and not ctx.backend.free_reads:
+        flags = call.device.flags
+        if call.grad_mode and flags is not None and not call.batch.tail:
+            # route_keys' bad, then mark_unique_keys' collision flag and count: one array, one read
+            d = self._deduplicate(packed, flags=flags[1:])
+            collided, count = read_verdict(ctx, call.batch, call.tables.tables, flags).tolist()
+            # (both started at -1: the count is one short, and a collision set the flag to 1)
+            self.counted = (d, count + 1, not call.shape.exact and collided > 0)
+        elif call.grad_mode and not ctx.backend.free_reads:  # a tail: its keys are no unique keys
             d = self._deduplicate(packed)
-            more = (d.unique_count(), d.collided_flag.astype(np.int64))
+            more = (d.unique_count(), d.collided_flag)
             nuniq, collided = read_verdict(ctx, call.batch, call.tables.tables, bad, *more).tolist()
             self.counted = (d, nuniq, not call.shape.exact and bool(collided))
         else:
-            read_verdict(ctx, call.batch, call.tables.tables, bad)
+            read_verdict(ctx, call.batch, call.tables.tables, bad if flags is None else flags)
             self.packed = packed
         return Header(np.zeros(1, np.int64), 0, None)
 
-    def _deduplicate(self, packed: Array, bag_of: Array | None = None) -> Dedup:
+    def _deduplicate(self, packed: Array, bag_of: Array | None = None, flags: Array | None = None) -> Dedup:
         """The call's keys sorted and their unique keys marked (a key's group is its table, so
         tables are runs of groups)."""
         shape, dev = self.call.shape, self.call.device
@@ -59,7 +66,7 @@ class OneRank:
             end = dev.key_start[-1:]
             return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, None, bag_of=bag_of, end=end)
         runs = (dev.key_start, shape.pos_bits + shape.value_bits)
-        return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, runs, bag_of=bag_of)
+        return Dedup(self.ctx, *args, shape.sort_hi, shape.exact, runs, bag_of=bag_of, flags=flags)
 
     def send_keys(self, agreement: Agreement, comm: Communicator | None = None) -> None:
         """Nothing: one rank's keys stay where they are."""
@@ -96,24 +103,25 @@ class OneRank:
             d.finish_compacted()
         self.packed = self.counted = None
         header_slots = shape.header_slots
-        if shape.one_dim:  # row u at header_slots + u * dim
-            dim = shape.one_dim
-            offsets = xp.arange(header_slots, header_slots + d.nuniq * dim, dim, dtype=np.int64)
+        laid_out = None
+        if shape.one_dim:  # row u at header_slots + u * dim, laid out by segment_sum
+            offsets = ctx.scratch(max(d.nuniq, 1), np.int64)
+            laid_out = (header_slots, shape.one_dim)
         else:  # the entries past the unique keys are table 0: their rows lie past the rest
             offsets = segment_starts(xp.asarray(shape.dims)[d.group], xp)[:-1] + header_slots
         elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
-        rows = GradientRows(d, offsets, elems)
+        rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
-        bad = xp.zeros(max(d.nuniq, 1), np.int32)
+        bad = first_bad_row(gptr)
         sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
         return self._chunk(rows, buf, bad, used)
 
     def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray) -> GradChunk:
-        """The rows segment_sum wrote are the whole gradients. The backward's one read: whether
-        any row is not finite."""
-        xp, call, d = self.ctx.xp, self.call, rows.dedup
+        """The rows segment_sum wrote are the whole gradients. The backward's one read: the
+        first row that is not finite, if any."""
+        call, d = self.call, rows.dedup
         nuniq = d.nuniq
-        any_bad = bool(bad[:nuniq].any())
+        first_bad = int(self.ctx.to_host(bad)[0]) if nuniq else NO_BAD_ROW
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
         rows_are_keys = self.rows is call.device.keys  # static tables: row k is key k
         stored = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
@@ -121,8 +129,8 @@ class OneRank:
         # No row is -1 where every key has or got one (admission leaves some without).
         found = rows_are_keys or (call.insert and not ts.admitting)
         error = None
-        if any_bad:  # the error path: the first row that is not finite names its table and key
-            u = int(xp.flatnonzero(bad[:nuniq])[0])
+        if first_bad < nuniq:  # the error path: the first row that is not finite names its table and key
+            u = first_bad
             error = nonfinite_message(call.tables.tables[int(group[u])], int(ukeys[u]))
         # A table passed twice (two features sharing it) has rows under both of its table
         # slots, and keys sharing a hashed sort value may have several rows each: both are

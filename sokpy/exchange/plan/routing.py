@@ -11,31 +11,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...backends.arrays import Array
+from ...backends.arrays import Array, address_of
 from ..batch import Batch
 from .context import StageContext
 
 
 def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *more: Array) -> np.ndarray:
-    """The call's one read from the device before its header: the verdict on its ids (``bad``,
+    """The call's one read from the device before its header: the verdict on its ids (``bad[0]``,
     route_keys' first position of a key out of range, and the faults the device found in ids
     parsed there, ``batch.faults``), read together with the int64 device arrays ``more``,
-    whose host values it returns, concatenated. A ``key_start`` still on the device comes
+    whose host values it returns, after those of ``bad[1:]`` (values the kernels wrote beside
+    the verdict), concatenated. A ``key_start`` still on the device comes
     with them, kept in the batch (``Batch.keep_sizes``). Raises the first fault's
-    BatchError, or a ValueError naming the table, key and position of a key out of range."""
+    BatchError, or a ValueError naming the table, key and position of a key out of range.
+    Where ``bad`` is all there is to read, it is read as it is, and where the flags, the faults
+    and the sizes lie one after another in the parse's status (``Faults.status``), they are
+    read from there: no copy gathers them first."""
     faults = [] if batch.faults is None else [batch.faults.vector]
     nfaults = sum(int(f.shape[0]) for f in faults)
     sizes = [batch.key_start] if batch.sizes_pending() else []
-    head = ctx.to_host(ctx.xp.concatenate([bad, *faults, *sizes, *more]))
+    parts = [bad, *faults, *sizes, *more]
+    nbad = int(bad.shape[0])
+    status = None if batch.faults is None else batch.faults.status
+    if len(parts) == 1:
+        head = ctx.to_host(bad)
+    elif status is not None and nbad == 3 and not more and address_of(bad) == address_of(status):
+        # the flags, the faults and the sizes lie one after another in the status: one read
+        head = ctx.to_host(status[: sum(int(p.shape[0]) for p in parts)])
+    else:
+        head = ctx.to_host(ctx.xp.concatenate(parts))
     if batch.faults is not None:
-        batch.faults.explain(head[1 : 1 + nfaults])
-    rest = head[1 + nfaults :]
+        batch.faults.explain(head[nbad : nbad + nfaults])
+    rest = head[nbad + nfaults :]
     if sizes:
         nsizes = int(batch.key_start.shape[0])
         batch.keep_sizes(rest[:nsizes].copy())
         rest = rest[nsizes:]
     _check_range(ctx, batch, tables, int(head[0]))
-    return rest
+    return np.concatenate([head[1:nbad], rest]) if nbad > 1 else rest
 
 
 def pass_over_tail(ctx: StageContext, packed: Array, key_start: Array, ngroups: int, low_bits: int) -> None:
@@ -50,8 +63,8 @@ def pass_over_tail(ctx: StageContext, packed: Array, key_start: Array, ngroups: 
 
 def _check_range(ctx: StageContext, batch: Batch, tables: list, bad: int) -> None:
     """Raises for route_keys' first key out of range (at position ``bad`` of ``batch``'s keys;
-    their number: none), naming its table, key and position."""
-    if bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts
+    their number, or -1: none), naming its table, key and position."""
+    if 0 <= bad < int(batch.keys.shape[0]):  # the error path: reads the key and the tables' starts
         key_start = batch.host_key_start()
         t = int(np.searchsorted(key_start, bad, side="right")) - 1
         var = tables[t]

@@ -52,7 +52,7 @@ def group_keys(ctx: StageContext, call: Call, packed: Array, bad: Array) -> tupl
     end = call.device.key_start[-1:] if b.tail else None
     args = (packed, call.device.keys, tabs, shape.pos_bits, shape.value_bits, shape.sort_hi, shape.exact)
     d = Dedup(ctx, *args, end=end)
-    rest = read_verdict(ctx, b, call.tables.tables, bad, d.collided_flag.astype(np.int64), d.counts(world * ntab))
+    rest = read_verdict(ctx, b, call.tables.tables, bad, d.collided_flag, d.counts(world * ntab))
     per = rest[1:].reshape(world, ntab)
     d.finish(int(per.sum()), bool(rest[0]))
     owner_bounds = segment_starts(per.sum(axis=1))

@@ -63,7 +63,8 @@ The parts:
 
 * :mod:`~sokpy.testing.device_double.streams`: :class:`Stream`, :class:`Event`, the current
   streams and their check, the device's order of work, the host's reads and the work counts
-  (:func:`host_reads`, :func:`work`);
+  (:func:`host_reads`, :func:`work`; :func:`listing`: each counted item and read with the line
+  of sokpy that queued it);
 * :mod:`~sokpy.testing.device_double.memory`: the pools of poisoned device memory, the
   buffers queued work uses and :func:`record_stream` (:func:`to_device`,
   :func:`is_device_address`);
@@ -101,6 +102,7 @@ from .streams import (
     current_stream,
     enqueue,
     host_reads,
+    listing,
     stream_of,
     synchronize,
     torch_current_stream,
@@ -118,6 +120,7 @@ __all__ = [
     "get_array_module",
     "host_reads",
     "work",
+    "listing",
     "Stream",
     "Event",
     "DEFAULT_STREAM",

@@ -31,8 +31,10 @@ nothing on another stream.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections import deque
+from types import FrameType
 
 _lock = threading.RLock()
 _handles = itertools.count(0x5000)
@@ -98,6 +100,8 @@ class Stream:
             if counted:
                 kind = what.partition(" ")[0]
                 _work[kind if kind in ("kernel", "NCCL") else "array"] += 1
+                if _listing is not None:
+                    _listing.append((what, _caller()))
         return position
 
     def run_until(self, position: int) -> None:
@@ -315,6 +319,35 @@ def work() -> dict:
     return dict(_work, reads=_host_reads)
 
 
+_listing: list | None = None
+
+
+def _caller() -> str:
+    """``file:line function`` of the innermost frame of sokpy outside this double."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/sokpy/" in path and "/testing/" not in path:
+            return f"{path.rpartition('/sokpy/')[2]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+class listing:  # noqa: N801 - a context manager, named as a function
+    """``with listing() as items:`` collects every counted item (and host read) queued meanwhile
+    as ``(what, where)``: the routine, copy, kernel or NCCL call, and the line of sokpy that
+    queued it, to find which call made each count of :func:`work`."""
+
+    def __enter__(self) -> list:
+        global _listing
+        self.previous, _listing = _listing, []
+        return _listing
+
+    def __exit__(self, *exc) -> None:
+        global _listing
+        _listing = self.previous
+
+
 def host_read(stream: Stream | None = None, what: str = "a read of device values by the host") -> None:
     """One read of device values by the host: counts it and waits for ``stream``'s queue
     (default: the current stream), as a copy to the host on that stream and a wait for it
@@ -324,4 +357,6 @@ def host_read(stream: Stream | None = None, what: str = "a read of device values
     if _checking:
         _check(stream, what)
     _host_reads += 1
+    if _listing is not None:
+        _listing.append(("read " + what, _caller()))
     stream.synchronize()
