@@ -115,12 +115,7 @@ def _shapes_run(rank, world_size, monkeypatch, folder, comm=None):
     # A capped table (8 rows a rank) through 12 steps of 2 keys per rank: evictions move rows and
     # mark slots (set_slot_states, copy_rows).
     capped = sokpy.DynamicVariable(4, max_rows=8 * world_size, evict="lfu", name="shape_capped")
-    capped_opt = sokpy.optim.SGD([capped], lr=0.1)
-    for _ in range(12):
-        mine = [[int(k)] for k in rng.integers(0, 40, 2)]
-        sokpy.lookup_sparse(capped, mine, combiners="sum").pow(2).sum().backward()
-        capped_opt.step()
-        capped_opt.zero_grad()
+    _train(capped, rng, steps=12, high=40, nkeys=2)
     capped_keys = handoff.to_host(capped.storage.keys())
     capped_order = np.argsort(capped_keys)
     results["capped_keys"] = capped_keys[capped_order]
@@ -131,12 +126,7 @@ def _shapes_run(rank, world_size, monkeypatch, folder, comm=None):
     # checkpoint round trip of its counters: count_sightings, estimate_sightings and the insert
     # of the admitted keys before the find.
     admit = sokpy.DynamicVariable(4, max_rows=6 * world_size, admit_after=2, admit_filter_width=512, name="shape_admit")
-    admit_opt = sokpy.optim.SGD([admit], lr=0.1)
-    for _ in range(8):
-        mine = [[int(k)] for k in rng.integers(0, 30, 3)]
-        sokpy.lookup_sparse(admit, mine, combiners="sum").pow(2).sum().backward()
-        admit_opt.step()
-        admit_opt.zero_grad()
+    _train(admit, rng, steps=8, high=30, nkeys=3)
     sokpy.save(f"{folder}/admit", [admit])
     sokpy.lookup_sparse(admit, [[100 + rank], [101 + rank]], combiners="sum")
     sokpy.load(f"{folder}/admit", [admit])
@@ -206,6 +196,16 @@ MODES = {
     # The device backend's exchange too: NcclComm over the MPI-backed NCCL double.
     "emulated_device": {"SOKPY_EMULATE_DEVICE": "1"},
 }
+
+
+def _train(table, rng, steps: int, high: int, nkeys: int) -> None:
+    """``steps`` SGD steps (lr 0.1) of ``table`` on ``nkeys`` one-key bags drawn from [0, high)."""
+    opt = sokpy.optim.SGD([table], lr=0.1)
+    for _ in range(steps):
+        mine = [[int(k)] for k in rng.integers(0, high, nkeys)]
+        sokpy.lookup_sparse(table, mine, combiners="sum").pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _merged(nranks, folder, env=None, comm=None):
