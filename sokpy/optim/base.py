@@ -267,6 +267,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         args = (*rows, perm, seg, count, n, resident(tabs), resident(ts.ptrs), resident(hyper))
         runtime.launch(self.kernel, n, cols, args)
 
+    hyper_counts_steps = False  # hyper() depends on the step count: new on the host each step
+
     def update_in_backward(self, chunk: GradChunk) -> None:
         """A fused optimizer's update of its tables' rows from a backward's gradient chunk
         (called by the lookup's backward: :mod:`sokpy.optim.in_backward`)."""
@@ -284,6 +286,8 @@ class SparseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.fused:
             return loss
+        if runtime.current().capturing():
+            in_backward.refuse_capture(self)
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
@@ -297,7 +301,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         if grads is None:
             return loss
         n = int(grads.table_index.shape[0])
-        self._launch(ts, steps, hyper, (grads.table_index, grads.rows, grads.buffer, grads.grad_offsets), n)
+        counted = None if grads.count is None else (None, None, grads.count)  # a bounded lookup's, on the device
+        self._launch(ts, steps, hyper, (grads.table_index, grads.rows, grads.buffer, grads.grad_offsets), n, counted)
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         chunk = GradChunk(
@@ -312,6 +317,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             by_table=True,
             rows_found=True,
             tables_used=used,
+            count=grads.count,
         )
         held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:
