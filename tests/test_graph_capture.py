@@ -82,7 +82,7 @@ for replay in (False, True):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph() if replay else None
     if replay:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             step()
     for k in range(1, 11):
         i, g = inputs(k)
@@ -90,9 +90,51 @@ for replay in (False, True):
         graph.replay() if replay else step()
     torch.cuda.synchronize()
     sokpy.check_faults()
-    results.append(v.storage.data.get().copy())
-assert results[0].tobytes() == results[1].tobytes()
+    results.append((v.storage.data.get().copy(), opt.state[v.handle]["step"]))
+assert results[0][0].tobytes() == results[1][0].tobytes()
+assert results[0][1] == results[1][1] == 11, [r[1] for r in results]
 print("ok")
 """
     result = run_python(code, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_bounded_step_reads_nothing_and_is_flat_in_tables():
+    """Device operations and host reads per phase of a bounded Adagrad step at one rank (dense
+    ids on the device, max_ids), for 4 and 100 tables: no read in any phase, and as many
+    operations for 100 tables as for 4."""
+    code = """
+import numpy as np, torch, sokpy
+from sokpy.testing import device_double as dd
+sokpy.init()
+for ntab in (4, 100):
+    vs = [sokpy.Variable(500, 16, name=f"flat_{ntab}_{t}") for t in range(ntab)]
+    opt = sokpy.optim.Adagrad(vs, lr=0.1)
+    rng = np.random.default_rng(0)
+    ids = [dd.to_device(torch.from_numpy(rng.integers(0, 500, (16, 3)))) for _ in range(ntab)]
+    grads = [dd.to_device(torch.ones(16, 16)) for _ in range(ntab)]
+    for _ in range(3):  # the last step's counts: steady state
+        w = [dd.work()]
+        outs = sokpy.lookup_sparse(vs, ids, combiners="sum", max_ids=16 * 3 * ntab)
+        w.append(dd.work())
+        torch.autograd.backward(outs, grads)
+        w.append(dd.work())
+        opt.step()
+        opt.zero_grad()
+        w.append(dd.work())
+    ops = [b["array"] + b["kernel"] - a["array"] - a["kernel"] for a, b in zip(w, w[1:])]
+    reads = [b["reads"] - a["reads"] for a, b in zip(w, w[1:])]
+    print("bounded", ntab, *ops, *reads, flush=True)
+"""
+    result = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    counts = {
+        int(f[1]): list(map(int, f[2:])) for f in (line.split() for line in out.splitlines()) if f[0] == "bounded"
+    }
+    assert sorted(counts) == [4, 100], out
+    for ntab, got in counts.items():
+        assert got[3:] == [0, 0, 0], f"{ntab} tables: host reads {got[3:]}"
+    # (the backward may add a level of segment_piece_sums for more ids: the pieces' levels follow them)
+    assert counts[4][0] == counts[100][0] and counts[4][2] == counts[100][2], counts
+    assert 0 <= counts[100][1] - counts[4][1] <= 1, counts

@@ -45,7 +45,7 @@ def refuse_capture(opt: Any) -> None:
             f"{name}.step() cannot be captured into a graph: its hyper-parameters depend on the step count "
             "(bias correction), built on the host each step"
         )
-    half = [v.name for v in opt._layout().tables if v.storage.dtype != "float32"]
+    half = [v.name for v in opt._layout().tables if v.storage.dtype != "float32"]  # (layout.half names none)
     if half:
         raise RuntimeError(
             f"{name}.step() cannot be captured into a graph: table {half[0]!r} keeps 16-bit rows, whose "
@@ -75,7 +75,7 @@ def update(opt: Any, chunk: GradChunk) -> None:
         return
     used = np.zeros(len(tables), bool)
     entries = collect_entries(tables, layout.uid_order, layout.sorted_uids, used, refs=[(chunk,)] * len(tables))
-    steps, hyper = opt._advance(layout, used)
+    steps, hyper = opt._advance(layout, used, None if entries is None else entries.count)
     if entries is None:
         return
     e, ts = entries, table_set(tables)

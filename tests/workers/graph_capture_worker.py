@@ -87,7 +87,9 @@ def eager_and_replayed(name: str):
 # ---- ten replayed steps give the bits of ten eager ones ------------------------------------------
 for name in OPTIMIZERS:
     reads = dd.host_reads()
-    (eager, _, _), (replayed, _, graph) = eager_and_replayed(name)
+    (eager, eager_step, _), (replayed, replayed_step, graph) = eager_and_replayed(name)
+    counts = [[s.opt.state[v.handle]["step"] for v in s.vs] for s in (eager_step, replayed_step)]
+    assert counts == [[STEPS + 1] * T] * 2, f"{name}: step counts {counts}"  # the warm-up and ten steps each
     got, want = rows(replayed), rows(eager)
     for g, w in zip(got, want):
         assert g.tobytes() == w.tobytes(), f"{name}: replayed steps differ from eager ones"
@@ -113,6 +115,7 @@ reads = dd.host_reads()
 graph.replay()
 assert dd.host_reads() == reads, "a replay read the host"
 assert [r.tobytes() for r in rows(vs)] == [b.tobytes() for b in before], "a step with a bad key changed tables"
+assert step.opt.state[vs[0].handle]["step"] == 2, "a step with a bad key counted"  # the warm-up and one replay
 try:
     sokpy.check_faults()
     raise AssertionError("no error for a key out of range")
@@ -151,6 +154,17 @@ try:
 except sokpy.InputError as e:
     assert vs[0].name in str(e) and "-3" in str(e), str(e)
     print("next call:", e, flush=True)
+
+
+# an evaluation call (no backward) with a bad key: its verdict is kept too
+with torch.no_grad():
+    sokpy.lookup_sparse(vs, [dd.to_device(torch.tensor([[1, ROWS]]))] * T, combiners="sum", max_ids=MAX_IDS)
+try:
+    sokpy.check_faults()
+    raise AssertionError("no error for a key out of range under no_grad")
+except sokpy.InputError as e:
+    assert vs[0].name in str(e) and str(ROWS) in str(e), str(e)
+    print("no_grad:", e, flush=True)
 
 
 # ---- what a capture refuses, by name -----------------------------------------------------------

@@ -5,11 +5,12 @@ Where a call's number of ids has a bound, the buffers sized by the unique keys a
 the bound instead, and the true count stays on the device, where the kernels read it
 (``segment_sum``'s and the update kernels' ``count``). The call's verdict on its ids (a key
 out of range) and the backward's (a gradient row that is not finite) are not read either:
-:func:`verdict_count` folds them into that count, which is 0 where either found a fault, so
-that the optimizer's update changes nothing, and the pooling reads row 0 for every key of a
-call with a key out of range (never memory past a table). The first fault is kept on the
-device in a record of the runtime (:func:`record_faults`), which :func:`check_faults` reads
-(and so every call without a bound, once a bounded one ran: one read more), raising the contract's :class:`~sokpy.errors.InputError` that names the table and the key.
+:func:`judge` (one kernel, ``bounded_verdict``) sets that count to 0 where either found a
+fault, so that the optimizer's update changes nothing, and keeps the first fault in a device
+record of the runtime; the pooling reads row 0 for every key of a call with a key out of
+range (never memory past a table). :func:`check_faults` reads the record (as does every
+call without a bound, once a bounded one ran: one read more) and raises the contract's
+:class:`~sokpy.errors.InputError`, naming the table and the key.
 Every launch, routine and copy goes to the stream, and its memory comes from the backend's
 pool: the call's work is the same in every step, whatever its ids."""
 
@@ -73,33 +74,20 @@ def safe_rows(ctx: StageContext, call: Call) -> Array:
     return ctx.xp.where(dev.flags[:1] < 0, dev.keys, 0)
 
 
-def record_faults(ctx: StageContext, call: Call, bad_row: Array, ukeys: Array, group: Array) -> Array:
-    """Keeps the call's first faults in the runtime's record (where it holds none yet) and
-    returns int64 ``[1]``: 1 where the call found none, else 0. ``bad_row``: the backward's
-    first unique key whose gradient row is not finite (above every unique key's number: none),
-    with the unique keys and their groups; None in a forward."""
-    xp = ctx.xp
+def judge(ctx: StageContext, call: Call, count: Array | None, bad_row: Array | None = None, d=None) -> None:
+    """The call's verdict on the device (``bounded_verdict``, cuda_src/bounded.cu): keeps its
+    first faults in the runtime's record (where it holds none of their kind yet) and, where it
+    found one, sets ``count`` (int64 ``[1]``, the update's count of rows; None in a forward) to
+    0. ``bad_row``: the backward's first unique key whose gradient row is not finite (above
+    every unique key's number: none), with ``d`` the call's unique keys (a ``Dedup``)."""
     dev, tables = call.device, call.tables
     for t in tables.tables:
         _tables[t.uid] = t
     uids = resident(np.asarray(tables.ts.uids, np.int64))
-    assert dev.flags is not None
-    j = xp.maximum(dev.flags[:1], 0)
-    table = xp.searchsorted(dev.key_start[1:], j, side="right")
-    found = [xp.where(dev.flags[:1] < 0, -1, uids[table]), dev.keys[j]]
-    ok = dev.flags[:1] < 0
-    if bad_row is not None:
-        n = int(ukeys.shape[0])
-        finite = bad_row >= n
-        u = xp.where(finite, 0, bad_row)  # (an entry past the count holds anything: never an index)
-        table = xp.clip(group[u], 0, len(tables.tables) - 1)
-        found += [xp.where(finite, -1, uids[table]), ukeys[u]]
-        ok = ok & finite
-    else:
-        found += [xp.full(1, -1, np.int64)] * 2
-    rec = _record(ctx)
-    rec[...] = xp.where(rec[::2].repeat(2) < 0, xp.concatenate(found), rec)
-    return ok.astype(np.int64)
+    nbound = 0 if d is None else int(d.ukeys.shape[0])
+    ukeys, group = (None, None) if d is None else (d.ukeys, d.group)
+    args = (dev.flags, bad_row, nbound, dev.keys, dev.key_start, len(tables.tables), uids, ukeys, group, count)
+    ctx.launch("bounded_verdict", 1, 1, (*args, _record(ctx)))
 
 
 @runtime.entry

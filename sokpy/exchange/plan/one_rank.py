@@ -47,7 +47,7 @@ class OneRank:
                 assert flags is not None  # (a bounded call's batch has its flags)
                 self.counted = (self._deduplicate(packed, flags=flags[1:]), call.bound, False)
             else:
-                bounded.record_faults(ctx, call, None, None, None)
+                bounded.judge(ctx, call, None)
         elif call.grad_mode and flags is not None and not call.batch.tail:
             # route_keys' bad, then mark_unique_keys' collision flag and count: one array, one read
             d = self._deduplicate(packed, flags=flags[1:])
@@ -133,7 +133,7 @@ class OneRank:
             bad[...] = NO_BAD_ROW
         sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad, count)
         if count is not None:  # the update's count: 0 where the call found a fault
-            count = count * bounded.record_faults(ctx, call, bad, d.ukeys, d.group)
+            bounded.judge(ctx, call, count, bad, d)
         return self._chunk(rows, buf, bad, used, count)
 
     def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray, count: Array = None) -> GradChunk:
