@@ -4,9 +4,14 @@ GPU, with ``torch.cuda.graph``."""
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_python
+from multirank import ranks
+
+import sokpy
+from sokpy.backends import kernels
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "graph_capture_worker.py")
 
@@ -138,3 +143,53 @@ for ntab in (4, 100):
     # (the backward may add a level of segment_piece_sums for more ids: the pieces' levels follow them)
     assert counts[4][0] == counts[100][0] and counts[4][2] == counts[100][2], counts
     assert 0 <= counts[100][1] - counts[4][1] <= 1, counts
+
+
+def _verdict_reference(flags0, bad0, nbound, keys, key_start, uids, ukeys, group, count, record):
+    """What bounded_verdict must leave in (count, record), written from its contract."""
+    count, record = list(count), list(record)
+    fault = False
+    if flags0 >= 0:
+        fault = True
+        if record[0] < 0:
+            t = max(i for i in range(len(uids)) if key_start[i] <= flags0)
+            record[:2] = [uids[t], keys[flags0]]
+    if bad0 is not None and bad0 < nbound:
+        fault = True
+        if record[2] < 0:
+            record[2:] = [uids[group[bad0] % len(uids)], ukeys[bad0]]
+    if fault:
+        count[0] = 0
+    return count, record
+
+
+@pytest.mark.parametrize("flags0", [-1, 0, 4, 9])
+@pytest.mark.parametrize("bad0", [None, 1 << 62, 0, 2])
+@pytest.mark.parametrize("held", [False, True])
+def test_bounded_verdict_kernel(flags0, bad0, held):
+    kernel = kernels.get("bounded_verdict", backend="host")
+    keys = np.array([5, 6, 7, 1, 2, 3, 4, 8, 9, 10], np.int64)
+    key_start = np.array([0, 3, 9, 10], np.int64)  # tables of 3, 6 and 1 keys
+    uids = np.array([40, 41, 42], np.int64)
+    ukeys = np.array([11, 12, 13, 14], np.int64)
+    group = np.array([0, 2, 1, 1], np.int64)
+    count = np.array([4], np.int64)
+    record = np.array([77, 78, -1, -1] if held else [-1, -1, -1, -1], np.int64)
+    want = _verdict_reference(flags0, bad0, 4, keys, key_start, uids, ukeys, group, count, record)
+    flags = np.array([flags0, -1, -1], np.int64)
+    bad = None if bad0 is None else np.array([bad0], np.int64)
+    grid, block = kernels.launch_shape(1, 1, "host")
+    kernel(grid, block, (flags, bad, 4, keys, key_start, 3, uids, ukeys, group, count, record))
+    assert (count.tolist(), record.tolist()) == want
+
+
+@ranks(2, 3)
+def test_max_ids_on_several_ranks_is_checked_on_every_rank(rank, world_size):
+    """On several ranks max_ids bounds nothing but is checked: a rank with more ids raises the
+    same InputError on every rank; within the bound the call runs as without it."""
+    v = sokpy.Variable(20, 4, initializer=1.0, name="bound_ranks")
+    out = sokpy.lookup_sparse(v, torch.tensor([[rank, 1]]), combiners="sum", max_ids=2)
+    assert torch.equal(out, torch.full((1, 4), 2.0))
+    ids = torch.tensor([[1, 2, 3]]) if rank == world_size - 1 else torch.tensor([[1]])
+    with pytest.raises(sokpy.InputError, match="max_ids=2: the call has 3 ids"):
+        sokpy.lookup_sparse(v, ids, combiners="sum", max_ids=2)
