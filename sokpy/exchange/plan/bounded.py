@@ -20,7 +20,6 @@ import weakref
 
 import numpy as np
 
-from ...backends import runtime
 from ...backends.arrays import Array
 from ...backends.resident import resident
 from ...errors import InputError
@@ -90,7 +89,6 @@ def judge(ctx: StageContext, call: Call, count: Array | None, bad_row: Array | N
     ctx.launch("bounded_verdict", 1, 1, (*args, _record(ctx)))
 
 
-@runtime.entry
 def check_faults() -> None:
     """Raises the first fault that a bounded lookup (``max_ids``, whose calls read nothing
     back to the host) found since the last check: :class:`sokpy.InputError` naming the table
@@ -104,7 +102,9 @@ def check_faults() -> None:
         sokpy.init()
         sokpy.check_faults()   # nothing found: returns
     """
-    check_faults_of(StageContext.of_runtime())
+    ctx = StageContext.of_runtime()
+    with ctx.backend.stream_scope():  # on torch's current stream, as a public entry's work
+        check_faults_of(ctx)
 
 
 def check_faults_of(ctx: StageContext) -> None:
