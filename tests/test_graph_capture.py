@@ -18,7 +18,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "graph_capture_worke
 
 def test_a_bounded_step_replays_on_the_device_double_with_the_bits_of_eager_steps():
     """Ten steps replayed from one captured step give the bits of ten eager steps (SGD,
-    Adagrad, RowWiseAdagrad, Ftrl); a replayed step with a key out of range or a gradient
+    Adagrad, RowWiseAdagrad, Ftrl, a fused Adagrad), and count ten steps; a replayed step with a key out of range or a gradient
     that is not finite changes nothing and the next read (check_faults, or a call without
     max_ids) raises InputError naming the table and the key; a capture refuses by name a host
     read, a host-built copy, an allocation past its pool, a synchronisation and Adam's step,
@@ -27,7 +27,7 @@ def test_a_bounded_step_replays_on_the_device_double_with_the_bits_of_eager_step
     result = run_python(code, env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    for name in ("SGD", "Adagrad", "RowWiseAdagrad", "Ftrl"):
+    for name in ("SGD", "Adagrad", "RowWiseAdagrad", "Ftrl", "Adagrad(fused=True)"):
         assert f"replayed {name}" in out, out
     assert "graph capture checks passed" in out, out
 

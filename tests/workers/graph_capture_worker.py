@@ -16,6 +16,7 @@ OPTIMIZERS = {
     "Adagrad": lambda vs: sokpy.optim.Adagrad(vs, lr=0.1),
     "RowWiseAdagrad": lambda vs: sokpy.optim.RowWiseAdagrad(vs, lr=0.1),
     "Ftrl": lambda vs: sokpy.optim.Ftrl(vs, lr=0.1),
+    "Adagrad(fused=True)": lambda vs: sokpy.optim.Adagrad(vs, lr=0.1, fused=True),
 }
 _made = [0]
 
