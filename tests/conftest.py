@@ -27,6 +27,13 @@ from multirank import pytest_configure, pytest_pyfunc_call, rank  # noqa: F401 -
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
+# An Open MPI rank waiting in a collective polls without pause unless its node is
+# oversubscribed, and Open MPI counts only its own job: a 2-rank job on these 2 cores, beside
+# the other pytest worker's jobs, spins on a core its peer needs. Yielding while idle makes
+# every job of the suite (pools, fresh jobs, emulated nodes: all take this environment)
+# cheaper; what they compute is the same.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 
 def run_python(code, env=None, timeout=120):
     """Runs ``python -c code`` in a fresh process (init state is process-global) with sokpy
