@@ -30,6 +30,7 @@ from .backends.runtime import (
 from .checkpoint import load, save
 from .errors import CheckpointError, CollectiveMismatchError, InputError
 from .exchange.gradients import SparseGrad
+from .exchange.plan.bounded import check_faults
 from .inputs import Ragged
 from .lookup import lookup_sequence, lookup_sparse
 from .tables.access import assign, export
@@ -69,6 +70,7 @@ __all__ = [
     "checkpoint",
     "Ragged",
     "lookup_sparse",
+    "check_faults",
     "lookup_sequence",
     "initializers",
     "optim",

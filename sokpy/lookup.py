@@ -139,12 +139,21 @@ class LookupCall:
     grad_mode: bool
     input_error: str | None = None
     source: tuple | None = None
+    max_ids: int | None = None
 
     def options(self) -> tuple:
         """Everything but the input that makes two calls the same call: the tables (by
         identity), the combiners and the call's flags."""
         combs = self.combiners if self.combiners is None or isinstance(self.combiners, str) else tuple(self.combiners)
-        flags = (self.insert, self.grad_reduction, self.keyed, self.wire_dtype, self.pooled, self.grad_mode)
+        flags = (
+            self.insert,
+            self.grad_reduction,
+            self.keyed,
+            self.wire_dtype,
+            self.pooled,
+            self.grad_mode,
+            self.max_ids,
+        )
         trains = tuple(bool(getattr(v, "requires_grad", False)) for v in self.params)  # frozen or not
         return (tuple(map(id, self.params)), combs, trains, *flags)
 
@@ -179,7 +188,7 @@ def plan_of(call: LookupCall) -> LookupPlan:
     # without weights that want one, runs as under no_grad (every rank alike: the tables'
     # flags are the same everywhere).
     grad_mode = call.grad_mode and (any(v.requires_grad for v in call.params) or bool(weights))
-    args = (call.insert, call.grad_reduction, call.keyed, error, grad_mode, call.wire_dtype)
+    args = (call.insert, call.grad_reduction, call.keyed, error, grad_mode, call.wire_dtype, call.max_ids)
     return LookupPlan(call.params, batch, codes, *args)
 
 
@@ -246,12 +255,15 @@ def _call(
     wire_dtype: str = "float32",
     pooled: bool = True,
     source: tuple | None = None,
+    max_ids: int | None = None,
 ) -> LookupCall:
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be 'sum' or 'mean', not {grad_reduction!r}")
     check_wire_dtype(wire_dtype)
+    if max_ids is not None and (isinstance(max_ids, bool) or not isinstance(max_ids, int) or max_ids < 1):
+        raise ValueError(f"max_ids must be a positive int or None, not {max_ids!r}")
     flags = (insert, grad_reduction, keyed, wire_dtype, pooled, torch.is_grad_enabled())
-    return LookupCall(list(params), sp_ids, sp_weights, combiners, *flags, None, source)
+    return LookupCall(list(params), sp_ids, sp_weights, combiners, *flags, None, source, max_ids)
 
 
 def _run(call: LookupCall) -> tuple[list[torch.Tensor], LookupCall]:
@@ -287,6 +299,7 @@ def lookup_sparse(
     insert: bool = True,
     grad_reduction: str = "sum",
     wire_dtype: str = "float32",
+    max_ids: int | None = None,
 ):
     """Looks up and pools bags of keys in sharded tables; collective over all ranks.
 
@@ -314,6 +327,17 @@ def lookup_sparse(
     rounded: each table keeps its own row type (``dtype``: float32, float16 or bfloat16) and
     optimizer state stays float32. At one rank nothing travels and nothing is rounded.
 
+    ``max_ids`` bounds the call's number of ids (all tables together; more raises). At one
+    rank on a GPU the call is then sized by the bound and reads nothing back to the host: the
+    number of unique keys stays on the device, where the kernels read it, and so a training
+    step (this lookup, its backward and an optimizer step) can be captured with
+    ``torch.cuda.graph`` and replayed (docs/gpu.md). A bounded call takes static tables of
+    one dimension and ids of a fixed shape on the device (dense ``[B, H]`` tensors; anything
+    else is refused by name). Its bad input (a key out of range, a gradient that is not
+    finite) makes the optimizer's update of that step change nothing, and is raised as the
+    usual InputError, naming the table and the key, by ``sokpy.check_faults()`` or the next call
+    without ``max_ids`` (:func:`sokpy.check_faults`). Elsewhere (the host, several ranks) the bound is only checked.
+
     Example::
 
         import torch, sokpy
@@ -323,15 +347,16 @@ def lookup_sparse(
         item_ids = sokpy.Ragged(torch.tensor([7, 2**40, 9]), torch.tensor([0, 1, 3]))  # bags [7], [2**40, 9]
         outs = sokpy.lookup_sparse([user, item], [user_ids, item_ids], combiners=["sum", "mean"])
         assert [tuple(o.shape) for o in outs] == [(2, 8), (2, 4)]
+        out = sokpy.lookup_sparse(user, user_ids, combiners="sum", max_ids=16)  # at most 16 ids
+        sokpy.check_faults()                                                   # bounded calls' faults, if any
     """
     single = isinstance(params, Table)
     if single:
         params, sp_ids = [params], [sp_ids]
         sp_weights = None if sp_weights is None else [sp_weights]
         combiners = None if combiners is None else [combiners] if isinstance(combiners, str) else combiners
-    outs = lookup(
-        params, sp_ids, sp_weights, combiners, insert=insert, grad_reduction=grad_reduction, wire_dtype=wire_dtype
-    )
+    flags = dict(insert=insert, grad_reduction=grad_reduction, wire_dtype=wire_dtype, max_ids=max_ids)
+    outs = lookup(params, sp_ids, sp_weights, combiners, **flags)
     return outs[0] if single else outs
 
 

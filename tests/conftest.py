@@ -11,6 +11,7 @@ machine; tests that need it are marked ``needs_horovod_env``).
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,13 @@ from multirank import pytest_configure, pytest_pyfunc_call, rank  # noqa: F401 -
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+# An Open MPI rank waiting in a collective polls without pause unless its node is
+# oversubscribed, and Open MPI counts only its own job: a 2-rank job on these 2 cores, beside
+# the other pytest worker's jobs, spins on a core its peer needs. Yielding while idle makes
+# every job of the suite (pools, fresh jobs, emulated nodes: all take this environment)
+# cheaper; what they compute is the same.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
 def run_python(code, env=None, timeout=120):
@@ -192,11 +200,14 @@ def _no_mpi_litter():
       one now.)
     * The session folder ``<tmp>/ompi.<pid>`` of an Open MPI launcher (``mpirun``/``prterun``,
       process ``pid``) that was killed: a rank pool's, when it did not end in time at the end
-      of the session. Kept while process ``pid`` lives."""
+      of the session, or a fault test's. Removed at the start of the session too, whoever
+      made it, once its launcher is gone (:func:`remove_dead_launcher_folders`): a new
+      launcher given the same pid cannot start in it."""
     started = time.time()
+    remove_dead_launcher_folders()
     yield
     _remove_empty_singleton_folders(started)
-    _remove_killed_launcher_folders(started)
+    remove_dead_launcher_folders()
     hydra_running = any(_live_process_name(pid) == "hydra_pmi_proxy" for pid in os.listdir("/proc") if pid.isdigit())
     litter = [] if hydra_running else list(Path("/tmp").glob("hydra_hwloc_xmlfile_*"))
     shm = [*Path("/dev/shm").glob("sm_segment.*"), *Path("/dev/shm").glob("mpich_shm_*")]
@@ -230,16 +241,57 @@ def _remove_empty_singleton_folders(since: float) -> None:
             continue
 
 
-def _remove_killed_launcher_folders(since: float) -> None:
-    """Removes this user's ``<tmp>/ompi.<pid>`` folders changed since ``since`` whose Open
-    MPI launcher, process ``pid``, no longer lives."""
-    for folder in Path(tempfile.gettempdir()).glob("ompi.*"):
-        pid = folder.name.removeprefix("ompi.")
+def remove_dead_launcher_folders(tmp: Path | None = None) -> list[Path]:
+    """Removes this user's Open MPI launcher session folders in ``tmp`` (tempfile's folder by
+    default) whose launcher is gone; returns those removed.
+
+    A launcher (``mpirun``/``prterun``, process ``pid``) keeps its session in
+    ``<tmp>/ompi.<pid>`` (``ompi.<host>.<pid>`` where the host is in the name), its PMIx
+    server's rendezvous files ``pmix.*`` at the top. A launcher that was killed leaves the
+    folder behind, and a later launcher given the same pid stops at once with "The PMIx
+    server's listener thread failed to start". The launcher is gone when process ``pid`` has
+    ended, or is now another program that started after the folder last changed (the pid was
+    given again). Open MPI's singleton folders, ``ompi.<host>.<uid>``, hold no ``pmix.*``
+    file and stay."""
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob("ompi.*"):
+        named = _LAUNCHER_FOLDER.fullmatch(folder.name)
         try:
-            if pid.isdigit() and not _live_process_name(pid) and _mine_since(folder, since):
-                shutil.rmtree(folder)
+            if named is None or folder.stat().st_uid != os.getuid():
+                continue
+            if named.group(1) and not any(folder.glob("pmix.*")):
+                continue
+            if _launcher_lives(named.group(2), folder.stat().st_mtime):
+                continue
+            shutil.rmtree(folder)
+            removed.append(folder)
         except OSError:  # gone meanwhile
             pass
+    return removed
+
+
+# ompi.<pid> or ompi.<host>.<pid> (a host name may hold dots).
+_LAUNCHER_FOLDER = re.compile(r"ompi\.(.+\.)?(\d+)")
+
+
+def _launcher_lives(pid: str, changed: float) -> bool:
+    """Whether process ``pid`` may be the launcher whose folder last changed at ``changed`` (a
+    time.time()): it lives, and is an Open MPI launcher or started before then."""
+    name = _live_process_name(pid)
+    if not name:
+        return False
+    if name in _LAUNCHER_NAMES:
+        return True
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        stat = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True  # not known: kept
+    return boot + ticks / os.sysconf("SC_CLK_TCK") <= changed + 2
+
+
+_LAUNCHER_NAMES = {"mpirun", "mpiexec", "prterun", "prte", "prted", "orterun", "orted"}
 
 
 def _files_in_use() -> set[str]:

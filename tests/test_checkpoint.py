@@ -357,7 +357,7 @@ def test_faults_on_one_rank_of_three_are_refused_everywhere_and_lose_nothing(tmp
 
 
 SAVER = r"""
-import sys, torch, sokpy
+import sys, time, torch, sokpy
 sokpy.init()
 path = sys.argv[1]
 v = sokpy.Variable(300_000, 32, initializer=0.0, name="crash_static")
@@ -369,7 +369,7 @@ while True:
     sokpy.assign(v, torch.arange(300_000), torch.full((300_000, 32), float(version)))
     sokpy.assign(d, keys, torch.full((50_000, 16), float(version)))
     sokpy.save(path, [v, d], extra={"version": version})
-    print(f"saved {version}", flush=True)
+    print(f"saved {version} {time.monotonic()}", flush=True)
 """
 
 # Loads each checkpoint path it reads from stdin into new tables and answers with one JSON line:
@@ -417,18 +417,26 @@ def test_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
 
 
 def _kill_saves_and_check(path, tmp_path, checker, loaded_versions):
-    """Twelve trials of test_save_killed_at_random_moments_leaves_a_whole_checkpoint."""
+    """Twelve trials of test_save_killed_at_random_moments_leaves_a_whole_checkpoint. A kill
+    comes up to 1.5 s after the first save, or up to 1.5 saves' time where a save takes longer
+    than a second (a loaded machine; the first trial measures it), so that kills land after
+    the first save too."""
     rng = np.random.default_rng(0)
     code = f"import sys; sys.argv.append({str(path)!r})\n{SAVER}"
+    save_seconds = None
     for trial in range(12):
         saver = start_python(code, {"OMP_NUM_THREADS": "1"}, cwd=tmp_path)  # forked: no torch import
         deadline = time.monotonic() + 60
-        while "saved" not in saver.stdout_so_far():  # one complete save before the kill
+        # one complete save before the kill; two in the first trial, to time a save
+        while saver.stdout_so_far().count("saved") < (2 if save_seconds is None else 1):
             if time.monotonic() > deadline:
                 os.kill(saver.pid, signal.SIGKILL)
                 pytest.fail(f"trial {trial}: no save within 60 s\n{saver.wait(30).stderr[-3000:]}")
             time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 1.5))
+        if save_seconds is None:
+            first, second = (float(line.split()[2]) for line in saver.stdout_so_far().splitlines()[:2])
+            save_seconds = max(1.0, second - first)
+        time.sleep(rng.uniform(0.0, 1.5) * save_seconds)
         os.kill(saver.pid, signal.SIGKILL)
         done = saver.wait(timeout=60)
         assert done.returncode == -signal.SIGKILL, f"trial {trial}: the saver ended before the kill\n{done.stderr}"

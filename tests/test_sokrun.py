@@ -2,6 +2,7 @@
 builds, and real jobs that fail or hang on one rank."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -152,10 +153,15 @@ def timed_job(nranks, mode, timeout):
 
 
 def test_failing_rank_aborts_the_job():
-    res, elapsed = timed_job(3, "raise", timeout=120)
+    res, _ = timed_job(3, "raise", timeout=120)
+    ended = time.monotonic()
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
-    assert elapsed < 30, f"the job took {elapsed:.1f}s to end after rank 1 failed:\n{out}"
+    # From the failure on, not from the start: three ranks importing torch take long on a busy machine.
+    failed_at = re.search(r"sokrun_worker failing at ([0-9.]+)", out)
+    assert failed_at, out
+    after = ended - float(failed_at.group(1))
+    assert after < 30, f"the job took {after:.1f}s to end after rank 1 failed:\n{out}"
     assert out.count("sokrun_worker rank=") == 3 and "started" in out, "the ranks did not all start:\n" + out
     assert "deliberate failure on rank 1" in out
     assert "finished" not in out

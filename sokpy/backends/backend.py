@@ -124,6 +124,10 @@ class Backend:
         belongs (0 on the host; ``sokpy.backends.stream_audit`` compares the two)."""
         return 0
 
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a graph (never on the host)."""
+        return False
+
     def synchronize(self) -> None:
         """Waits until the work queued so far has run (nothing to wait for on the host)."""
 
@@ -333,6 +337,9 @@ class DeviceBackend(Backend):
 
     def torch_stream_handle(self) -> int:
         return torch.cuda.current_stream(self._device).cuda_stream
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()

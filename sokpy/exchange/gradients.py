@@ -70,7 +70,9 @@ class GradChunk:
     takes every row (:mod:`sokpy.exchange.fused_updates`), the owner leaves the rows unsummed:
     ``(perm, seg)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, entry i (a unique row) then
     has its pieces at ``offsets[perm[k]]``, k in ``[seg[i], seg[i + 1])``; only that optimizer
-    reads such a chunk.
+    reads such a chunk. ``count``: where the entries are sized by a bound (a lookup's
+    ``max_ids``), a device array ``[1]`` holding how many of them are entries (the rest are
+    not), which the update kernels read; None: every one is.
 
     Its arrays belong to the stream it was made on (the backward's); a reader on another
     stream (a step, ``var.grad``) records its own on them first (:meth:`entries` does), so
@@ -94,6 +96,7 @@ class GradChunk:
         runs=0,
         tables_used=None,
         pieces=None,
+        count=None,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
@@ -102,6 +105,7 @@ class GradChunk:
         self.used, self.tables_used = used, tables_used
         self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
         self.runs, self.pieces = runs, pieces
+        self.count = count  # int64 [1] on the device: the entries are its first (a bounded call's); None: all
         self.streams = {runtime.current().stream_handle()}  # the streams its arrays are recorded on (made on)
 
     def used_here(self) -> None:
@@ -121,17 +125,29 @@ class GradChunk:
             return np.ones(self.ntables, bool)
         return self.used.any(axis=0)
 
+    def _trim(self) -> None:
+        """A bounded chunk's entries cut to its count (one read): for a reader that selects
+        entries, which the count cannot follow."""
+        if self.count is not None:
+            n = int(handoff.to_host(self.count)[0])
+            self.keys, self.rows, self.group, self.offsets = (
+                a[:n] for a in (self.keys, self.rows, self.group, self.offsets)
+            )
+            self.count = None
+
     def entries(self, index: np.ndarray | None):
         """The entries of the tables that ``index`` maps (chunk table -> caller's index, -1 to
         skip; None: each table its own index): ``(caller index, rows, offsets, keys)``,
         skipping unused ones and rows < 0. Its reader, on the current stream, may also read
-        ``buffer``."""
+        ``buffer``. All of them, as they are, come with :attr:`count` where the chunk has one
+        (a bounded chunk read otherwise is cut to its count first)."""
         self.used_here()
         xp = runtime.xp()
         every_entry = self.rows_found and (self.used is None or bool(self.used.all()))
+        if index is None and every_entry and self.by_table:
+            return self.group, self.rows, self.offsets, self.keys  # all of them, as they are (and count)
+        self._trim()
         if index is None:
-            if every_entry and self.by_table:
-                return self.group, self.rows, self.offsets, self.keys  # all of them, as they are
             index = np.arange(self.ntables)
         index = np.asarray(index)
         if every_entry and self.by_table and (index == np.arange(self.ntables)).all():
@@ -160,6 +176,7 @@ class GradEntries(NamedTuple):
     merged: bool  # no (table, row) appears twice and every row is whole: nothing to merge
     error: str | None  # the refusal of a row that is not finite (of merged entries), or None
     runs: int  # the entries come as this many runs ascending by (table, row); 0: unknown
+    count: Any = None  # int64 [1] on the device: how many entries there are (GradChunk.count); None: all
 
 
 def collect_entries(
@@ -184,9 +201,11 @@ def collect_entries(
         chunk = flat[0]
         if chunk.tables == tables:  # of these tables, in this order: each its own index
             used |= chunk.table_used()
-            mine, rows, offsets, keys = chunk.entries(None)
             merged = chunk.merged and all(len(held) <= 1 for held in refs)
-            return GradEntries(mine, rows, offsets, keys, chunk.buffer, merged, chunk.error, chunk.runs)
+            if not merged:
+                chunk._trim()  # a merge takes the entries, not a count
+            mine, rows, offsets, keys = chunk.entries(None)
+            return GradEntries(mine, rows, offsets, keys, chunk.buffer, merged, chunk.error, chunk.runs, chunk.count)
         chunks[id(chunk)], holders[id(chunk)] = chunk, slice(None)
     else:
         held_by: dict[int, list[int]] = {}

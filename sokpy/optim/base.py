@@ -21,39 +21,27 @@ from ..exchange.gradients import GradChunk, collect_entries, merge_entries
 from ..exchange.table_sets import TableSet, table_set
 from ..tables.table import Table
 from . import in_backward, state
+from .steps import StepCounts
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
 Params = Iterable[Table | torch.Tensor] | Iterable[dict[str, Any]]
 
 
-class _StepCounts:
-    """The step counts of an optimizer's tables, one int64 each: a step adds one to the tables
-    it updates with one array operation, whatever their number."""
-
-    def __init__(self) -> None:
-        self.values = np.zeros(0, np.int64)
-
-    def add(self) -> int:
-        """A new table's place (its count starts at 0)."""
-        self.values = np.append(self.values, np.int64(0))
-        return int(self.values.shape[0]) - 1
-
-
 class _TableState(dict):
     """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
-    :class:`_StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
+    :class:`StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
     for a row-wise slot) of the table's storage (a dynamic table's storage moves when it grows,
     so a view is made at each access)."""
 
-    def __init__(self, var: Table, counts: _StepCounts):
+    def __init__(self, var: Table, counts: StepCounts):
         super().__init__()
         self.var = var
         self.counts, self.index = counts, counts.add()
 
     def __getitem__(self, name):
         if name == "step":
-            return int(self.counts.values[self.index])
+            return self.counts.count(self.index)
         if name in self.var.storage.slot_names:
             s = self.var.storage
             return handoff.to_torch(s.data)[: s.size][:, s.columns(name)]
@@ -61,7 +49,7 @@ class _TableState(dict):
 
     def __setitem__(self, name, value):
         if name == "step":
-            self.counts.values[self.index] = int(value)
+            self.counts.set(self.index, int(value))
         else:
             super().__setitem__(name, value)
 
@@ -105,6 +93,7 @@ class _Layout(NamedTuple):
     uid_order: np.ndarray  # int64 [T]: table indices by increasing uid
     sorted_uids: np.ndarray  # int64 [T]
     counts: np.ndarray  # int64 [T]: each table's place in the step counts
+    half: bool  # some table keeps 16-bit rows (whose rounding takes the step count)
 
 
 class SparseOptimizer(torch.optim.Optimizer):
@@ -148,7 +137,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         self._var_of: dict[int, Table] = {}
         self._layout_cache: _Layout | None = None
         self._last_hyper: tuple[list, np.ndarray] | None = None  # the uniform case's row and array (_hyper)
-        self._steps = _StepCounts()
+        self._steps = StepCounts()
         given: list[Any] = list(params)
         if not given:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
@@ -216,7 +205,9 @@ class SparseOptimizer(torch.optim.Optimizer):
         order = np.argsort(uids, kind="stable")
         states = [self.state[v.handle] for v in tables]
         counts = np.array([st.index for st in states], np.int64)
-        self._layout_cache = _Layout(key, tables, np.array(group_index, np.int64), states, order, uids[order], counts)
+        half = any(v.storage.dtype != "float32" for v in tables)
+        index = np.array(group_index, np.int64)
+        self._layout_cache = _Layout(key, tables, index, states, order, uids[order], counts, half)
         return self._layout_cache
 
     # ---- the step --------------------------------------------------------------------------
@@ -244,10 +235,16 @@ class SparseOptimizer(torch.optim.Optimizer):
         rows = [self.hyper(self.param_groups[int(group_index[i])], int(steps[i])) for i in first.tolist()]
         return _fields(rows)[inverse.reshape(-1)]
 
-    def _advance(self, layout: _Layout, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _advance(self, layout: _Layout, used: np.ndarray, rows: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Counts a step for the tables ``used`` marks; returns every table's step count and
-        hyper-parameters after it."""
-        self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
+        hyper-parameters after it. ``rows``: the update's count of rows where it is on the
+        device (a bounded lookup's): where neither the hyper-parameters nor the descriptors
+        take the step count, the step is then counted on the device, so that a replayed graph
+        counts its steps (the counts returned are then the host's)."""
+        if rows is not None and not self.hyper_counts_steps and not layout.half:
+            self._steps.add_on_device(layout.counts[used], rows)
+        else:
+            self._steps.values[layout.counts[used]] += 1  # a table appears once: no repeated index
         steps = self._steps.values[layout.counts]
         return steps, self._hyper(layout.group_index, steps)
 
@@ -267,6 +264,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         args = (*rows, perm, seg, count, n, resident(tabs), resident(ts.ptrs), resident(hyper))
         runtime.launch(self.kernel, n, cols, args)
 
+    hyper_counts_steps = False  # hyper() depends on the step count: new on the host each step
+
     def update_in_backward(self, chunk: GradChunk) -> None:
         """A fused optimizer's update of its tables' rows from a backward's gradient chunk
         (called by the lookup's backward: :mod:`sokpy.optim.in_backward`)."""
@@ -284,6 +283,8 @@ class SparseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.fused:
             return loss
+        if runtime.current().capturing():
+            in_backward.refuse_capture(self)
         layout = self._layout()
         tables = layout.tables
         used = np.zeros(len(tables), bool)
@@ -293,11 +294,12 @@ class SparseOptimizer(torch.optim.Optimizer):
         error = None if grads is None else grads.error
         with collective.Call(f"{type(self).__name__}.step", tables, uids=ts.key) as call:
             call.agree(error if self.check_finite else None)
-        steps, hyper = self._advance(layout, used)
+        steps, hyper = self._advance(layout, used, None if grads is None else grads.count)
         if grads is None:
             return loss
         n = int(grads.table_index.shape[0])
-        self._launch(ts, steps, hyper, (grads.table_index, grads.rows, grads.buffer, grads.grad_offsets), n)
+        counted = None if grads.count is None else (None, None, grads.count)  # a bounded lookup's, on the device
+        self._launch(ts, steps, hyper, (grads.table_index, grads.rows, grads.buffer, grads.grad_offsets), n, counted)
         # The merged rows are the gradient from now on (var.grad reads the same; a second step
         # without zero_grad applies it again, as torch does).
         chunk = GradChunk(
@@ -312,6 +314,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             by_table=True,
             rows_found=True,
             tables_used=used,
+            count=grads.count,
         )
         held = (chunk,)  # one tuple for all: a later backward adds to a table's own copy
         for v in tables:

@@ -28,17 +28,37 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import runtime
 from ..exchange.grad_merge import group_rows
 from ..exchange.gradients import GradChunk, collect_entries
 from ..exchange.table_sets import table_set
 
-__all__ = ["update"]
+__all__ = ["update", "refuse_capture"]
+
+
+def refuse_capture(opt: Any) -> None:
+    """Raises where a step of ``opt`` (fused or not) cannot be captured into a graph, which
+    replays the hyper-parameters and descriptors it captured: they must not change."""
+    name = type(opt).__name__
+    if opt.hyper_counts_steps:
+        raise RuntimeError(
+            f"{name}.step() cannot be captured into a graph: its hyper-parameters depend on the step count "
+            "(bias correction), built on the host each step"
+        )
+    half = [v.name for v in opt._layout().tables if v.storage.dtype != "float32"]  # (layout.half names none)
+    if half:
+        raise RuntimeError(
+            f"{name}.step() cannot be captured into a graph: table {half[0]!r} keeps 16-bit rows, whose "
+            "rounding takes the step count from the host each step"
+        )
 
 
 def update(opt: Any, chunk: GradChunk) -> None:
     """Updates the rows of ``opt``'s tables (a fused :class:`~sokpy.optim.base.SparseOptimizer`,
     whose module imports this one) from ``chunk`` (a backward's) and counts a step for those
     that got a gradient on some rank."""
+    if runtime.current().capturing():
+        refuse_capture(opt)
     layout = opt._layout()
     tables = layout.tables
     if chunk.pieces is not None:  # grouped by the owner for this optimizer, by the call's tables
@@ -55,13 +75,14 @@ def update(opt: Any, chunk: GradChunk) -> None:
         return
     used = np.zeros(len(tables), bool)
     entries = collect_entries(tables, layout.uid_order, layout.sorted_uids, used, refs=[(chunk,)] * len(tables))
-    steps, hyper = opt._advance(layout, used)
+    steps, hyper = opt._advance(layout, used, None if entries is None else entries.count)
     if entries is None:
         return
     e, ts = entries, table_set(tables)
     n = int(e.table_index.shape[0])
     if e.merged:
-        opt._launch(ts, steps, hyper, (e.table_index, e.rows, e.buffer, e.grad_offsets), n)
+        counted = None if e.count is None else (None, None, e.count)  # a bounded lookup's, on the device
+        opt._launch(ts, steps, hyper, (e.table_index, e.rows, e.buffer, e.grad_offsets), n, counted)
         return
     p = group_rows(e.table_index, e.rows, e.grad_offsets, e.keys, len(tables), ts.capacity, runs=e.runs)
     opt._launch(ts, steps, hyper, (p.table, p.rows, e.buffer, p.offsets), n, (p.perm, p.seg, p.count))

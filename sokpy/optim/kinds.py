@@ -238,6 +238,8 @@ class Adam(SparseOptimizer):
             _check(f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, check_finite, fused)
 
+    hyper_counts_steps = True  # bias correction: lr * sqrt(1 - b2^t) / (1 - b1^t)
+
     def hyper(self, group: dict, step: int) -> list[float]:
         b1, b2 = group["betas"]
         t = max(step, 1)

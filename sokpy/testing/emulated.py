@@ -232,6 +232,9 @@ class EmulatedDeviceBackend(Backend):
     def torch_stream_handle(self) -> int:
         return device_double.torch_current_stream().handle
 
+    def capturing(self) -> bool:
+        return device_double.streams.capture_state() is not None
+
     def synchronize(self) -> None:
         device_double.current_stream().synchronize()
 

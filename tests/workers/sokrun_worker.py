@@ -22,6 +22,7 @@ def main():
     if c.rank == 1:
         time.sleep(0.5)  # the others are in the allreduce by now
         if mode == "raise":
+            print(f"sokrun_worker failing at {time.monotonic()}", flush=True)  # the machine's clock
             raise RuntimeError("sokrun_worker: deliberate failure on rank 1")
         time.sleep(600)
     c.allreduce(np.ones(4))

@@ -14,6 +14,7 @@ import torch
 
 from ...backends import kernels
 from ...backends.arrays import Array
+from ...backends.resident import resident
 from ..batch import segment_starts
 from .call import Call
 from .context import StageContext
@@ -76,7 +77,9 @@ def grad_pointers(
                 g, strides[t] = _readable(grad, keep)
                 addresses[t] = g.data_ptr()
         words[: 2 * ntab] = addresses + strides
-    return used, xp.asarray(words), keep
+    # A bounded call's words are the same in every step of the same gradient tensors: a
+    # resident copy (its first_bad_row word is then not used: the call gives segment_sum its own).
+    return used, resident(words) if call.bound else xp.asarray(words), keep
 
 
 #: The start value of :func:`first_bad_row`'s word: above any unique key's number.
@@ -111,6 +114,7 @@ def sum_gradient_rows(
     buf: Array,
     used: np.ndarray,
     bad: Array | None = None,
+    count: Array | None = None,
 ) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
@@ -121,7 +125,9 @@ def sum_gradient_rows(
     forward (one rank on the host), segment_sum reads the bags in sorted order
     (``dedup.kbag``), else ``bag_of``. ``bad`` (int64 ``[1]``, above every unique key's number)
     is lowered to the first unique key whose row is not finite, where the strategy asks for it.
-    On one rank nothing reads the blocks' headers, and they are not written."""
+    On one rank nothing reads the blocks' headers, and they are not written. ``count`` (int64
+    ``[1]`` on the device, or None): the number of unique keys, where the launches are sized by
+    a bound (``d.nuniq``) above it."""
     xp, shape, dev = ctx.xp, call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
@@ -137,7 +143,7 @@ def sum_gradient_rows(
     levels = kernels.piece_levels(d.n) if parallel else []
     pieces = ctx.scratch(sum(levels) * dim, np.float32) if levels else None
     args: tuple = (gptr, pooled.bag_of, d.kbag, dev.bag_start, pooled.den, dev.weights, d.pos, d.seg, d.group)
-    args += (ntab, call.tables.device_tabs, d.nuniq, None, pieces, dim)
+    args += (ntab, call.tables.device_tabs, d.nuniq, count, pieces, dim)
     for level, slots in enumerate(levels, 1):
         ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
     base, stride = rows.laid_out if rows.laid_out is not None else (0, 0)

@@ -76,6 +76,7 @@ class Call:
     grad_mode: bool
     grad_reduction: str
     wire_dtype: str
+    bound: int = 0  # max_ids of a one-rank call on a device that reads nothing (plan/bounded.py); 0: none
 
 
 @dataclass(frozen=True)
@@ -187,13 +188,15 @@ def lay_out_outputs(call: Call) -> Call:
     return dataclasses.replace(call, shape=dataclasses.replace(call.shape, out_size=out_size))
 
 
-def to_device(ctx: StageContext, batch: Batch) -> DeviceBatch:
+def to_device(ctx: StageContext, batch: Batch, bounded: bool = False) -> DeviceBatch:
     """The batch's arrays on the backend. On a device, the small int64 arrays the host holds
     (where tables and bags start, the bags' offsets where they were made on the host) travel
     with the start values of ``flags`` in one copy; the keys, where the host holds them, in one
     more. A batch whose parse made a status buffer (a KeyedJaggedTensor's) has its flags there
     (in its first lookup call), and its host arrays are copies kept from an earlier batch of
-    its shape."""
+    its shape. ``bounded`` (a call of ``max_ids``, plan/bounded.py): the host arrays are
+    resident copies (:mod:`~sokpy.backends.resident`) and the flags are set on the device, so
+    that a step of the same shape copies nothing from the host."""
     xp = ctx.xp
     weights = None if batch.weights is None else xp.asarray(batch.weights)
     key_start, bag_start, offsets = arrays = [batch.key_start, batch.bag_start, batch.offsets]
@@ -204,6 +207,11 @@ def to_device(ctx: StageContext, batch: Batch) -> DeviceBatch:
         batch.sizes.status_taken = True  # its flags start at -1 once: a second call of this batch copies its own
         key_start, bag_start, offsets = (resident(a) if isinstance(a, np.ndarray) else a for a in arrays)
         return DeviceBatch(xp.asarray(batch.keys), key_start, bag_start, offsets, weights, status[:3])
+    if bounded and status is None:
+        flags = ctx.scratch(3, np.int64)
+        flags[...] = -1
+        key_start, bag_start, offsets = (resident(a) if isinstance(a, np.ndarray) else a for a in arrays)
+        return DeviceBatch(xp.asarray(batch.keys), key_start, bag_start, offsets, weights, flags)
     small = [a for a in arrays if isinstance(a, np.ndarray)]
     packed = xp.asarray(np.concatenate([np.full(3, -1, np.int64), *(a.astype(np.int64) for a in small)]))
     views, at = {}, 3

@@ -16,6 +16,7 @@ from ..batch import Batch, BatchError
 from ..fused_updates import deliver
 from ..routing import route
 from ..table_sets import table_set
+from . import bounded
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, lay_out_outputs, to_device
 from .call_tables import CallTables
@@ -58,12 +59,14 @@ class LookupPlan:
         error: str | None,
         grad_mode: bool,
         wire_dtype: str = "float32",
+        max_ids: int | None = None,
     ) -> None:
         self.tables, self.batch = tables, batch
         self.combiners = combiners
         self.insert, self.keyed = bool(insert), bool(keyed)
         self.grad_reduction, self.grad_mode = grad_reduction, bool(grad_mode)
         self.error, self.wire_dtype = error, wire_dtype
+        self.max_ids = max_ids
         self.call: Call | None = None
         self.strategy: OneRank | SeveralRanks | None = None
         self.source: Source | None = None  # kept only for the weights' gradients
@@ -144,7 +147,10 @@ class LookupPlan:
                 ts = table_set(self.tables)
                 shape, tabs = describe(ts, self.batch, self.combiners, self.keyed, world)
                 tables = CallTables(ctx, self.tables, ts, tabs, self.insert, world)
-                device = to_device(ctx, self.batch)
+                bound = self._bound(world)
+                if not bound:  # a bounded call's faults reach the user at the next read
+                    bounded.check_faults_of(ctx)
+                device = to_device(ctx, self.batch, bounded=bound > 0)
                 self.call = call = Call(
                     tables,
                     shape,
@@ -155,7 +161,11 @@ class LookupPlan:
                     self.grad_mode,
                     self.grad_reduction,
                     self.wire_dtype,
+                    bound,
                 )
+                refused = None if self.max_ids is None else bounded.refusal(call, self.max_ids, bound > 0)
+                if refused is not None:
+                    raise ValueError(refused)
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
                 flags = device.flags
                 # one rank sorts with a library sort where the values fit 32-bit words: half the bytes
@@ -175,6 +185,12 @@ class LookupPlan:
             except Exception as e:  # noqa: BLE001 - any fault becomes the same error on every rank
                 error = f"{type(e).__name__}: {e}"
         return error, header, ts.key if error is None and ts is not None else None
+
+    def _bound(self, world: int) -> int:
+        """The call's ``max_ids`` where it runs bounded (one rank, a device), else 0."""
+        if self.max_ids is None or world != 1 or self._context().xp is np:
+            return 0
+        return int(self.max_ids)
 
     def _agree(
         self, agreeing: collective.Call, error: str | None, header: Header | None, world: int

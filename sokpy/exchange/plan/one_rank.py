@@ -15,6 +15,7 @@ from ..batch import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
+from . import bounded
 from .backward import NO_BAD_ROW, GradientRows, first_bad_row, sum_gradient_rows
 from .call import Call, Header
 from .context import StageContext
@@ -41,7 +42,13 @@ class OneRank:
         hashed keys shared a sort value."""
         ctx, call = self.ctx, self.call
         flags = call.device.flags
-        if call.grad_mode and flags is not None and not call.batch.tail:
+        if call.bound:  # nothing read: sized by the bound, the verdict kept on the device
+            if call.grad_mode:
+                assert flags is not None  # (a bounded call's batch has its flags)
+                self.counted = (self._deduplicate(packed, flags=flags[1:]), call.bound, False)
+            else:
+                bounded.judge(ctx, call, None)
+        elif call.grad_mode and flags is not None and not call.batch.tail:
             # route_keys' bad, then mark_unique_keys' collision flag and count: one array, one read
             d = self._deduplicate(packed, flags=flags[1:])
             collided, count = read_verdict(ctx, call.batch, call.tables.tables, flags).tolist()
@@ -83,6 +90,8 @@ class OneRank:
         else:
             tables.sync()
             self.rows = dev.keys
+        if call.bound:  # a call with a key out of range reads row 0 for every key
+            self.rows = bounded.safe_rows(self.ctx, call)
         tables.read_rows_from(tables=True)
         return Source(tables.table_rows(), self.rows)
 
@@ -95,7 +104,13 @@ class OneRank:
         Every buffer and launch is sized by the unique keys."""
         ctx, call, xp = self.ctx, self.call, self.ctx.xp
         shape = call.shape
-        if self.counted is not None:  # deduplicated and counted in the forward (a device)
+        count = None
+        if call.bound:  # sized by the bound; the count of unique keys stays on the device
+            assert self.counted is not None
+            d = self.counted[0]
+            count = d.unique_count()  # (a view of the running count, which finish lets go)
+            d.finish(call.bound)
+        elif self.counted is not None:  # deduplicated and counted in the forward (a device)
             d, nuniq, collided = self.counted
             d.finish(nuniq, collided)
         else:  # the host: the count is known at no cost
@@ -113,17 +128,23 @@ class OneRank:
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
         bad = first_bad_row(gptr)
-        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
-        return self._chunk(rows, buf, bad, used)
+        if count is not None:  # gptr is a resident copy, read-only: the verdict's word is the call's own
+            bad = ctx.scratch(1, np.int64)
+            bad[...] = NO_BAD_ROW
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad, count)
+        if count is not None:  # the update's count: 0 where the call found a fault
+            bounded.judge(ctx, call, count, bad, d)
+        return self._chunk(rows, buf, bad, used, count)
 
-    def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray) -> GradChunk:
+    def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray, count: Array = None) -> GradChunk:
         """The rows segment_sum wrote are the whole gradients. The backward's one read: the
-        first row that is not finite, if any."""
+        first row that is not finite, if any (none in a bounded call: ``count``, on the
+        device, is then the number of rows the update takes)."""
         call, d = self.call, rows.dedup
         nuniq = d.nuniq
-        first_bad = int(self.ctx.to_host(bad)[0]) if nuniq else NO_BAD_ROW
+        first_bad = NO_BAD_ROW if count is not None or not nuniq else int(self.ctx.to_host(bad)[0])
         ukeys, group = d.ukeys[:nuniq], d.group[:nuniq]
-        rows_are_keys = self.rows is call.device.keys  # static tables: row k is key k
+        rows_are_keys = self.rows is call.device.keys or call.bound > 0  # static tables: row k is key k
         stored = ukeys if rows_are_keys else self.rows[d.first[:nuniq]]
         ts = call.tables.ts
         # No row is -1 where every key has or got one (admission leaves some without).
@@ -148,4 +169,5 @@ class OneRank:
             error=error,
             uids=ts.uids,
             rows_found=found,
+            count=count,
         )

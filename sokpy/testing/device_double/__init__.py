@@ -71,6 +71,10 @@ The parts:
 * :mod:`~sokpy.testing.device_double.device_array`: :class:`ndarray` and how a routine on it
   is queued;
 * :mod:`~sokpy.testing.device_double.operators`: its operators, and ufuncs with CuPy's methods;
+* :mod:`~sokpy.testing.device_double.capture`: :class:`Graph` and :func:`graph_capture`, the
+  doubles of ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph``: a capture records the work
+  and refuses, naming it, what a GPU cannot record (a host read, a synchronisation, a
+  host-built copy, an allocation outside the graph's pool);
 * :mod:`~sokpy.testing.device_double.constructors`: ``empty``, ``asarray``, ``array``,
   ``from_dlpack``;
 * :mod:`~sokpy.testing.device_double.cupy_names`: which names the installed CuPy has.
@@ -85,6 +89,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .capture import CaptureError, Graph, graph_capture
 from .constructors import array, asarray, from_dlpack
 from .constructors import empty as empty
 from .constructors import empty_like as empty_like
@@ -139,6 +144,9 @@ __all__ = [
     "before_runs",
     "StreamError",
     "MemoryHazardError",
+    "Graph",
+    "graph_capture",
+    "CaptureError",
     "cuda",
 ]
 

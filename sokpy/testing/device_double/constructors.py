@@ -8,7 +8,7 @@ import numpy as np
 
 from .device_array import ndarray
 from .memory import device_empty, note_host_copy
-from .streams import enqueue
+from .streams import enqueue, refuse_in_capture
 
 
 def empty(shape, dtype=float, order="C") -> ndarray:
@@ -23,6 +23,7 @@ def empty_like(a, dtype=None) -> ndarray:
 def _host_to_device(host: np.ndarray) -> ndarray:
     """A copy of host data into new device memory, queued on the current stream (from a
     snapshot taken now: the host may change its array afterwards)."""
+    refuse_in_capture(f"a host-built copy to the device ({host.dtype} {list(host.shape)})")
     snapshot = np.array(host, copy=True)
     out = device_empty(snapshot.shape, snapshot.dtype)
 

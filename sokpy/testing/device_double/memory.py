@@ -70,6 +70,7 @@ class _Block:
         "hazards",
         "waits",
         "host",
+        "graph",
     )
 
     def __init__(self, size: int, stream: Stream):
@@ -84,6 +85,7 @@ class _Block:
         self.hazards: list[tuple[Stream, int, str]] = []  # unordered uses on other streams when freed
         self.waits: list[tuple[Stream, int]] = []  # the recorded streams' events when freed
         self.host: np.ndarray | None = None  # the host data copied into it, when it holds only that
+        self.graph = None  # the graph (capture.py) whose pool holds it, which keeps it
 
 
 def _poison(a: np.ndarray) -> None:
@@ -165,6 +167,11 @@ def _release(block: _Block) -> None:
     waits for the events of the streams recorded on it."""
     with _lock:
         block.live = False
+        if block.graph is not None:  # the graph's pool keeps it: reused within its capture only
+            block.uses, block.recorded, block.host = {}, set(), None
+            if block.graph.capturing:
+                block.graph.free.setdefault(block.size, []).append(block)
+            return
         block.waits = [(s, s.enqueued) for s in block.recorded]
         block.hazards = [
             (s, position, what)
@@ -265,25 +272,61 @@ def device_empty(shape, dtype, stream: Stream | None = None) -> np.ndarray:
         return np.empty(shape, dtype)
     stream = current_stream() if stream is None else stream
     size = size_class(nbytes)
+    graph = streams.capture_state()
+    if graph is not None:
+        return _from_graph_pool(graph, stream, shape, dtype, count, nbytes, size)
     with _lock:
         _settle()
         _check_hazards(stream)
         block = _take(stream, size)
         fresh = block is None
         if block is None:
-            block = _Block(size, stream)
-            i = bisect.bisect_left(_starts, block.start)
-            _starts.insert(i, block.start)
-            _blocks[block.start] = block
-        block.live, block.nbytes = True, nbytes
-        lease = (ctypes.c_uint8 * nbytes).from_buffer(cast("Buffer", block.storage))
-        weakref.finalize(lease, _release, block)
-    a = np.frombuffer(lease, dtype, count).reshape(shape)  # type: ignore[call-overload]  # numpy's stubs omit ctypes arrays
+            block = _new_block(size, stream)
+        a = _lease(block, shape, dtype, count, nbytes)
     if fresh or all(s.done >= position for s, position in block.last):
         _poison(a)  # nothing queued can touch it any more
     else:  # after the old owner's work still queued (on this stream, or ordered before its next work)
         region = block.storage[:nbytes].view(dtype)
         stream.enqueue(lambda: _poison(region), "poison of reused memory", checked=False, counted=False)
+    return a
+
+
+def _new_block(size: int, stream: Stream) -> _Block:
+    """A new block of ``size`` bytes, its address range known (under the lock)."""
+    block = _Block(size, stream)
+    i = bisect.bisect_left(_starts, block.start)
+    _starts.insert(i, block.start)
+    _blocks[block.start] = block
+    return block
+
+
+def _lease(block: _Block, shape, dtype, count: int, nbytes: int) -> np.ndarray:
+    """The array handed out on ``block``: its block goes back when nothing refers to it (under the lock)."""
+    block.live, block.nbytes = True, nbytes
+    lease = (ctypes.c_uint8 * nbytes).from_buffer(cast("Buffer", block.storage))
+    weakref.finalize(lease, _release, block)
+    return np.frombuffer(lease, dtype, count).reshape(shape)  # type: ignore[call-overload]  # numpy's stubs omit ctypes arrays
+
+
+def _from_graph_pool(graph, stream: Stream, shape, dtype, count: int, nbytes: int, size: int) -> np.ndarray:
+    """An allocation during a capture: a block of the graph's pool (one freed during the
+    capture, or a new one within ``graph.pool_bytes``), never of a stream's pool."""
+    if stream is not graph.stream:
+        raise graph.refuse(f"an allocation of {nbytes} bytes on {stream.name}, outside the graph's pool")
+    with _lock:
+        idle = graph.free.get(size)
+        block = idle.pop() if idle else None
+        if block is None:
+            if graph.pool_bytes is not None and graph.pooled_bytes() + size > graph.pool_bytes:
+                raise graph.refuse(
+                    f"an allocation of {nbytes} bytes past the graph's pool of {graph.pool_bytes} bytes "
+                    f"({graph.pooled_bytes()} in use)"
+                )
+            block = _new_block(size, stream)
+            block.graph = graph
+            graph.blocks.append(block)
+        a = _lease(block, shape, dtype, count, nbytes)
+    _poison(a)  # at allocation, as the capture records it: a replay writes it before it reads it
     return a
 
 
@@ -298,6 +341,7 @@ def to_device(t):
     ``t.to("cuda")``: a copy queued on torch's current stream, from its pool): sokpy treats it
     as a tensor on the GPU (its ids are parsed there). Torch's operations run at once here, so
     the copy has run when it returns."""
+    streams.refuse_in_capture("a host-built copy to the device (a torch tensor's .to('cuda'))")
     values = np.array(t.detach().cpu().numpy(), copy=True)
     stream = torch_current_stream()
     buf = device_empty(values.shape, values.dtype, stream)

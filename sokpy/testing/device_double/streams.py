@@ -89,6 +89,9 @@ class Stream:
         routine), reading or writing the arrays (or addresses) ``uses``; returns its position
         (the items queued up to and including it). ``checked``: against torch's current
         stream (see the module's docs); ``counted``: in :func:`work`."""
+        if _capture is not None:
+            _capture.record(self, fn, what)  # recorded into the graph, not run (the capture's rules)
+            return self.enqueued
         if checked and _checking:
             _check(self, what)
         with _lock:
@@ -118,6 +121,7 @@ class Stream:
 
     def synchronize(self) -> None:
         """The host waits for everything queued here so far (``cudaStreamSynchronize``)."""
+        refuse_in_capture("a synchronisation of " + self.name)
         with _lock:
             end, clock = self.enqueued, dict(self.clock)
         self.run_until(end)
@@ -188,6 +192,7 @@ class Event:
 
     def synchronize(self) -> None:
         """The host waits until the work before the event has run (``cudaEventSynchronize``)."""
+        refuse_in_capture("a synchronisation of an event")
         if self.stream is not None:
             self.stream.run_until(self.position)
             host_waited(self.stream, self.position, self.clock)
@@ -271,6 +276,7 @@ def enqueue(fn, what: str = "", stream: Stream | None = None, uses=()) -> int:
 
 def synchronize() -> None:
     """Runs every stream's queue (``cudaDeviceSynchronize``)."""
+    refuse_in_capture("a synchronisation of the device")
     with _lock:
         while any(s.pending for s in list(_streams.values())):
             for s in list(_streams.values()):
@@ -296,6 +302,27 @@ def set_use_tracker(note) -> None:
     """``note(uses, stream, position, what)`` is called for every item queued with buffers."""
     global _note_uses
     _note_uses = note
+
+
+# The graph being captured (capture.py's Graph), or None.
+_capture = None
+
+
+def set_capture(graph) -> None:
+    """Starts (a graph) or ends (None) the capture of the work queued (capture.py)."""
+    global _capture
+    _capture = graph
+
+
+def capture_state():
+    """The graph being captured, or None."""
+    return _capture
+
+
+def refuse_in_capture(what: str) -> None:
+    """Raises capture.py's CaptureError, naming ``what``, where a graph is being captured."""
+    if _capture is not None:
+        raise _capture.refuse(what)
 
 
 # ---- host reads ---------------------------------------------------------------------------------
@@ -353,6 +380,7 @@ def host_read(stream: Stream | None = None, what: str = "a read of device values
     (default: the current stream), as a copy to the host on that stream and a wait for it
     would. The copy is an item of that stream: checked as one (see the module's docs)."""
     global _host_reads
+    refuse_in_capture("a host read: " + what)
     stream = current_stream() if stream is None else stream
     if _checking:
         _check(stream, what)
