@@ -37,6 +37,8 @@ from typing import Any
 
 __all__ = [
     "timed",
+    "start",
+    "stop",
     "beside",
     "add",
     "totals",
@@ -111,22 +113,41 @@ class timed:
         self.category = category
 
     def __enter__(self) -> None:
-        clock = _clock
-        # The host's clock read here, not through its methods: a step enters a dozen of these.
-        self.start = _perf_counter() if clock is _host_clock else None if clock is None else clock.start()
+        self.start = start()
 
     def __exit__(self, *exc) -> None:
-        start, clock = self.start, _clock
-        if start is None or clock is None:
-            return
-        category = getattr(_thread, "prefix", "") + self.category
-        if clock is _host_clock:
-            _totals[category] = _totals.get(category, 0.0) + (_perf_counter() - start)
-        else:
-            clock.stop(category, start)
+        stop(self.category, self.start)
 
 
-_thread = threading.local()
+def start() -> Any:
+    """``timed``'s start, for a block timed without a context manager (a kernel launch):
+    hand it to :func:`stop` when the block ends."""
+    clock = _clock
+    # The host's clock read here, not through its methods: a step times a dozen blocks.
+    return _perf_counter() if clock is _host_clock else None if clock is None else clock.start()
+
+
+def stop(category: str, begun: Any) -> None:
+    """Adds the seconds since :func:`start` returned ``begun`` to ``category``."""
+    clock = _clock
+    if begun is None or clock is None:
+        return
+    category = _thread.prefix + category
+    if clock is _host_clock:
+        _totals[category] = _totals.get(category, 0.0) + (_perf_counter() - begun)
+    else:
+        clock.stop(category, begun)
+
+
+class _ThreadPrefix(threading.local):
+    """Each thread's prefix of the categories it times (:class:`beside`): a class attribute
+    gives every thread "" until it sets its own (a missing attribute of a thread-local costs
+    an AttributeError at every timed block)."""
+
+    prefix = ""
+
+
+_thread = _ThreadPrefix()
 
 
 class beside:  # noqa: N801 - used like timed
@@ -139,7 +160,7 @@ class beside:  # noqa: N801 - used like timed
         self.prefix = name + "."
 
     def __enter__(self) -> None:
-        self.previous = getattr(_thread, "prefix", "")
+        self.previous = _thread.prefix
         _thread.prefix = self.prefix
 
     def __exit__(self, *exc) -> None:

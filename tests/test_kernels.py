@@ -159,12 +159,16 @@ def test_copy_rows_reads_read_only_and_offset_views(copy_rows):
     assert (out[:10] == -1.0).all(), "the destination view's address was not its own"
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 2**20])
+@pytest.mark.parametrize("n", [0, 1, 5, 31, 32, 4096, 4097, 2**20])
 @pytest.mark.parametrize("dim", [1, 129])
 def test_launch_shape_host(n, dim):
     grid, block = kernels.launch_shape(n, dim, "host")
     assert tuple(block) == (1, 1), "the host runs one emulated thread per row"
-    assert tuple(grid) == (max(1, min(n, 256)),), "a few hundred blocks at most, each a run of rows"
+    if n * dim <= 4096:
+        assert tuple(grid) == (1,), "a launch of at most 4096 elements runs on the calling thread"
+    else:
+        assert tuple(grid) == (min(n, 256),), "a few hundred blocks at most, each a run of rows"
+    assert kernels.host_blocks(n, dim) == grid[0]
 
 
 def test_host_library_uses_openmp(copy_rows):

@@ -194,6 +194,15 @@ class HostBackend(Backend):
         """From ``hostpool``: a step's large arrays are not page-faulted in anew every step."""
         return hostpool.empty(shape, dtype)
 
+    def launch(self, name: str, n: int, dim: int, args) -> None:
+        """:meth:`Backend.launch` in the host's shapes without building a grid and block
+        (a launch's Python is most of a tiny kernel's time)."""
+        if n > 0:
+            if self.shapes == "host":
+                self.kernels.get(name).run_rows(kernels.host_blocks(n, dim), args)
+            else:
+                super().launch(name, n, dim, args)
+
 
 # ---- the device --------------------------------------------------------------------------------
 

@@ -255,7 +255,7 @@ def merge_entries(entries: GradEntries, tables: list, ts) -> GradEntries:
     into ``buffer``, and the count and the verdict read (one read)."""
     if entries.merged:
         return entries
-    dim = int(ts.dims.max(initial=1))
+    dim = ts.max_dim
     tabs = runtime.xp().asarray(ts.tabs)
     e = entries
     m = merge_rows(

@@ -29,6 +29,7 @@ class TableSet:
         self.tabs = np.zeros((ntab, c["SOKPY_TAB_FIELDS"]), np.int64)
         self.ptrs = np.zeros((ntab, c["SOKPY_PTR_FIELDS"]), np.uint64)
         self.dims = np.array([t.dim for t in tables], np.int64)
+        self.max_dim = int(self.dims.max(initial=1))  # the widest row (1 for no table)
         self.dynamic = [i for i, t in enumerate(tables) if t.dynamic]
         self.capped = [i for i in self.dynamic if tables[i].storage.capped]  # dynamic tables with max_rows
         # Dynamic tables with admission (admit_after):

@@ -259,7 +259,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
             tabs = tabs.copy()
             tabs[:, c["SOKPY_TAB_STEP"]] = steps
-        cols = 1 if self.row_kernel else int(ts.dims.max(initial=1))
+        cols = 1 if self.row_kernel else ts.max_dim
         perm, seg, count = pieces or (None, None, None)
         args = (*rows, perm, seg, count, n, resident(tabs), resident(ts.ptrs), resident(hyper))
         runtime.launch(self.kernel, n, cols, args)

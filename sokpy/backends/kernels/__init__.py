@@ -50,7 +50,7 @@ The package's parts, one concern each:
 from .cache import UnsafeCacheError
 from .device import DEVICE_OPTIONS, DeviceKernels, device_binary, nvrtc_compile
 from .host import HostKernels, HostModule, get
-from .shapes import chunk_count, launch_shape, piece_levels, pieces_in_parallel, vector_cols
+from .shapes import chunk_count, host_blocks, launch_shape, piece_levels, pieces_in_parallel, vector_cols
 from .sources import KernelError, constants, kernel_sources, signatures, source_dir
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "HostModule",
     "get",
     "launch_shape",
+    "host_blocks",
     "chunk_count",
     "pieces_in_parallel",
     "piece_levels",

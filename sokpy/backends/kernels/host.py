@@ -14,9 +14,13 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
-from ...timing import timed
+import numpy as np
+
+from ...timing import start as _clock_start
+from ...timing import stop as _clock_stop
 from .cache import cached_build, check_private
 from .sources import KernelError, KernelSet, Param, check_array, read_headers, signatures
 
@@ -109,19 +113,28 @@ class _HostKernel:
         fn.restype = None
         self._fn = fn
         self._emulate_blocks = emulate_blocks
-        # The array parameters, by position, worked out once for every launch.
-        self._arrays = tuple((i, p) for i, p in enumerate(params) if p.pointer)
+        # The array parameters, by position, with their dtypes, worked out once for every launch.
+        self._arrays = tuple((i, p, p.dtype) for i, p in enumerate(params) if p.pointer)
 
     def convert(self, args) -> list:
         """The launch arguments as the compiled launcher takes them (checked)."""
         if len(args) != len(self.params):
             raise KernelError(f"sokpy kernel {self.name}: expected {len(self.params)} arguments, got {len(args)}")
         conv = list(args)
-        name = self.name
-        for i, p in self._arrays:
+        for i, p, dtype in self._arrays:
             x = conv[i]
-            if x is not None:
-                conv[i] = check_array(name, p, x)
+            if x is None:
+                continue
+            # The common case inline: a numpy array of the dtype whose memory is a writable
+            # buffer, which numpy grants only for a C-contiguous array (else check_array says
+            # what is wrong, or takes a read-only array's address its own way).
+            if type(x) is np.ndarray and x.dtype is dtype:
+                try:
+                    conv[i] = _addressof(_byte_view(x))
+                    continue
+                except (TypeError, ValueError, BufferError):
+                    pass
+            conv[i] = check_array(self.name, p, x)
         return conv
 
     def __call__(self, grid, block, args):
@@ -135,8 +148,18 @@ class _HostKernel:
             )
         if min(g) <= 0:
             return
-        with timed("kernels"):
-            self._fn(*g, *blk, *conv)
+        begun = _clock_start()
+        self._fn(*g, *blk, *conv)
+        _clock_stop("kernels", begun)
+
+    def run_rows(self, blocks: int, args) -> None:
+        """A launch in the host's shapes: ``blocks`` (at least 1) blocks of one thread over a
+        1-D grid (:func:`~sokpy.backends.kernels.shapes.host_blocks`), without the general
+        call's reshaping of grid and block."""
+        conv = self.convert(args)
+        begun = _clock_start()
+        self._fn(blocks, 1, 1, 1, 1, 1, *conv)
+        _clock_stop("kernels", begun)
 
     def run_converted(self, grid, block, conv) -> None:
         """Runs a launch whose arguments :meth:`convert` already checked (a queued launch)."""
@@ -144,6 +167,10 @@ class _HostKernel:
         blk = (tuple(block) + (1, 1))[:3]
         if min(g) > 0:
             self._fn(*g, *blk, *conv)
+
+
+_addressof = ctypes.addressof
+_byte_view: Callable[..., ctypes.c_char] = ctypes.c_char.from_buffer  # takes a numpy array: a buffer
 
 
 class HostModule:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from .sources import constants
 
-__all__ = ["launch_shape", "chunk_count", "pieces_in_parallel", "piece_levels", "vector_cols"]
+__all__ = ["launch_shape", "host_blocks", "chunk_count", "pieces_in_parallel", "piece_levels", "vector_cols"]
 
 # Host launches: each block (one emulated thread) takes a contiguous run of rows; a few hundred
 # blocks keep every OpenMP thread busy and spread uneven rows, while the set-up of a block is
 # paid a few hundred times, not once per row.
 _HOST_BLOCKS = 256
+# A launch over at most this many rows x columns runs as one block on the calling thread:
+# its work takes a few microseconds, less than OpenMP takes to start and join its threads
+# (far less than waiting for a thread the OS has put off on a busy machine).
+_HOST_SERIAL_WORK = 1 << 12
 
 
 def chunk_count(n: int, shapes: str = "host") -> int:
@@ -58,6 +62,16 @@ def vector_cols(dim: int) -> int:
     return -(-int(dim) // vec)
 
 
+def host_blocks(n: int, dim: int) -> int:
+    """The blocks of a host launch over ``n`` rows of ``dim`` columns: one for a launch of
+    little work (at most ``_HOST_SERIAL_WORK`` elements, run on the calling thread), else one
+    per row up to 256, each a run of rows."""
+    n = int(n)
+    if n * max(int(dim), 1) <= _HOST_SERIAL_WORK:
+        return 1
+    return min(n, _HOST_BLOCKS)
+
+
 def launch_shape(n: int, dim: int, shapes: str = "host"):
     """(grid, block) for a flat kernel over ``n`` rows of ``dim`` columns, in the host's
     (``shapes="host"``) or the device's launch shapes (``"device"``).
@@ -65,11 +79,12 @@ def launch_shape(n: int, dim: int, shapes: str = "host"):
     Kernels put rows over the grid and ``threadIdx.y`` and the dimension over ``threadIdx.x``
     (``SOKPY_FOR_ROWS`` / ``SOKPY_FOR_COLS`` in ``sokpy_common.cuh``). The host runs one
     emulated thread per block (block ``(1, 1)``) and at most 256 blocks, each taking a run of
-    rows, so g++ vectorises each row's dimension loop. A GPU block has 128 threads:
+    rows, so g++ vectorises each row's dimension loop; a launch of little work is one block
+    (:func:`host_blocks`). A GPU block has 128 threads:
     ``block.x`` covers the dimension (up to a warp) and ``block.y = 128 // block.x`` rows
     share the block, so small dims do not leave lanes idle."""
     if shapes == "host":
-        return (max(1, min(int(n), _HOST_BLOCKS)),), (1, 1)
+        return (host_blocks(n, dim),), (1, 1)
     bx = 1
     while bx < min(int(dim), 32):
         bx *= 2

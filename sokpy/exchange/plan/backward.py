@@ -137,7 +137,7 @@ def sum_gradient_rows(
         flags[:, :ntab] = used
         buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
-    dim = int(shape.dims.max(initial=1))
+    dim = shape.max_dim
     cols = kernels.vector_cols(dim)
     parallel = ctx.backend.pieces_in_parallel()
     levels = kernels.piece_levels(d.n) if parallel else []

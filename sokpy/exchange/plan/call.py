@@ -27,8 +27,9 @@ class CallShape:
     their common dimension, 0 where they differ), the output's size in elements, the packed
     sort value's bit fields (``pos_bits`` for the position, ``value_bits`` above them for the
     row or hash, ``sort_hi``: the bits up to and with the (owner, table) group; ``exact``:
-    every table's sort value is its stored row) and the leading slots of a buffer of rows
-    (``header_slots``, :func:`~sokpy.exchange.plan.layout.row_header`)."""
+    every table's sort value is its stored row), the leading slots of a buffer of rows
+    (``header_slots``, :func:`~sokpy.exchange.plan.layout.row_header`) and the widest row
+    (``max_dim``)."""
 
     ntables: int
     world: int
@@ -40,6 +41,7 @@ class CallShape:
     exact: bool
     sort_hi: int
     header_slots: int
+    max_dim: int = 1  # the widest row: ``dims.max(initial=1)``
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def _describe(ts: TableSet, batch: Batch, combiners, keyed: bool, world: int) ->
         exact=bool(exact.all()),
         sort_hi=pos_bits + value_bits + bits(ngroups),
         header_slots=row_header(ntab),
+        max_dim=ts.max_dim,
     )
     return shape, tabs
 

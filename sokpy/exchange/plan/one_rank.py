@@ -124,7 +124,7 @@ class OneRank:
             laid_out = (header_slots, shape.one_dim)
         else:  # the entries past the unique keys are table 0: their rows lie past the rest
             offsets = segment_starts(xp.asarray(shape.dims)[d.group], xp)[:-1] + header_slots
-        elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
+        elems = np.array([header_slots + d.nuniq * shape.max_dim], np.int64)
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
         bad = first_bad_row(gptr)

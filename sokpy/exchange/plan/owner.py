@@ -72,7 +72,7 @@ def gather_owned_rows(
     reply[xp.asarray((peer_start[:, None] + np.arange(shape.header_slots)).reshape(-1))] = 0.0
     nkeys = int(received.keys.shape[0])
     args = (rows, nkeys, received.seg_start, seg_elem, world * ntab, ntab, tables.device_tabs, tables.device_ptrs)
-    ctx.launch("gather_rows", nkeys, int(shape.dims.max(initial=1)), (*args, reply))
+    ctx.launch("gather_rows", nkeys, shape.max_dim, (*args, reply))
     return OwnedRows(rows, seg_elem, send_elems), buffer
 
 
@@ -110,7 +110,7 @@ def owner_chunk(
     if fused_taker(tables.tables) is not None:  # its update kernel sums each row's pieces
         return _pieces_chunk(ctx, call, table, owned.rows, offsets, received.keys, grecv, flags, valid, runs)
     args = (table, owned.rows, offsets, received.keys, grecv, tables.device_tabs, ntab, tables.ts.capacity)
-    m = merge_rows(*args, int(shape.dims.max(initial=1)), valid=valid, runs=runs)
+    m = merge_rows(*args, shape.max_dim, valid=valid, runs=runs)
     head = ctx.to_host(xp.concatenate([flags.astype(np.int64), m.flags()]))
     used = head[: world * ntab].reshape(world, ntab) != 0
     table, rows, grad_offsets, keys, error = m.take(int(head[-2]), bool(head[-1]), tables.tables)

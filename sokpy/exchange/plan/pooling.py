@@ -47,30 +47,22 @@ def pool(ctx: StageContext, call: Call, source: Source) -> Pooled:
     den = ctx.scratch(max(nbags, 1), np.float32)
     bag_of = ctx.scratch(max(int(b.keys.shape[0]), 1), np.int64) if call.grad_mode else None
     args = (source.table_rows, source.offsets, dev.offsets, dev.weights, dev.bag_start, call.shape.ntables)
-    cols = kernels.vector_cols(int(call.shape.dims.max(initial=1)))
+    cols = kernels.vector_cols(call.shape.max_dim)
     ctx.launch("combine_forward", nbags, cols, (*args, t.device_tabs, nbags, out, den, bag_of))
     return Pooled(out, den, bag_of)
 
 
 def outputs(ctx: StageContext, call: Call, pooled: Pooled) -> list[torch.Tensor]:
     """The call's outputs: one tensor per table, or one ``[B, sum(dims)]`` tensor when keyed.
-    They share the output buffer without being autograd views of it, so that each may be
-    modified in place like any other function's output."""
-    storage = ctx.to_torch(pooled.out).untyped_storage()
-    dims = call.shape.dims
+    They share the output buffer, each a tensor of its own over its part (not an autograd view
+    of another), so that each may be modified in place like any other function's output."""
+    out, dims = pooled.out, call.shape.dims
     if call.keyed:
         width = int(dims.sum())
-        return [_alias(ctx, storage, 0, call.shape.out_size // max(width, 1), width)]
+        return [ctx.to_torch(out.reshape(call.shape.out_size // max(width, 1), width))]
     start = call.tables.tabs[:, kernels.constants()["SOKPY_TAB_OUT_START"]].tolist()
-    bags = np.diff(call.batch.host_bag_start())
-    return [_alias(ctx, storage, s, int(n), d) for s, n, d in zip(start, bags, dims.tolist())]
-
-
-def _alias(ctx: StageContext, storage: torch.UntypedStorage, offset: int, rows: int, cols: int) -> torch.Tensor:
-    """A ``[rows, cols]`` float32 tensor over ``storage`` from element ``offset`` on."""
-    return torch.empty(0, dtype=torch.float32, device=ctx.backend.torch_device()).set_(
-        storage, offset, (rows, cols), (cols, 1)
-    )
+    bags = np.diff(call.batch.host_bag_start()).tolist()
+    return [ctx.to_torch(out[s : s + n * d].reshape(n, d)) for s, n, d in zip(start, bags, dims.tolist())]
 
 
 def weight_grads(
