@@ -5,7 +5,10 @@ B+1, optional per-key ``weights``), a torch sparse COO ``[B, H]`` or CSR tensor,
 or 2-D ``[B, H]`` integer tensor, or a list of lists; or one KeyedJaggedTensor for all
 tables. :mod:`~sokpy.inputs.forms` holds one adapter per form, :mod:`~sokpy.inputs.batch`
 joins them and checks their values, on the host and on the device alike;
-:mod:`~sokpy.inputs.features` makes the batch of a ``sokpy.nn`` module's features.
+:mod:`~sokpy.inputs.features` makes the batch of a ``sokpy.nn`` module's features. A parse
+reaches the backend only through the call's
+:class:`~sokpy.exchange.plan.context.StageContext` (the record the plan's stages take), which
+its :class:`~sokpy.inputs.forms.Place` holds.
 
 Example::
 

@@ -2,9 +2,12 @@
 
 The plan builds one per call (:meth:`StageContext.of_runtime`, the one place in this package
 that reads the runtime's process-wide state) and keeps it for the call's backward; every
-stage takes it as a parameter. Its kernel launches, scratch buffers and reads go to the
-backend object as it is at the moment of each use, so that what wraps the backend (the
-stream audit of :mod:`sokpy.backends.stream_audit`) sees them."""
+stage takes it as a parameter. The parse of a call's input (:mod:`sokpy.inputs`) takes one
+too, its one way to the backend (:meth:`~StageContext.from_torch`,
+:meth:`~StageContext.resident` and :meth:`~StageContext.launch_on_host` serve it). Its
+kernel launches, scratch buffers and reads go to the backend object as it is at the moment
+of each use, so that what wraps the backend (the stream audit of
+:mod:`sokpy.backends.stream_audit`) sees them."""
 
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...backends import runtime
+from ...backends import kernels, runtime
 from ...backends.arrays import Array
-from ...backends.backend import Backend
-from ...backends.communicator import Communicator
+from ...backends.backend import Backend, HostBackend
+from ...backends.communicator import Communicator, SoloComm
+from ...backends.resident import resident
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,13 @@ class StageContext:
         backend = runtime.current()
         return cls(backend, backend.xp, comm)
 
+    @classmethod
+    def of_host(cls) -> StageContext:
+        """A context of the host alone, without an initialised runtime: numpy arrays, the
+        host's kernels, a one-process communicator (an input parsed on the host for a module
+        that serves outside a job)."""
+        return cls(HostBackend(), np, SoloComm(np))
+
     def scratch(self, shape: Any, dtype: Any) -> Array:
         """An uninitialised array for this call's work, from the backend's memory pool."""
         return self.backend.scratch(shape, dtype)
@@ -64,3 +75,21 @@ class StageContext:
     def to_torch(self, a: Array) -> torch.Tensor:
         """A tensor sharing ``a``'s memory."""
         return self.backend.to_torch(a)
+
+    def from_torch(self, x: Any, dtype: Any = None) -> Array:
+        """An array of the backend holding ``x`` (a tensor, array, list or number), of
+        ``dtype`` when given: ``x``'s own memory where it can be, a copy otherwise."""
+        return self.backend.from_torch(x, dtype)
+
+    def resident(self, host: np.ndarray) -> Array:
+        """A backend copy of a small host array that rarely changes, made once per content
+        (:mod:`sokpy.backends.resident`; on the host the array itself). Read-only."""
+        return resident(host)
+
+    def launch_on_host(self, name: str, n: int, dim: int, args: tuple) -> None:
+        """Runs kernel ``name`` over ``n`` rows of ``dim`` columns of host arrays, whatever
+        the backend: on the host's build of the kernels (a device's kernels take its own
+        arrays only), with the host's launch shapes."""
+        if n > 0:
+            grid, block = kernels.launch_shape(n, dim, "host")
+            kernels.get(name, "host")(grid, block, args)
