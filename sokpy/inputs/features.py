@@ -130,7 +130,7 @@ def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     grads: list[torch.Tensor | None] = [None] * len(features)
     layouts: list[tuple | None] = [None] * len(features)
     if keyed.grad is not None:  # the gradient finds its way back through torch's gather
-        grad = keyed.grad[place.ctx.to_torch(src)]
+        grad = keyed.grad[_tensor(place.ctx, src)]
         grads[0], layouts[0] = grad, ("keyed", tuple(grad.shape))
     bag_start = np.arange(len(features) + 1, dtype=np.int64) * stride
     weighted = np.full(len(features), keyed.weights is not None)
@@ -138,13 +138,18 @@ def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     return check_keyed(place, Batch(*args), keyed, table_of, overflow)
 
 
+def _tensor(ctx: StageContext, a) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (a host array, or an array of the backend)."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else ctx.to_torch(a)
+
+
 def feature_offsets(batch: Batch) -> list[torch.Tensor]:
     """Each table's bag offsets, from 0 (int64 tensors where the batch lives)."""
     key_start, bags, ctx = batch.host_key_start(), batch.bag_start, StageContext.of_runtime()
-    return [ctx.to_torch(batch.offsets[lo : hi + 1] - int(k)) for lo, hi, k in zip(bags[:-1], bags[1:], key_start)]
+    return [_tensor(ctx, batch.offsets[lo : hi + 1] - int(k)) for lo, hi, k in zip(bags[:-1], bags[1:], key_start)]
 
 
 def feature_ids(batch: Batch) -> list[torch.Tensor]:
     """Each table's keys in input order (int64 tensors where the batch lives)."""
     key_start, ctx = batch.host_key_start(), StageContext.of_runtime()
-    return [ctx.to_torch(batch.keys[lo:hi]) for lo, hi in zip(key_start[:-1], key_start[1:])]
+    return [_tensor(ctx, batch.keys[lo:hi]) for lo, hi in zip(key_start[:-1], key_start[1:])]
