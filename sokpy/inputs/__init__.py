@@ -7,7 +7,7 @@ tables. :mod:`~sokpy.inputs.forms` holds one adapter per form, :mod:`~sokpy.inpu
 joins them and checks their values, on the host and on the device alike;
 :mod:`~sokpy.inputs.features` makes the batch of a ``sokpy.nn`` module's features. A parse
 reaches the backend only through the call's
-:class:`~sokpy.exchange.plan.context.StageContext` (the record the plan's stages take), which
+:class:`~sokpy.backends.context.StageContext` (the record the plan's stages take), which
 its :class:`~sokpy.inputs.forms.Place` holds.
 
 Example::

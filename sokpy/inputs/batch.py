@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..backends.context import StageContext
 from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
-from ..exchange.plan.context import StageContext
 from .forms import Bags, Keyed, Place, parse, place_of
 
 # The kinds of fault, one entry each in the vector: per-table offsets (the first table whose

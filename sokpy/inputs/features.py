@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..backends.context import StageContext
 from ..exchange.batch import Batch, BatchError, HostSizes, segment_starts
-from ..exchange.plan.context import StageContext
 from .batch import check_keyed, keyed_batch, read_structure, to_batch
 from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
 

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..backends.context import StageContext
 from ..exchange.batch import BatchError, segment_starts
-from ..exchange.plan.context import StageContext
 
 
 class Ragged(NamedTuple):
@@ -31,7 +31,7 @@ class Ragged(NamedTuple):
 
 class Place(NamedTuple):
     """Where a call's ids are parsed, and the parse's one way to the backend: ``ctx``, the
-    :class:`~sokpy.exchange.plan.context.StageContext` the plan's stages take too; ``device``
+    :class:`~sokpy.backends.context.StageContext` the plan's stages take too; ``device``
     and ``xp``: on its device by its array module (nothing read back), or on the host by
     numpy (host arrays, which the backend's reads and hand-off take as they are)."""
 

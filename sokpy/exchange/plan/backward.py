@@ -14,9 +14,9 @@ import torch
 
 from ...backends import kernels
 from ...backends.arrays import Array
+from ...backends.context import StageContext
 from ..batch import segment_starts
 from .call import Call
-from .context import StageContext
 from .dedup import Dedup
 from .pooling import Pooled
 

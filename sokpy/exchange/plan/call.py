@@ -12,12 +12,11 @@ import numpy as np
 
 from ...backends import kernels
 from ...backends.arrays import Array
-from ...backends.resident import resident
+from ...backends.context import StageContext, resident
 from ..batch import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
 from .call_tables import CallTables
-from .context import StageContext
 from .layout import row_header
 
 

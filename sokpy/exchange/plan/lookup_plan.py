@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ...backends.context import StageContext
 from ...timing import timed
 from .. import collective
 from ..batch import Batch, BatchError
@@ -19,7 +20,6 @@ from ..table_sets import table_set
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, lay_out_outputs, to_device
 from .call_tables import CallTables
-from .context import StageContext
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
 from .routing import pass_over_tail

@@ -1,27 +1,47 @@
-"""What a lookup call's stages use of the runtime, handed to them: :class:`StageContext`.
+"""What a lookup call's stages use of the backend, handed to them: :class:`StageContext`, and
+the backend copies of small host arrays they keep (:func:`resident`).
 
-The plan builds one per call (:meth:`StageContext.of_runtime`, the one place in this package
-that reads the runtime's process-wide state) and keeps it for the call's backward; every
+The plan builds one context per call (:meth:`StageContext.of_runtime`, the one place that
+reads the runtime's process-wide state for it) and keeps it for the call's backward; every
 stage takes it as a parameter. The parse of a call's input (:mod:`sokpy.inputs`) takes one
 too, its one way to the backend (:meth:`~StageContext.from_torch`,
 :meth:`~StageContext.resident` and :meth:`~StageContext.launch_on_host` serve it). Its
 kernel launches, scratch buffers and reads go to the backend object as it is at the moment
 of each use, so that what wraps the backend (the stream audit of
-:mod:`sokpy.backends.stream_audit`) sees them."""
+:mod:`sokpy.backends.stream_audit`) sees them.
+
+A lookup or an optimizer step hands its kernels a few small host arrays (``[T, fields]``
+descriptors, ``[T]`` addresses, hyper-parameters). On a device each copy costs the host a
+call into the driver whatever its size, and a copy built on the host each step keeps a step
+from being replayed as a graph. :func:`resident` keeps one backend copy per content, per
+stream, and hands it out again while the host array's content is the same: a table that
+grows or moves, a changed ``param_groups`` entry or another combiner gives new content and
+so a new copy (the old one stays cached until it is among the least recently used). The
+copies are read-only by contract: a kernel never writes to them. On the host the array is
+handed out as it is (a contiguous copy only where it is not contiguous; nothing cached).
+
+Example::
+
+    import numpy as np, sokpy
+    from sokpy.backends.context import resident
+    sokpy.init(backend="host")
+    tabs = np.arange(6, dtype=np.int64).reshape(2, 3)
+    print(resident(tabs) is tabs)     # True on the host: no copy
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...backends import kernels, runtime
-from ...backends.arrays import Array
-from ...backends.backend import Backend, HostBackend
-from ...backends.communicator import Communicator, SoloComm
-from ...backends.resident import resident
+from . import kernels, runtime
+from .arrays import Array
+from .backend import Backend, HostBackend
+from .communicator import Communicator, SoloComm
 
 
 @dataclass(frozen=True)
@@ -34,7 +54,7 @@ class StageContext:
     Example::
 
         import sokpy
-        from sokpy.exchange.plan.context import StageContext
+        from sokpy.backends.context import StageContext
         sokpy.init()
         ctx = StageContext.of_runtime()
         buf = ctx.scratch(8, "float32")   # from the backend's pool
@@ -83,7 +103,7 @@ class StageContext:
 
     def resident(self, host: np.ndarray) -> Array:
         """A backend copy of a small host array that rarely changes, made once per content
-        (:mod:`sokpy.backends.resident`; on the host the array itself). Read-only."""
+        (:func:`resident`; on the host the array itself). Read-only."""
         return resident(host)
 
     def launch_on_host(self, name: str, n: int, dim: int, args: tuple) -> None:
@@ -93,3 +113,37 @@ class StageContext:
         if n > 0:
             grid, block = kernels.launch_shape(n, dim, "host")
             kernels.get(name, "host")(grid, block, args)
+
+
+# Enough for the descriptors of the calls a training loop alternates between (a few lookups,
+# their backward passes, an optimizer step, each in one or two states).
+_CAPACITY = 256
+_copies: OrderedDict[tuple, Any] = OrderedDict()
+_owner: list = [None]  # the backend the cached copies belong to
+
+
+def resident(host: np.ndarray):
+    """A backend array with ``host``'s content: the cached copy where one with the same dtype,
+    shape and bytes was made on this stream, else a new copy (cached). The caller must not
+    write to it."""
+    be = runtime.current()
+    if be.xp is np:
+        return np.ascontiguousarray(host)
+    if _owner[0] is not be:  # a new runtime: the old backend's copies are not its own
+        clear()
+        _owner[0] = be
+    host = np.ascontiguousarray(host)
+    key = (be.stream_handle(), host.dtype.str, host.shape, host.tobytes())
+    copy = _copies.get(key)
+    if copy is None:
+        copy = _copies[key] = be.xp.asarray(host)
+        if len(_copies) > _CAPACITY:
+            _copies.popitem(last=False)
+    else:
+        _copies.move_to_end(key)
+    return copy
+
+
+def clear() -> None:
+    """Forgets every cached copy (their memory goes back once nothing else holds them)."""
+    _copies.clear()
