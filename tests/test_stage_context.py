@@ -97,7 +97,7 @@ def _structure(place, args):
         "line 4: imports sokpy.backends.runtime",
         "line 9: reads handoff.to_host",
     ]
-    assert backend_imports("from ..exchange.batch import Batch\nimport numpy\n", "sokpy.inputs") == []
+    assert backend_imports("from .record import Batch\nimport numpy\n", "sokpy.inputs") == []
 
 
 def test_no_stage_reaches_the_runtime():
@@ -114,7 +114,7 @@ def test_the_check_finds_every_way_to_reach_the_runtime():
 from ...backends import handoff, runtime
 from ...backends.runtime import scratch
 import sokpy.backends.runtime as rt
-from ..batch import Batch
+from ...inputs.record import Batch
 
 def read_verdict(batch: Batch, bad):
     return handoff.to_host(runtime.xp().concatenate([bad]))

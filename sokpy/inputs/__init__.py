@@ -1,4 +1,4 @@
-"""The inputs of a lookup, parsed where they live into one :class:`~sokpy.exchange.batch.Batch`.
+"""The inputs of a lookup, parsed where they live into one :class:`~sokpy.inputs.record.Batch`.
 
 ``lookup_sparse`` takes per table a :class:`Ragged` (``values``, int64 ``offsets`` of length
 B+1, optional per-key ``weights``), a torch sparse COO ``[B, H]`` or CSR tensor, a 1-D ``[B]``
@@ -17,10 +17,10 @@ Example::
     # three bags: [3, 1], [], [4, 1]
 """
 
-from ..exchange.batch import Batch, BatchError
 from .batch import to_batch
 from .features import feature_ids, feature_offsets, features_batch
 from .forms import Ragged, host_ragged, is_keyed_jagged
+from .record import Batch, BatchError
 
 __all__ = ["Ragged", "Batch", "BatchError", "to_batch", "features_batch"]
 __all__ += ["feature_offsets", "feature_ids", "is_keyed_jagged", "host_ragged"]

@@ -1,4 +1,4 @@
-"""A call's input as one checked :class:`~sokpy.exchange.batch.Batch`: :func:`to_batch` (one
+"""A call's input as one checked :class:`~sokpy.inputs.record.Batch`: :func:`to_batch` (one
 input per table, joined, or one KeyedJaggedTensor for all, :func:`keyed_batch`) and
 a sequence lookup's batch is
 ``Batch.one_bag_per_key()``.
@@ -7,7 +7,7 @@ One check of the values serves the host and the device alike: it runs through th
 module of the place the ids live in (numpy, or the device's), writes where each kind of
 fault first occurs into a small vector and names the first fault as a :class:`BatchError`.
 On the host the vector is read at once (a fault raises before the batch leaves); on the
-device it goes into the batch's :class:`~sokpy.exchange.batch.Faults`, read with the lookup's
+device it goes into the batch's :class:`~sokpy.inputs.record.Faults`, read with the lookup's
 verdict, so the host waits for nothing. What is known on the host (shapes, dtypes) the
 adapters of :mod:`sokpy.inputs.forms` check before."""
 
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from ..backends.context import StageContext
-from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
 from .forms import Bags, Keyed, Place, parse, place_of
+from .record import Batch, BatchError, Faults, HostSizes, segment_starts
 
 # The kinds of fault, one entry each in the vector: per-table offsets (the first table whose
 # offsets do not start at 0 or do not end at its key count, the first position where they

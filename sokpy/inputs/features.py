@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from ..backends.context import StageContext
-from ..exchange.batch import Batch, BatchError, HostSizes, segment_starts
 from .batch import check_keyed, keyed_batch, read_structure, to_batch
 from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
+from .record import Batch, BatchError, HostSizes, segment_starts
 
 
 def _one(x):

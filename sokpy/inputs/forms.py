@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..backends.context import StageContext
-from ..exchange.batch import BatchError, segment_starts
+from .record import BatchError, segment_starts
 
 
 class Ragged(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 from ...backends import kernels
 from ...backends.arrays import Array
 from ...backends.context import StageContext
-from ..batch import segment_starts
+from ...inputs.record import segment_starts
 from .call import Call
 from .dedup import Dedup
 from .pooling import Pooled

@@ -13,7 +13,7 @@ import numpy as np
 from ...backends import kernels
 from ...backends.arrays import Array
 from ...backends.context import StageContext, resident
-from ..batch import Batch, segment_starts
+from ...inputs.record import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
 from .call_tables import CallTables

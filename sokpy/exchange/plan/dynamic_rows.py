@@ -11,9 +11,9 @@ import numpy as np
 
 from ...backends.arrays import Array
 from ...backends.context import StageContext
+from ...inputs.record import segment_starts
 from ...storage import admission, finish_inserts, plan_room
 from .. import collective
-from ..batch import segment_starts
 from .call_tables import CallTables
 
 

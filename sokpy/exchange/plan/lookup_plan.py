@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from ...backends.context import StageContext
+from ...inputs.record import Batch, BatchError
 from ...timing import timed
 from .. import collective
-from ..batch import Batch, BatchError
 from ..fused_updates import deliver
 from ..routing import route
 from ..table_sets import table_set

@@ -12,7 +12,7 @@ import numpy as np
 from ...backends.arrays import Array
 from ...backends.communicator import Communicator
 from ...backends.context import StageContext
-from ..batch import segment_starts
+from ...inputs.record import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk

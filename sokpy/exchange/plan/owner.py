@@ -11,7 +11,7 @@ import numpy as np
 
 from ...backends.arrays import Array
 from ...backends.context import StageContext
-from ..batch import segment_starts
+from ...inputs.record import segment_starts
 from ..fused_updates import fused_taker
 from ..grad_merge import group_rows, merge_rows
 from ..gradients import GradChunk

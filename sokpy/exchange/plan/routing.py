@@ -13,7 +13,7 @@ import numpy as np
 
 from ...backends.arrays import Array, address_of
 from ...backends.context import StageContext
-from ..batch import Batch
+from ...inputs.record import Batch
 
 
 def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *more: Array) -> np.ndarray:

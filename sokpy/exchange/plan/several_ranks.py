@@ -13,7 +13,7 @@ import numpy as np
 from ...backends.arrays import Array
 from ...backends.communicator import Communicator
 from ...backends.context import StageContext
-from ..batch import segment_starts
+from ...inputs.record import segment_starts
 from ..collective import Agreement
 from ..gradients import GradChunk
 from ..wire import from_wire, to_wire
