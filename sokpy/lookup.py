@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from .backends import runtime
-from .exchange.batch import BatchError
 from .exchange.plan import COMBINERS, LookupPlan
 from .exchange.wire import check_wire_dtype
 from .inputs.batch import to_batch
+from .inputs.record import BatchError
 from .tables.table import Table
 from .timing import timed
 

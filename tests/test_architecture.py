@@ -55,8 +55,8 @@ LAYERS = {
     "backend": ["sokpy.backends"],
     "storage": ["sokpy.storage"],
     "agreement": ["sokpy.exchange.collective"],
-    "exchange": ["sokpy.exchange"],
     "inputs": ["sokpy.inputs"],
+    "exchange": ["sokpy.exchange"],
     "public API": [
         "sokpy.lookup",
         "sokpy.optim",

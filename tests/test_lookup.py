@@ -609,7 +609,7 @@ def test_dedup_groups_equal_keys_and_never_merges_keys_sharing_a_sort_value(sokp
     per group read (several ranks), with their total read (one rank on a device, in the
     forward) or from the compacted marks (one rank on the host)."""
     from sokpy.backends import kernels
-    from sokpy.exchange.plan.context import StageContext
+    from sokpy.backends.context import StageContext
     from sokpy.exchange.plan.dedup import Dedup
 
     c = kernels.constants()

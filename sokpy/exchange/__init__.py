@@ -2,8 +2,6 @@
 
 * :mod:`~sokpy.exchange.collective`: the agreement every collective call passes first (one
   header: the same operation, tables and verdict on every rank, or the same error on all);
-* :mod:`~sokpy.exchange.batch`: a call's input as the plan reads it (``Batch``, made by
-  :mod:`sokpy.inputs` one layer up);
 * :mod:`~sokpy.exchange.plan`: one ``lookup_sparse`` call as named stages (route, dedup, key
   exchange, owner fetch, row exchange, pool, and the backward);
 * :mod:`~sokpy.exchange.routing`: the routing service: the owner of every key (``route_keys``,

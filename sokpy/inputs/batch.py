@@ -1,4 +1,4 @@
-"""A call's input as one checked :class:`~sokpy.exchange.batch.Batch`: :func:`to_batch` (one
+"""A call's input as one checked :class:`~sokpy.inputs.record.Batch`: :func:`to_batch` (one
 input per table, joined, or one KeyedJaggedTensor for all, :func:`keyed_batch`) and
 a sequence lookup's batch is
 ``Batch.one_bag_per_key()``.
@@ -7,7 +7,7 @@ One check of the values serves the host and the device alike: it runs through th
 module of the place the ids live in (numpy, or the device's), writes where each kind of
 fault first occurs into a small vector and names the first fault as a :class:`BatchError`.
 On the host the vector is read at once (a fault raises before the batch leaves); on the
-device it goes into the batch's :class:`~sokpy.exchange.batch.Faults`, read with the lookup's
+device it goes into the batch's :class:`~sokpy.inputs.record.Faults`, read with the lookup's
 verdict, so the host waits for nothing. What is known on the host (shapes, dtypes) the
 adapters of :mod:`sokpy.inputs.forms` check before."""
 
@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends import handoff, kernels, runtime
-from ..backends.resident import resident
-from ..exchange.batch import Batch, BatchError, Faults, HostSizes, segment_starts
+from ..backends.context import StageContext
 from .forms import Bags, Keyed, Place, parse, place_of
+from .record import Batch, BatchError, Faults, HostSizes, segment_starts
 
 # The kinds of fault, one entry each in the vector: per-table offsets (the first table whose
 # offsets do not start at 0 or do not end at its key count, the first position where they
@@ -33,16 +32,17 @@ from .forms import Bags, Keyed, Place, parse, place_of
 START, END, DECREASE, PAST, OVERFLOW, WEIGHT, COO = range(7)
 
 
-def to_batch(sp_ids, sp_weights, ntables: int) -> Batch:
+def to_batch(sp_ids, sp_weights, ntables: int, ctx: StageContext | None = None) -> Batch:
     """Converts and checks one call's input (``sp_ids``: one input per table, one
     KeyedJaggedTensor for all, or a Batch parsed already); raises :class:`BatchError` naming
     the table on a fault. Ids that live on the backend's device stay there: the device
-    checks their values, into ``Batch.faults``."""
+    checks their values, into ``Batch.faults``. ``ctx``: the call's context (by default the
+    runtime's), the parse's one way to the backend."""
     if isinstance(sp_ids, Batch):
         if len(sp_ids.bag_start) - 1 != ntables or sp_weights is not None:
             raise BatchError(None, f"a parsed batch of {len(sp_ids.bag_start) - 1} tables for {ntables} tables")
         return sp_ids
-    place = place_of(sp_ids)
+    place = place_of(sp_ids, StageContext.of_runtime() if ctx is None else ctx)
     parsed = parse(sp_ids, sp_weights, ntables, place)
     return keyed_batch(parsed, place) if isinstance(parsed, Keyed) else join(parsed, place)
 
@@ -83,12 +83,12 @@ def _fixed_offsets(place: Place, key_start, bag_start, bags, hotness):
     nbags = int(bag_start[-1])
     if (hotness == hotness[0]).all():  # then key_start[t] = bag_start[t] * hotness
         # (on a device, the copy of a batch of this shape made before: nothing to compute or copy)
-        return resident(np.arange(nbags + 1, dtype=np.int64) * int(hotness[0]))
+        return place.ctx.resident(np.arange(nbags + 1, dtype=np.int64) * int(hotness[0]))
     offsets = np.empty(nbags + 1, np.int64)
     offsets[:-1] = np.repeat(key_start[:-1] - bag_start[:-1] * hotness, bags)
     offsets[:-1] += np.arange(nbags, dtype=np.int64) * np.repeat(hotness, bags)
     offsets[-1] = key_start[-1]
-    return resident(offsets)
+    return place.ctx.resident(offsets)
 
 
 def _joined_offsets(place: Place, own, own_start, key_start, bag_start, bags):
@@ -140,7 +140,7 @@ def _values_faults(xp, batch: Batch, overflow) -> list:
     return [over, none if batch.weights is None else _first(xp, ~xp.isfinite(batch.weights))]
 
 
-def _value_candidates(v: np.ndarray, batch: Batch) -> list[tuple]:
+def _value_candidates(place: Place, v: np.ndarray, batch: Batch) -> list[tuple]:
     """``(table, order, message)`` of the vector's OVERFLOW and WEIGHT faults."""
     out = []
     key_start = batch.host_key_start()
@@ -150,13 +150,13 @@ def _value_candidates(v: np.ndarray, batch: Batch) -> list[tuple]:
 
     if v[OVERFLOW] >= 0:
         p = int(v[OVERFLOW])
-        key = int(handoff.to_host(batch.keys[p : p + 1]).view(np.uint64)[0])
+        key = int(place.ctx.to_host(batch.keys[p : p + 1]).view(np.uint64)[0])
         out.append((table_of(p), -1, f"values: key {key} does not fit in int64"))
     if v[WEIGHT] >= 0:
         assert batch.weights is not None  # a weight's fault: the batch has weights
         p = int(v[WEIGHT])
         t = table_of(p)
-        value = float(handoff.to_host(batch.weights[p : p + 1])[0])
+        value = float(place.ctx.to_host(batch.weights[p : p + 1])[0])
         out.append((t, 3, f"weight at position {p - int(key_start[t])} is not finite ({value})"))
     return out
 
@@ -195,10 +195,10 @@ def _check_tables(place: Place, batch: Batch, own: Any, own_start: Any, overflow
     def explain(v: np.ndarray) -> None:
         if (v < 0).all():
             return
-        candidates = _value_candidates(v, batch)
+        candidates = _value_candidates(place, v, batch)
 
         def offset(i: int) -> int:
-            return int(handoff.to_host(own[i : i + 1])[0])
+            return int(place.ctx.to_host(own[i : i + 1])[0])
 
         if v[START] >= 0:
             t = int(v[START])
@@ -233,11 +233,10 @@ def _structure(place: Place, keyed: Keyed, vector=None, key_start=None, nfeature
         vector = place.xp.full(PAST + 1, -1, np.int64)
     m = int(off.shape[0]) - 1
     args = (off, m, n, int(keyed.stride), nfeatures, key_start, vector)
-    if place.device or runtime.current().xp is np:
-        runtime.launch("keyed_offsets_faults", m + 1, 1, args)
-    elif m >= 0:  # host arrays under a device backend: the same kernel, the host's build
-        grid, block = kernels.launch_shape(m + 1, 1, "host")
-        kernels.get("keyed_offsets_faults", "host")(grid, block, args)
+    if place.device:
+        place.ctx.launch("keyed_offsets_faults", m + 1, 1, args)
+    else:  # host arrays: under a device backend the same kernel's host build
+        place.ctx.launch_on_host("keyed_offsets_faults", m + 1, 1, args)
     return vector
 
 
@@ -245,8 +244,8 @@ def read_structure(place: Place, keyed: Keyed, table_of: Sequence[int | None], m
     """``more`` (an int64 array where the KJT lives) on the host, read with the faults of the
     KJT's offsets as a whole, which raise at once (on the device: one read)."""
     xp = place.xp
-    head = handoff.to_host(xp.concatenate([_structure(place, keyed), xp.asarray(more)]))
-    fault = _keyed_fault(head[: PAST + 1], keyed, table_of)
+    head = place.ctx.to_host(xp.concatenate([_structure(place, keyed), xp.asarray(more)]))
+    fault = _keyed_fault(place, head[: PAST + 1], keyed, table_of)
     if fault is not None:
         raise BatchError(*fault)
     return head[PAST + 1 :]
@@ -271,21 +270,21 @@ def check_keyed(
     def explain(v: np.ndarray) -> None:
         if (v < 0).all():
             return
-        fault = _keyed_fault(v, keyed, table_of)
+        fault = _keyed_fault(place, v, keyed, table_of)
         if fault is not None:
             raise BatchError(*fault)
-        t, _, message = min(_value_candidates(v, batch))
+        t, _, message = min(_value_candidates(place, v, batch))
         raise BatchError(t, message)
 
     return _settle(place, batch, vector, explain, status)
 
 
-def _keyed_fault(v: np.ndarray, keyed: Keyed, table_of: Sequence[int | None]) -> tuple | None:
+def _keyed_fault(place: Place, v: np.ndarray, keyed: Keyed, table_of: Sequence[int | None]) -> tuple | None:
     """``(table or None, message)`` of a KeyedJaggedTensor's offsets that do not run from 0 to
     its values' number without decreasing, or None (their values read only then)."""
     if (v[: PAST + 1] < 0).all():
         return None
-    off, n = handoff.to_host(keyed.offsets), int(keyed.values.shape[0])
+    off, n = place.ctx.to_host(keyed.offsets), int(keyed.values.shape[0])
     stride, keys = keyed.stride, keyed.keys
     if v[START] >= 0:
         return None, f"the KeyedJaggedTensor's offsets must start at 0, got {off[:1].tolist()}"

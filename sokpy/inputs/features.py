@@ -13,10 +13,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..backends import handoff
-from ..exchange.batch import Batch, BatchError, HostSizes, segment_starts
+from ..backends.context import StageContext
 from .batch import check_keyed, keyed_batch, read_structure, to_batch
 from .forms import Keyed, Place, Ragged, is_keyed_jagged, keyed_bags, place_of
+from .record import Batch, BatchError, HostSizes, segment_starts
 
 
 def _one(x):
@@ -57,6 +57,7 @@ def features_batch(features, weights, names: list[str], reader: str, weighted: b
     on the device are read by the lookup, with its verdict (``Batch.sizes``). Raises KeyError
     for a missing feature, BatchError for a fault of the input's values and ValueError or
     TypeError for any other."""
+    ctx = StageContext.of_runtime()  # the parse's one way to the backend
     if isinstance(features, Mapping):
         missing = [f for f in names if f not in features]
         if missing:
@@ -74,14 +75,14 @@ def features_batch(features, weights, names: list[str], reader: str, weighted: b
                     f"feature {given[0]!r} has weights, and {reader} was built with is_weighted=False (TorchRec's "
                     "default: weights are not pooled); build it with is_weighted=True to pool them"
                 )
-        return to_batch(ids, ws, len(names))
+        return to_batch(ids, ws, len(names), ctx)
     if weights is not None:
         raise ValueError("a KeyedJaggedTensor carries its own weights; pass weights=None")
     if not is_keyed_jagged(features) or not callable(getattr(features, "keys", None)):
         raise TypeError(f"{reader} takes a KeyedJaggedTensor or a dict feature -> ids, got {type(features).__name__}")
     if weighted and features.weights_or_none() is None:
         raise ValueError(f"{reader} was built with is_weighted=True, and the KeyedJaggedTensor carries no weights")
-    place = place_of(features)
+    place = place_of(features, ctx)
     keyed = keyed_bags(features, place, weights=weighted)
     keys = keyed.keys or []
     missing = [f for f in names if f not in keys]
@@ -129,7 +130,7 @@ def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     grads: list[torch.Tensor | None] = [None] * len(features)
     layouts: list[tuple | None] = [None] * len(features)
     if keyed.grad is not None:  # the gradient finds its way back through torch's gather
-        grad = keyed.grad[_tensor(src)]
+        grad = keyed.grad[_tensor(place.ctx, src)]
         grads[0], layouts[0] = grad, ("keyed", tuple(grad.shape))
     bag_start = np.arange(len(features) + 1, dtype=np.int64) * stride
     weighted = np.full(len(features), keyed.weights is not None)
@@ -137,17 +138,18 @@ def _picked(keyed: Keyed, features: list[int], place: Place) -> Batch:
     return check_keyed(place, Batch(*args), keyed, table_of, overflow)
 
 
-def _tensor(a) -> torch.Tensor:
-    return torch.from_numpy(a) if isinstance(a, np.ndarray) else handoff.to_torch(a)
+def _tensor(ctx: StageContext, a) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (a host array, or an array of the backend)."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else ctx.to_torch(a)
 
 
 def feature_offsets(batch: Batch) -> list[torch.Tensor]:
     """Each table's bag offsets, from 0 (int64 tensors where the batch lives)."""
-    key_start, bags = batch.host_key_start(), batch.bag_start
-    return [_tensor(batch.offsets[lo : hi + 1] - int(k)) for lo, hi, k in zip(bags[:-1], bags[1:], key_start)]
+    key_start, bags, ctx = batch.host_key_start(), batch.bag_start, StageContext.of_runtime()
+    return [_tensor(ctx, batch.offsets[lo : hi + 1] - int(k)) for lo, hi, k in zip(bags[:-1], bags[1:], key_start)]
 
 
 def feature_ids(batch: Batch) -> list[torch.Tensor]:
     """Each table's keys in input order (int64 tensors where the batch lives)."""
-    key_start = batch.host_key_start()
-    return [_tensor(batch.keys[lo:hi]) for lo, hi in zip(key_start[:-1], key_start[1:])]
+    key_start, ctx = batch.host_key_start(), StageContext.of_runtime()
+    return [_tensor(ctx, batch.keys[lo:hi]) for lo, hi in zip(key_start[:-1], key_start[1:])]

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..backends import handoff, runtime
-from ..exchange.batch import BatchError, segment_starts
+from ..backends.context import StageContext
+from .record import BatchError, segment_starts
 
 
 class Ragged(NamedTuple):
@@ -29,17 +29,20 @@ class Ragged(NamedTuple):
         return len(self.offsets) - 1
 
 
-class Place:
-    """Where a call's ids are parsed: on the host (numpy), or on the backend's device (its
-    array module: ids that arrived there stay there and nothing is read back)."""
+class Place(NamedTuple):
+    """Where a call's ids are parsed, and the parse's one way to the backend: ``ctx``, the
+    :class:`~sokpy.backends.context.StageContext` the plan's stages take too; ``device``
+    and ``xp``: on its device by its array module (nothing read back), or on the host by
+    numpy (host arrays, which the backend's reads and hand-off take as they are)."""
 
-    def __init__(self, device: bool, xp: Any = np):
-        self.device, self.xp = device, xp
+    ctx: StageContext
+    device: bool = False
+    xp: Any = np
 
     def array_of(self, x, dtype=None) -> Any:
         """``x`` (a tensor or a host array) as a C-contiguous array here, of ``dtype`` when given."""
         if self.device:
-            return handoff.from_torch(x, dtype)
+            return self.ctx.from_torch(x, dtype)
         if isinstance(x, torch.Tensor):
             x = x.detach().cpu().numpy()
         return np.ascontiguousarray(x, dtype=dtype)
@@ -158,7 +161,7 @@ def _coo(ids: torch.Tensor, weights, place: Place) -> Bags:
             fw = fw[w_order]
         mismatch = (w_index != index).any()
         if weights.requires_grad:
-            grad, layout = weights, ("coo", None if w_order is None else handoff.to_host(w_order))
+            grad, layout = weights, ("coo", None if w_order is None else place.ctx.to_host(w_order))
     return _bags(values, offsets, fw, grad=grad, layout=layout, overflow=overflow, mismatch=mismatch)
 
 
@@ -305,16 +308,15 @@ def keyed_bags(kjt, place: Place, nfeatures: int | None = None, weights: bool = 
 def host_ragged(ids, weights=None) -> Ragged:
     """One table's input parsed on the host as a :class:`Ragged` of numpy arrays (its values
     not checked), whatever its form."""
-    b = table_bags(ids, weights, Place(False))
+    b = table_bags(ids, weights, Place(StageContext.of_host()))
     offsets = b.offsets if b.offsets is not None else np.arange(b.nbags + 1, dtype=np.int64) * b.hotness
     return Ragged(b.values, offsets, b.weights)
 
 
-def place_of(sp_ids) -> Place:
+def place_of(sp_ids, ctx: StageContext) -> Place:
     """The device's place where the call's ids arrived there (any tensor of ids), else the host's."""
-    be = runtime.current()
-    if not be.device_inputs:
-        return Place(False)
+    if not ctx.backend.device_inputs:
+        return Place(ctx)
     if is_keyed_jagged(sp_ids):
         ids = [sp_ids.values()]
     elif isinstance(sp_ids, (list, tuple)):
@@ -323,8 +325,8 @@ def place_of(sp_ids) -> Place:
         ids = [x.values() if isinstance(x, torch.Tensor) and x.layout == torch.sparse_csr else x for x in ids]
     else:
         ids = []
-    on = any(isinstance(x, torch.Tensor) and be.on_device(x) for x in ids)
-    return Place(True, be.xp) if on else Place(False)
+    on = any(isinstance(x, torch.Tensor) and ctx.backend.on_device(x) for x in ids)
+    return Place(ctx, True, ctx.xp) if on else Place(ctx)
 
 
 def parse(sp_ids, sp_weights, ntables: int, place: Place) -> Keyed | list[Bags]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..backends import handoff, kernels, runtime
-from ..backends.resident import resident
+from ..backends.context import resident
 from ..exchange import collective
 from ..exchange.fused_updates import is_fused
 from ..exchange.gradients import GradChunk, collect_entries, merge_entries

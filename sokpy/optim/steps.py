@@ -8,7 +8,7 @@ import numpy as np
 
 from ..backends import handoff, runtime
 from ..backends.arrays import Array
-from ..backends.resident import resident
+from ..backends.context import resident
 
 
 class StepCounts:

@@ -38,7 +38,7 @@ rank and several is a strategy object, chosen once per call:
 
 * :mod:`sokpy.exchange.plan.lookup_plan`: :class:`LookupPlan`, which runs the stages top to bottom in
   its forward and backward, and ``COMBINERS``;
-* :mod:`sokpy.exchange.plan.context`: :class:`~sokpy.exchange.plan.context.StageContext`, what
+* (in the backend layer) :class:`~sokpy.backends.context.StageContext`, what
   every stage is handed of the runtime (the backend, its array module, the communicator),
   built once per call; no other part reads the runtime's process-wide state;
 * :mod:`sokpy.exchange.plan.call`: the call's records (``Call``, ``CallShape``: :func:`describe`'s

@@ -14,10 +14,9 @@ import torch
 
 from ...backends import kernels
 from ...backends.arrays import Array
-from ...backends.resident import resident
-from ..batch import segment_starts
+from ...backends.context import StageContext, resident
+from ...inputs.record import segment_starts
 from .call import Call
-from .context import StageContext
 from .dedup import Dedup
 from .pooling import Pooled
 

@@ -21,10 +21,9 @@ import weakref
 import numpy as np
 
 from ...backends.arrays import Array
-from ...backends.resident import resident
+from ...backends.context import StageContext, resident
 from ...errors import InputError
 from .call import Call
-from .context import StageContext
 
 # Record fields (int64): a key out of range (its table's uid, the key), then the first
 # gradient row that is not finite (its table's uid, the key); -1: none.

@@ -12,12 +12,11 @@ import numpy as np
 
 from ...backends import kernels
 from ...backends.arrays import Array
-from ...backends.resident import resident
-from ..batch import Batch, segment_starts
+from ...backends.context import StageContext, resident
+from ...inputs.record import Batch, segment_starts
 from ..routing import sort_bits
 from ..table_sets import TableSet, bits
 from .call_tables import CallTables
-from .context import StageContext
 from .layout import row_header
 
 
@@ -195,7 +194,7 @@ def to_device(ctx: StageContext, batch: Batch, bounded: bool = False) -> DeviceB
     more. A batch whose parse made a status buffer (a KeyedJaggedTensor's) has its flags there
     (in its first lookup call), and its host arrays are copies kept from an earlier batch of
     its shape. ``bounded`` (a call of ``max_ids``, plan/bounded.py): the host arrays are
-    resident copies (:mod:`~sokpy.backends.resident`) and the flags are set on the device, so
+    resident copies (:func:`~sokpy.backends.context.resident`) and the flags are set on the device, so
     that a step of the same shape copies nothing from the host."""
     xp = ctx.xp
     weights = None if batch.weights is None else xp.asarray(batch.weights)

@@ -8,9 +8,8 @@ import numpy as np
 
 from ...backends import kernels
 from ...backends.arrays import Array
-from ...backends.resident import resident
+from ...backends.context import StageContext, resident
 from ..table_sets import TableSet
-from .context import StageContext
 
 
 class CallTables:

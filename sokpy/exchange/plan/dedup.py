@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...backends.arrays import Array
+from ...backends.context import StageContext
 from ...backends.sorting import sort_by_bits
-from .context import StageContext
 
 
 class Dedup:

@@ -10,11 +10,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ...backends.arrays import Array
+from ...backends.context import StageContext
+from ...inputs.record import segment_starts
 from ...storage import admission, finish_inserts, plan_room
 from .. import collective
-from ..batch import segment_starts
 from .call_tables import CallTables
-from .context import StageContext
 
 
 class _Step(NamedTuple):

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ...backends.context import StageContext
+from ...inputs.record import Batch, BatchError
 from ...timing import timed
 from .. import collective
-from ..batch import Batch, BatchError
 from ..fused_updates import deliver
 from ..routing import route
 from ..table_sets import table_set
@@ -20,7 +21,6 @@ from . import bounded
 from .backward import evicted_since, grad_pointers
 from .call import Call, Header, describe, lay_out_outputs, to_device
 from .call_tables import CallTables
-from .context import StageContext
 from .one_rank import OneRank
 from .pooling import Pooled, Source, outputs, pool, weight_grads
 from .routing import pass_over_tail

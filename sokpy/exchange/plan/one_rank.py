@@ -11,14 +11,14 @@ import numpy as np
 
 from ...backends.arrays import Array
 from ...backends.communicator import Communicator
-from ..batch import segment_starts
+from ...backends.context import StageContext
+from ...inputs.record import segment_starts
 from ..collective import Agreement
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
 from . import bounded
 from .backward import NO_BAD_ROW, GradientRows, first_bad_row, sum_gradient_rows
 from .call import Call, Header
-from .context import StageContext
 from .dedup import Dedup
 from .dynamic_rows import find_rows
 from .pooling import Pooled, Source

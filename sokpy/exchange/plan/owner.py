@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...backends.arrays import Array
-from ..batch import segment_starts
+from ...backends.context import StageContext
+from ...inputs.record import segment_starts
 from ..fused_updates import fused_taker
 from ..grad_merge import group_rows, merge_rows
 from ..gradients import GradChunk
 from .call import Call
-from .context import StageContext
 from .dynamic_rows import find_rows
 from .layout import rows_after_headers
 

@@ -12,8 +12,8 @@ import torch
 
 from ...backends import kernels
 from ...backends.arrays import Array
+from ...backends.context import StageContext
 from .call import Call
-from .context import StageContext
 
 
 @dataclass(frozen=True)

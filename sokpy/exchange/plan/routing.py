@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...backends.arrays import Array, address_of
-from ..batch import Batch
-from .context import StageContext
+from ...backends.context import StageContext
+from ...inputs.record import Batch
 
 
 def read_verdict(ctx: StageContext, batch: Batch, tables: list, bad: Array, *more: Array) -> np.ndarray:

@@ -12,13 +12,13 @@ import numpy as np
 
 from ...backends.arrays import Array
 from ...backends.communicator import Communicator
-from ..batch import segment_starts
+from ...backends.context import StageContext
+from ...inputs.record import segment_starts
 from ..collective import Agreement
 from ..gradients import GradChunk
 from ..wire import from_wire, to_wire
 from .backward import GradientRows, sum_gradient_rows
 from .call import Call, Header
-from .context import StageContext
 from .dedup import Dedup
 from .layout import add_per_block, rows_after_headers
 from .owner import OwnedRows, ReceivedKeys, gather_owned_rows, owner_chunk

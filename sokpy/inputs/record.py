@@ -2,7 +2,8 @@
 weights of one call, in one set of arrays), :class:`BatchError` (a fault that names its
 table), :class:`Faults` (what a parse on the device found, for the plan's one read) and
 :func:`segment_starts`, the array helper the plan and the input parsers share. The parsers
-that make a Batch are :mod:`sokpy.inputs`, one layer up."""
+beside it (:mod:`sokpy.inputs.batch`, :mod:`sokpy.inputs.forms`) make a Batch; the plan
+(:mod:`sokpy.exchange.plan`, one layer up) reads it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..backends import handoff, runtime
+from ..backends.context import StageContext
 
 
 class BatchError(ValueError):
@@ -101,7 +102,7 @@ class Batch(NamedTuple):
             return self.key_start
         if self.sizes is not None and self.sizes.key_start is not None:
             return self.sizes.key_start
-        host = handoff.to_host(self.key_start)
+        host = StageContext.of_runtime().to_host(self.key_start)
         if self.sizes is not None:
             self.sizes.key_start = host
         return host
@@ -129,7 +130,9 @@ class Batch(NamedTuple):
         if self.weights is not None or self.any_weight_grad():
             t = int(np.flatnonzero(self.weighted)[0]) if self.weighted.any() else 0
             raise BatchError(t, "a sequence lookup (one row per id) takes no weights")
-        xp = np if isinstance(self.keys, np.ndarray) else runtime.xp()  # a batch parsed on the device stays there
+        xp = (
+            np if isinstance(self.keys, np.ndarray) else StageContext.of_runtime().xp
+        )  # a batch parsed on the device stays there
         offsets = xp.arange(int(self.keys.shape[0]) + 1, dtype=np.int64)
         key_start = self.key_start if self.sizes_pending() else self.host_key_start()
         return self._replace(offsets=offsets, key_start=key_start, bag_start=key_start)
