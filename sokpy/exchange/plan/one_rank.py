@@ -89,6 +89,9 @@ class OneRank:
     def backward_volume(self) -> int:
         return 0
 
+    def header_starts(self) -> None:
+        """None: on one rank nothing reads the gradient rows' headers."""
+
     def backward(self, gptr: Array, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
         """Sums each unique key's gradient row and keeps them: no other rank adds to them, so
         the kernel checks them as it writes them and the optimizer step needs no merge pass.
@@ -112,7 +115,7 @@ class OneRank:
         elems = np.array([header_slots + d.nuniq * int(shape.dims.max(initial=1))], np.int64)
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
-        bad = first_bad_row(gptr)
+        bad = first_bad_row(gptr, shape.ntables)
         sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
         return self._chunk(rows, buf, bad, used)
 
