@@ -123,7 +123,6 @@ def sum_gradient_rows(
     gptr: Array,
     pooled: Pooled,
     buf: Array,
-    used: np.ndarray,
     bad: Array | None = None,
 ) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros: one assignment

@@ -116,7 +116,7 @@ class OneRank:
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
         bad = first_bad_row(gptr, shape.ntables)
-        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, bad)
         return self._chunk(rows, buf, bad, used)
 
     def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray) -> GradChunk:

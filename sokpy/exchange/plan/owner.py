@@ -23,8 +23,8 @@ from .dynamic_rows import find_rows
 class ReceivedKeys:
     """The keys the peers sent this rank (peer after peer, table after table): ``per_peer``
     (host, keys from each peer), ``counts`` (backend, keys per (peer, table)), where each
-    (peer, table) segment starts (``seg_start``), each key's segment (``seg``, filled by the
-    find) and where each segment's rows start in the reply (``seg_elem``). ``buffer`` holds
+    (peer, table) segment starts (``seg_start``) and where each segment's rows start in the
+    reply (``seg_elem``). ``buffer`` holds
     the reply from element ``sent_at`` on (the elements in front of it are for the rows this
     rank receives, where they arrive in place); ``words``: the call's small host arrays on the
     device (``several_ranks.exchange_keys``)."""
@@ -33,7 +33,6 @@ class ReceivedKeys:
     per_peer: np.ndarray
     counts: Array
     seg_start: Array
-    seg: Array
     seg_elem: Array
     buffer: Array
     sent_at: int
@@ -64,7 +63,7 @@ def gather_owned_rows(ctx: StageContext, call: Call, received: ReceivedKeys, rep
     def incoming() -> np.ndarray:  # keys per table, for growing dynamic tables (a read only for them)
         return ctx.to_host(received.counts).reshape(world, ntab).sum(axis=0)
 
-    rows = find_rows(ctx, tables, received.keys, received.seg_start, world * ntab, incoming, received.seg)
+    rows = find_rows(ctx, tables, received.keys, received.seg_start, world * ntab, incoming)
     nkeys = int(received.keys.shape[0])
     args = (rows, nkeys, received.seg_start, received.seg_elem, world * ntab, ntab, tables.device_tabs)
     reply = received.buffer[received.sent_at :]

@@ -114,12 +114,12 @@ def exchange_keys(
     words = xp.asarray(np.concatenate(host))
     recv, _ = comm.alltoallv(groups.send[: int(msg.sum())], msg, recv_msg, large=agreement.large)
     nkeys = int((recv_msg - ntab).sum())
-    keys, seg = ctx.scratch(nkeys, np.int64), ctx.scratch(nkeys, np.int64)
+    keys = ctx.scratch(nkeys, np.int64)
     counts, seg_elem = ctx.scratch(world * ntab, np.int64), ctx.scratch(world * ntab, np.int64)
     seg_start = ctx.scratch(world * ntab + 1, np.int64)
     args = (recv, words, world, ntab, call.tables.device_tabs, shape.header_slots, nkeys, keys, counts, seg_start)
     ctx.launch("received_keys", world + nkeys, 1, (*args, seg_elem, buffer[recv_total:]))
-    return ReceivedKeys(keys, recv_msg - ntab, counts, seg_start, seg, seg_elem, buffer, recv_total, words)
+    return ReceivedKeys(keys, recv_msg - ntab, counts, seg_start, seg_elem, buffer, recv_total, words)
 
 
 def exchange_rows(
@@ -201,7 +201,7 @@ class SeveralRanks:
         both = ctx.scratch(recv_total + int(groups.recv_elems.sum()), np.float32)
         buf = both[recv_total:]
         rows = GradientRows(groups.dedup, groups.unique_offsets, groups.recv_elems)
-        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf)
         if in_place:
             out = both[:recv_total]
             comm.alltoallv(buf, groups.recv_elems, owned.send_elems, agreement.large, out=out, skip_self=True)
