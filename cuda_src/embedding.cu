@@ -280,13 +280,15 @@ extern "C" __global__ void group_unique_counts(const i64* s, const unsigned int*
     SOKPY_FOR_KEYS(g, ngroups) {
         if (g == 0)
             for (int f = 0; f < nflags; ++f) out[f] = flags[f];
+        // before[0] is 0 (read as such: without sorted positions nothing wrote it)
         const i64 lo = sokpy_first_of_group(s, s32, n, shift, g);
-        const i64 count = before[sokpy_first_of_group(s, s32, n, shift, g + 1)] - before[lo];
+        const i64 hi = sokpy_first_of_group(s, s32, n, shift, g + 1);
+        const i64 count = hi > lo ? before[hi] - before[lo] : 0;
         out[nflags + g] = count;
         if (send) {
             const i64 owner = g / ntables, t = g % ntables;
             const i64 owner_lo = t == 0 ? lo : sokpy_first_of_group(s, s32, n, shift, owner * ntables);
-            send[owner * ntables + before[owner_lo] + t] = count;
+            send[owner * ntables + (owner_lo > 0 ? before[owner_lo] : 0) + t] = count;
         }
     }
 }
