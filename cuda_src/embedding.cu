@@ -220,7 +220,7 @@ extern "C" __global__ void unique_key_heads(const i64* s, const unsigned int* s3
                                             const unsigned char* starts_unique,
                                             const i64* before, i64 count, i64 n, const i64* keys, int pos_bits,
                                             int value_bits, int ntables, const i64* tabs, int world, i64* seg,
-                                            i64* first, i64* ukeys, i64* group) {
+                                            i64* first, i64* ukeys, i64* group, i64* send) {
     const i64 mask = ((i64)1 << pos_bits) - 1;
     const i64 value_mask = ((i64)1 << value_bits) - 1;
     // The group's fields are read when a thread's run of unique keys enters a group (unique
@@ -252,6 +252,44 @@ extern "C" __global__ void unique_key_heads(const i64* s, const unsigned int* s3
         first[u] = p;
         ukeys[u] = from_row ? sokpy_static_key(kind, row, owner, world) : keys[p];
         group[u] = g;
+        if (send) send[u + (owner + 1) * ntables] = ukeys[u];
+    }
+}
+
+// The first sorted position whose bits from `shift` on are at least g (n where none is).
+__device__ __forceinline__ i64 sokpy_first_of_group(const i64* s, const unsigned int* s32, i64 n, int shift, i64 g) {
+    i64 lo = 0, hi = n;
+    while (lo < hi) {
+        const i64 mid = (lo + hi) >> 1;
+        if ((sokpy_sorted(s, s32, mid) >> shift) < g) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// The unique keys of each group (owner * ntables + table; the sorted values' bits from `shift`
+// on): out[nflags + g] = before[end of g] - before[start of g], where before is the running
+// count unique_key_heads reads (before[k]: unique keys at sorted positions below k) and a
+// binary search finds where each group starts. out[0..nflags) takes flags[0..nflags) (the
+// verdict's words), so that one read takes the verdict and the counts. Where send is not null,
+// the counts go into the key message too: owner p's block starts at p * ntables plus the unique
+// keys of the owners before it, and its first ntables words are its counts, table after table
+// (unique_key_heads writes the keys after them).
+extern "C" __global__ void group_unique_counts(const i64* s, const unsigned int* s32, i64 n, const i64* before, int shift,
+                                               int ngroups, int ntables, const i64* flags, int nflags, i64* out,
+                                               i64* send) {
+    SOKPY_FOR_KEYS(g, ngroups) {
+        if (g == 0)
+            for (int f = 0; f < nflags; ++f) out[f] = flags[f];
+        // before[0] is 0 (read as such: without sorted positions nothing wrote it)
+        const i64 lo = sokpy_first_of_group(s, s32, n, shift, g);
+        const i64 hi = sokpy_first_of_group(s, s32, n, shift, g + 1);
+        const i64 count = hi > lo ? before[hi] - before[lo] : 0;
+        out[nflags + g] = count;
+        if (send) {
+            const i64 owner = g / ntables, t = g % ntables;
+            const i64 owner_lo = t == 0 ? lo : sokpy_first_of_group(s, s32, n, shift, owner * ntables);
+            send[owner * ntables + (owner_lo > 0 ? before[owner_lo] : 0) + t] = count;
+        }
     }
 }
 
@@ -293,6 +331,81 @@ extern "C" __global__ void gather_rows(const i64* rows, i64 n, const i64* seg_st
     }
 }
 
+// The owner's gradient entries in a lookup's backward, one per received key i (segment s =
+// peer p * ntables + table t of seg_start), laid out for the merge's sort. Key i's gradient row
+// starts at off[i] = seg_elem[s] + (i - seg_start[s]) * dim_t of grad, plus own where p is
+// this rank (me: its block is read where segment_sum wrote it, own elements on). It takes part
+// where p's flag for table t (element block[p] + t, plus own for me) is not zero and, where
+// check_rows is set (a table that may not hold a key), rows[i] >= 0. table[i] = t, row[i] =
+// rows[i] (0 where left out), keep[i] = whether it takes part, and, where packed or packed32 is
+// not null, its sort value (left out, t, row, i): i in the low pos_bits, the row in the next
+// row_bits, t above, the left-out bit on top. Work item s < nseg writes the flag head[s]; item
+// 0 also starts the count head[nseg] and the verdict head[nseg + 1] at 0; item nseg + i is
+// key i.
+extern "C" __global__ void owner_grad_entries(const float* grad, const i64* seg_start, const i64* seg_elem,
+                                              const i64* block, int nseg, int ntables, const i64* tabs, int me,
+                                              i64 own, const i64* rows, int check_rows, i64 n, int pos_bits,
+                                              int row_bits, int table_bits, i64* off, i64* table, i64* row,
+                                              unsigned char* keep, i64* packed, unsigned int* packed32, i64* head) {
+    int s = -1;
+    SOKPY_FOR_KEYS(i, nseg + n) {
+        if (i < nseg) {
+            const int p = (int)(i / ntables);
+            head[i] = grad[block[p] + (p == me ? own : 0) + i % ntables] != 0.0f;
+            if (i == 0) head[nseg] = head[nseg + 1] = 0;
+            continue;
+        }
+        const i64 j = i - nseg;
+        s = sokpy_segment_near(seg_start, nseg, j, s);
+        const int p = s / ntables, t = s % ntables;
+        const i64 base = p == me ? own : 0;
+        const int used = grad[block[p] + base + t] != 0.0f && (!check_rows || rows[j] >= 0);
+        const i64 r = used ? rows[j] : 0;
+        off[j] = seg_elem[s] + base + (j - seg_start[s]) * SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+        table[j] = t;
+        row[j] = r;
+        keep[j] = (unsigned char)used;
+        const i64 v = ((i64)!used << (table_bits + row_bits + pos_bits)) | ((i64)t << (row_bits + pos_bits)) |
+                      (r << pos_bits) | j;
+        if (packed) packed[j] = v;
+        if (packed32) packed32[j] = (unsigned int)v;
+    }
+}
+
+// The unique rows of gradient entries sorted by (left out, table, row, entry) (s or s32; the
+// entry in the low pos_bits, the left-out bit at bit top), after mark_unique_keys marked where
+// each starts (starts_unique) and the running count numbered them (before): unique row u
+// starting at sorted position k gets seg[u] = k, the table, row and key of its first entry
+// (perm[k]) and bad[u] = 0 (merge_grads' verdict starts there). The rows of the entries left
+// out sort last and are not counted: *count is the number of the others, and seg[*count] the
+// position where the left-out entries start (n: none).
+extern "C" __global__ void grad_row_heads(const i64* s, const unsigned int* s32, i64 n, int top,
+                                          const unsigned char* starts_unique, const i64* before, const i64* perm,
+                                          const i64* table, const i64* row, const i64* keys, i64* seg, i64* utable,
+                                          i64* urow, i64* ukeys, int* bad, i64* count) {
+    SOKPY_FOR_KEYS(k, n) {
+        const int out = (int)((sokpy_sorted(s, s32, k) >> top) & 1);
+        if (out) {
+            if (k == 0 || !((sokpy_sorted(s, s32, k - 1) >> top) & 1)) {  // the first entry left out
+                *count = before[k];
+                seg[before[k]] = k;
+            }
+            continue;
+        }
+        if (k == n - 1) {  // no entry left out
+            *count = before[n];
+            seg[before[n]] = n;
+        }
+        if (!starts_unique[k]) continue;
+        const i64 u = before[k], e = perm[k];
+        seg[u] = k;
+        utable[u] = table[e];
+        urow[u] = row[e];
+        ukeys[u] = keys[e];
+        bad[u] = 0;
+    }
+}
+
 // dst[dst_off[i] + d] = src[src_off[i] + d] for i < n, d < dim. A null offset array means
 // the rows are contiguous (offset i * dim).
 extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float* dst, const i64* dst_off, i64 n,
@@ -304,12 +417,61 @@ extern "C" __global__ void copy_rows(const float* src, const i64* src_off, float
     }
 }
 
-// out[perm[k]] = values[u] for k in [seg[u], seg[u+1]): gives each position the value of its
-// unique key (e.g. where that key's row landed in the exchange buffer).
-extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, const i64* values, i64 nuniq, i64* out) {
+// Where each unique key's row lands in a buffer of blocks of rows, and where each position's
+// does: unique key u of group g (owner * ntables + table t, group[u]) has its row at
+// values[u] = base[g] + u * dim_t (base: the group's first row's offset less its first unique
+// key's number times dim_t), and out[perm[k]] = values[u] + shift[owner] for k in [seg[u],
+// seg[u+1]) (shift null: none; an owner's block read from elsewhere than it arrived).
+extern "C" __global__ void expand_segments(const i64* perm, const i64* seg, const i64* group, const i64* base,
+                                           int ntables, const i64* tabs, const i64* shift, i64 nuniq, i64* values,
+                                           i64* out) {
+    i64 cur = -1, dim = 0, g_base = 0, g_shift = 0;
     SOKPY_FOR_KEYS(u, nuniq) {
-        const i64 v = values[u];
-        for (i64 k = seg[u]; k < seg[u + 1]; ++k) out[perm[k]] = v;
+        const i64 g = group[u];
+        if (g != cur) {  // unique keys come group by group
+            cur = g;
+            dim = SOKPY_TAB(tabs, g % ntables, SOKPY_TAB_DIM);
+            g_base = base[g];
+            g_shift = shift ? shift[g / ntables] : 0;
+        }
+        const i64 v = g_base + u * dim;
+        values[u] = v;
+        for (i64 k = seg[u]; k < seg[u + 1]; ++k) out[perm[k]] = v + g_shift;
+    }
+}
+
+// The key message as it arrived, laid out for the owner. Peer p's block starts at
+// recv[words[p]] (its ntables counts, then its keys table after table) and its keys are
+// numbered from words[world + p] (words[2 * world]: all nkeys). Writes keys[j] (the keys,
+// peer after peer), and for segment s = p * ntables + t: counts[s], seg_start[s] (with
+// seg_start[world * ntables] = nkeys) and seg_elem[s], where its rows start in the reply:
+// peer p's reply block starts at reply[words[2 * world + 1 + p]], with header_slots leading
+// slots (zeroed here), then its rows table after table, dim_t floats each. Work item i < world
+// lays out peer i's segments; item world + j copies key j.
+extern "C" __global__ void received_keys(const i64* recv, const i64* words, int world, int ntables, const i64* tabs,
+                                         int header_slots, i64 nkeys, i64* keys, i64* counts, i64* seg_start,
+                                         i64* seg_elem, float* reply) {
+    const i64* key_base = words + world;
+    const i64* reply_start = words + 2 * world + 1;
+    int p = -1;
+    SOKPY_FOR_KEYS(i, world + nkeys) {
+        if (i < world) {
+            i64 at = key_base[i], elem = reply_start[i] + header_slots;
+            for (int d = 0; d < header_slots; ++d) reply[reply_start[i] + d] = 0.0f;
+            for (int t = 0; t < ntables; ++t) {
+                const i64 s = i * ntables + t, c = recv[words[i] + t];
+                counts[s] = c;
+                seg_start[s] = at;
+                seg_elem[s] = elem;
+                at += c;
+                elem += c * SOKPY_TAB(tabs, t, SOKPY_TAB_DIM);
+            }
+            if (i == world - 1) seg_start[(i64)world * ntables] = key_base[world];
+            continue;
+        }
+        const i64 j = i - world;
+        p = sokpy_segment_near(key_base, world, j, p);
+        keys[j] = recv[words[p] + ntables + j - key_base[p]];
     }
 }
 

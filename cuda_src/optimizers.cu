@@ -45,15 +45,20 @@ __device__ __forceinline__ float* sokpy_grad_row(float* grad, const i64* off, co
 // offset to grad_offsets[u] and sets bad[u] = 1 when the sum is not finite (bad starts
 // zeroed). The row's table otab[u] gives its dimension. The unique rows are the first n, or,
 // when count is not null, the first *count (counted on the device; n bounds it).
+// Where any_bad is not null, *any_bad becomes 1 too where a sum is not finite.
 extern "C" __global__ void merge_grads(float* grad, const i64* off, const i64* perm, const i64* seg, const i64* otab,
-                                       const i64* tabs, i64 n, const i64* count, i64* grad_offsets, int* bad) {
+                                       const i64* tabs, i64 n, const i64* count, i64* grad_offsets, int* bad,
+                                       i64* any_bad) {
     if (count) n = *count;
     SOKPY_FOR_ROWS(u, n) {
         const int dim = (int)SOKPY_TAB(tabs, otab[u], SOKPY_TAB_DIM);
         float* g = sokpy_grad_row(grad, off, perm, seg, u, dim);
         int ok = 1;
         SOKPY_FOR_COLS(d, dim) ok &= sokpy_finite(g[d]);
-        if (!ok) bad[u] = 1;
+        if (!ok) {
+            bad[u] = 1;
+            if (any_bad) atomicMax(any_bad, (i64)1);
+        }
         if (threadIdx.x == 0) grad_offsets[u] = g - grad;
     }
 }

@@ -273,19 +273,53 @@ ONE_RANK_OPS = (6, 6, 2)
 DEVICE_OPS_CASES = ("host_ids", "device_ids", "kjt")
 
 
-def test_device_operations_per_phase_stay_within_budget_at_one_rank():
-    out = run_mpi(1, "device_ops_worker.py", "4,100", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
+def _device_ops(nranks: int) -> dict:
+    """``{(rank, case, tables): (forward, backward, step ops, then their host reads)}`` of
+    device_ops_worker.py at ``nranks`` ranks, for 4 and 100 tables."""
+    out = run_mpi(nranks, "device_ops_worker.py", "4,100", env={"SOKPY_EMULATE_DEVICE": "1"}, timeout=300)
     counts = {}
     for line in out.splitlines():
         if line.startswith("ops "):
-            _, _, case, ntab, *phases = line.split()
-            counts[case, int(ntab)] = tuple(map(int, phases))
-    assert sorted(counts) == sorted((c, n) for c in DEVICE_OPS_CASES for n in (4, 100)), out
-    for (case, ntab), got in counts.items():
+            _, rank, case, ntab, *phases = line.split()
+            counts[int(rank), case, int(ntab)] = tuple(map(int, phases))
+    want = [(r, c, n) for r in range(nranks) for c in DEVICE_OPS_CASES for n in (4, 100)]
+    assert sorted(counts) == sorted(want), out
+    return counts
+
+
+def _check_device_ops(counts: dict, budget: tuple) -> None:
+    for (rank, case, ntab), got in counts.items():
         ops, reads = got[:3], got[3:]
-        assert reads == (1, 1, 0), f"{case}, {ntab} tables: host reads {reads}"
-        assert all(g <= b for g, b in zip(ops, ONE_RANK_OPS)), f"{case}, {ntab} tables: {ops} > {ONE_RANK_OPS}"
-        assert ops[0] == counts[case, 4][0], f"{case}: the forward grows with tables: {ops} at {ntab}"
+        where = f"rank {rank}, {case}, {ntab} tables"
+        assert reads == (1, 1, 0), f"{where}: host reads {reads}"
+        assert all(g <= b for g, b in zip(ops, budget)), f"{where}: {ops} > {budget}"
+        assert ops[0] == counts[rank, case, 4][0], f"{where}: the forward grows with tables: {ops}"
+
+
+def test_device_operations_per_phase_stay_within_budget_at_one_rank():
+    _check_device_ops(_device_ops(1), ONE_RANK_OPS)
+
+
+# Device operations per phase at two and three ranks, the same at both (no per-peer loop) and
+# flat in the number of tables. The forward: the copies as at one rank, route_keys, the sort,
+# mark_unique_keys, the running count, group_unique_counts (the unique keys per (owner, table),
+# beside the verdict for its one read, and the key message's counts), unique_key_heads (which
+# writes the keys into the message), one copy of the call's small host arrays, the key
+# exchange, received_keys (the owner's layout of what arrived), find_rows, gather_rows, the row
+# exchange, expand_segments and combine_forward. The backward: the gradients' addresses (with
+# the blocks' headers), the headers' assignment, segment_sum (and a level of
+# segment_piece_sums per level a hot key's positions could reach), the gradient exchange,
+# owner_grad_entries, the sort, mark_unique_keys, the running count, grad_row_heads and
+# merge_grads. The step: the update.
+SEVERAL_RANKS_OPS = (17, 12, 2)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_device_operations_per_phase_are_flat_in_ranks(nranks):
+    counts = _device_ops(nranks)
+    _check_device_ops(counts, SEVERAL_RANKS_OPS)
+    for (rank, case, ntab), got in counts.items():  # every rank queues the same work
+        assert got == counts[0, case, ntab], f"rank {rank}, {case}, {ntab} tables: {got} != rank 0's"
 
 
 # ---- what a GPU would punish: streams, reads, events and the reuse of freed memory ---------------

@@ -258,6 +258,31 @@ def test_assign_routes_any_keys_to_their_owners(rank, world_size):
         assert np.array_equal(full_table(sokpy, var).numpy(), expected), "refused assign changed rows"
 
 
+@ranks(2, 3)
+def test_a_rank_without_keys_takes_part_in_the_lookup_and_its_training(rank, world_size):
+    """Only rank 0 has keys (two bags of two distinct keys in each of three tables); the
+    other ranks pass empty batches, yet own some of those keys: rank 0's outputs are the
+    reference's pooling of the tables, and one SGD step of lr 1 on the sum of its outputs
+    lowers every row it looked up by 1, so each bag's sum by 2."""
+    tables = [
+        sokpy.Variable(50, 4, name=f"keyless_{t}", initializer=sokpy.initializers.uniform(-1, 1), seed=3 + t)
+        for t in range(3)
+    ]
+    opt = sokpy.optim.SGD(tables, lr=1.0)
+    bags = np.array([[1, 2], [3, 4]]) if rank == 0 else np.zeros((0, 2), np.int64)
+    before = [full_table(sokpy, v).numpy() for v in tables]
+    outs = sokpy.lookup_sparse(tables, [torch.from_numpy(bags)] * 3, combiners="sum")
+    assert [tuple(o.shape) for o in outs] == [(bags.shape[0], 4)] * 3
+    for out, table in zip(outs, before):
+        np.testing.assert_array_equal(out.detach().numpy(), table[bags].sum(axis=1))
+    sum(o.sum() for o in outs).backward()
+    opt.step()
+    for v, table in zip(tables, before):
+        expected = table.copy()
+        expected[[1, 2, 3, 4]] -= 1.0
+        np.testing.assert_allclose(full_table(sokpy, v).numpy(), expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("nranks,wire", [(2, "bfloat16"), (3, "float16"), (1, "bfloat16")])
 def test_16_bit_rows_on_the_wire(nranks, wire):
     """wire_dtype rounds each row and each rank's gradient row once in flight (checked

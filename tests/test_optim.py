@@ -124,16 +124,16 @@ def test_owner_merge_of_sorted_blocks_matches_the_reference(rank, world_size, mo
     order the optimizer holds the tables in (the same, or reversed). Two runs are merged by a
     stable sort, three by the radix sort; tables large enough that each owner merges
     thousands of rows from every rank. Every way must give the reference's tables."""
-    from sokpy.exchange import grad_merge
+    from sokpy.exchange.plan import owner
 
     seen = []
-    real_sort = grad_merge.sort_by_bits
+    real_sort = owner.sort_by_bits
 
     def spy(values, lo, hi, runs=None, ascending_runs=0):
         seen.append((int(values.shape[0]), ascending_runs))
         return real_sort(values, lo, hi, runs, ascending_runs)
 
-    monkeypatch.setattr(grad_merge, "sort_by_bits", spy)
+    monkeypatch.setattr(owner, "sort_by_bits", spy)
     specs = [(30_000, 8, -1), (9_000, 4, 0)]  # spread, and all on rank 0
     hp = dict(lr=0.1, initial_accumulator_value=0.1, eps=1e-7)
     for order in ("same", "reversed"):

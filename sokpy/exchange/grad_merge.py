@@ -32,7 +32,7 @@ from ..backends import runtime
 from ..backends.arrays import Array
 from ..backends.sorting import sort_by_bits
 
-__all__ = ["Merge", "Pieces", "group_rows", "merge_rows", "nonfinite_message"]
+__all__ = ["Merge", "Pieces", "group_rows", "merge_pieces", "merge_rows", "nonfinite_message"]
 
 
 def nonfinite_message(var, key: int) -> str:
@@ -70,7 +70,8 @@ class Merge(NamedTuple):
         return self.table[:count], self.rows[:count], self.offsets[:count], self.keys[:count], error
 
 
-def _bits(n: int) -> int:
+def bits_for(n: int) -> int:
+    """The bits that number ``n`` values (at least 1)."""
     return max(1, (max(int(n), 1) - 1).bit_length())
 
 
@@ -98,10 +99,20 @@ def merge_rows(
     got no gradient, keys a table does not hold). ``runs``: the entries come as that many runs
     ascending by (table, row) (0: unknown), which picks the sort."""
     p = group_rows(table, rows, offsets, keys, ntables, capacity, valid, runs)
-    n = int(table.shape[0])
+    return merge_pieces(p, buffer, tabs, int(table.shape[0]), dim)
+
+
+def merge_pieces(
+    p: Pieces, buffer: Array, tabs: Array, n: int, dim: int, bad: Array | None = None, any_bad: Array | None = None
+) -> Merge:
+    """Sums the pieces of each unique row of ``p`` (``n`` entries) into its first, on the
+    device: one ``merge_grads`` launch. ``bad`` (int32, zero for the unique rows; None: a
+    zeroed one is made) gets 1 where a sum is not finite, and so does ``any_bad`` (int64
+    ``[1]``, optional), beside whatever else the caller reads."""
     grad_offsets = runtime.scratch(max(n, 1), np.int64)
-    bad = runtime.xp().zeros(max(n, 1), np.int32)
-    args = (buffer, offsets, p.perm, p.seg, p.table, tabs, n, p.count, grad_offsets, bad)
+    if bad is None:
+        bad = runtime.xp().zeros(max(n, 1), np.int32)
+    args = (buffer, p.offsets, p.perm, p.seg, p.table, tabs, n, p.count, grad_offsets, bad, any_bad)
     runtime.launch("merge_grads", n, dim, args)
     return Merge(p.table, p.rows, grad_offsets, p.keys, p.count, bad)
 
@@ -137,7 +148,7 @@ def group_rows(
     a running count; nothing read back): :func:`merge_rows`'s arguments of the same names."""
     xp = runtime.xp()
     n = int(table.shape[0])
-    table_bits, row_bits, pos_bits = _bits(ntables), _bits(capacity), _bits(n)
+    table_bits, row_bits, pos_bits = bits_for(ntables), bits_for(capacity), bits_for(n)
     invalid = None if valid is None else (~valid).astype(np.int64)
     if valid is not None:
         rows = xp.where(valid, rows, 0)  # a row left out may be -1 (a key the table does not hold)

@@ -13,17 +13,23 @@ Forward (``LookupPlan.forward``):
    counts per peer and the row elements it expects back from each: the one count exchange a
    lookup needs anyway (the host's one read from the device comes before it);
 3. one all-to-all of keys for all tables (each peer's message starts with its per-table
-   counts), then on the owner ``find_rows`` (placement arithmetic or hash find-or-insert)
-   and ``gather_rows`` into one buffer;
-4. one all-to-all of rows back; ``combine_forward`` pools every bag of every table.
+   counts; the deduplication's kernels write it: ``group_unique_counts`` the counts, which
+   the host reads with the verdict, ``unique_key_heads`` the keys), then on the owner
+   ``received_keys`` (the layout of what arrived, from one copy of the call's small host
+   arrays), ``find_rows`` (placement arithmetic or hash find-or-insert) and ``gather_rows``
+   into one buffer;
+4. one all-to-all of rows back; ``expand_segments`` gives each key its row's offset, and
+   ``combine_forward`` pools every bag of every table.
 
 On one rank there is nothing to exchange: ``find_rows`` runs on the keys of dynamic tables
 (a static table's key is its stored row there) and the pooling reads the tables' own rows.
 Backward is the transpose: ``segment_sum`` (one gradient row per unique key, in a fixed
 order, no float atomics; a hot key's positions as a tree of pieces, whose nodes
 ``segment_piece_sums`` sums in parallel first with the device's launch shapes), the same
-exchange in reverse, and the owners
-keep the buffer as a :class:`~sokpy.exchange.gradients.GradChunk`.
+exchange in reverse, and the owners merge what arrives (``owner_grad_entries`` lays out the
+entries and their sort values, one sort, ``grad_row_heads`` numbers the unique rows,
+``merge_grads`` sums them) and keep the buffer as a
+:class:`~sokpy.exchange.gradients.GradChunk`.
 
 Buffers exchanged between two ranks hold, per peer, a block of ``ntables`` leading slots
 (the per-table key counts in the key message; in the backward, whether each table's output

@@ -15,7 +15,6 @@ import torch
 from ...backends import kernels
 from ...backends.arrays import Array
 from ...backends.context import StageContext, resident
-from ...inputs.record import segment_starts
 from .call import Call
 from .dedup import Dedup
 from .pooling import Pooled
@@ -47,7 +46,11 @@ def _readable(grad: torch.Tensor, keep: list[torch.Tensor]) -> tuple[torch.Tenso
 
 
 def grad_pointers(
-    ctx: StageContext, call: Call, grads: Sequence[torch.Tensor | None]
+    ctx: StageContext,
+    call: Call,
+    grads: Sequence[torch.Tensor | None],
+    trains: np.ndarray | None = None,
+    header_starts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Array, list[torch.Tensor]]:
     """(used flags [T], device array of the gradients' addresses [T] then their row strides
     [T], tensors to keep alive). The array holds one word more, set to ``2**62``: the start
@@ -55,7 +58,10 @@ def grad_pointers(
     lowers (:func:`first_bad_row`), copied with the addresses. A float32 gradient whose columns are adjacent is read where
     it lies, at its own row stride (an output's slice of a concatenation's gradient, a
     broadcast row); any other is copied into a contiguous one first. (A tensor's address is
-    its ``data_ptr()`` on every backend.)"""
+    its ``data_ptr()`` on every backend.) ``trains``: the tables whose rows are trained (the
+    used flags leave out the others). ``header_starts``: where each block of the buffer of
+    gradient rows starts, whose header (:func:`sum_gradient_rows`) then travels in the same
+    copy: the header's element positions, then its values (the used flags, then zeros)."""
     xp, c = ctx.xp, kernels.constants()
     ntab = call.shape.ntables
     keep: list[torch.Tensor] = []
@@ -76,6 +82,14 @@ def grad_pointers(
                 g, strides[t] = _readable(grad, keep)
                 addresses[t] = g.data_ptr()
         words[: 2 * ntab] = addresses + strides
+    if trains is not None:
+        used &= trains  # a frozen table's rows are computed for the weights' gradients, then dropped
+    if header_starts is not None:
+        slots = call.shape.header_slots
+        values = np.zeros((header_starts.shape[0], slots), np.uint64)
+        values[:, :ntab] = used
+        at = (header_starts[:, None] + np.arange(slots)).astype(np.uint64)
+        words = np.concatenate([words, at.reshape(-1), values.reshape(-1)])
     # A bounded call's words are the same in every step of the same gradient tensors: a
     # resident copy (its first_bad_row word is then not used: the call gives segment_sum its own).
     return used, resident(words) if call.bound else xp.asarray(words), keep
@@ -85,11 +99,11 @@ def grad_pointers(
 NO_BAD_ROW = 1 << 62
 
 
-def first_bad_row(gptr):
-    """The int64 word of ``gptr`` (as :func:`grad_pointers` gives it) that ``segment_sum``
-    lowers to the number of the first unique key whose gradient row is not finite (a view:
-    no copy)."""
-    return gptr[-1:].view(np.int64)
+def first_bad_row(gptr, ntables: int):
+    """The int64 word of ``gptr`` (as :func:`grad_pointers` gives it, for ``ntables``
+    outputs) that ``segment_sum`` lowers to the number of the first unique key whose gradient
+    row is not finite (a view: no copy)."""
+    return gptr[2 * ntables : 2 * ntables + 1].view(np.int64)
 
 
 def evicted_since(call: Call) -> str | None:
@@ -111,11 +125,11 @@ def sum_gradient_rows(
     gptr: Array,
     pooled: Pooled,
     buf: Array,
-    used: np.ndarray,
     bad: Array | None = None,
     count: Array | None = None,
 ) -> None:
-    """Writes each block's header (the used flags of the outputs, then zeros) and each unique
+    """Writes each block's header (the used flags of the outputs, then zeros: one assignment
+    from the words :func:`grad_pointers` copied with the gradients' addresses) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
     no float atomics. A hot key's positions are summed as a tree of pieces
     (cuda_src/embedding.cu): on a backend that sums its nodes in parallel, ``segment_piece_sums``
@@ -127,14 +141,13 @@ def sum_gradient_rows(
     On one rank nothing reads the blocks' headers, and they are not written. ``count`` (int64
     ``[1]`` on the device, or None): the number of unique keys, where the launches are sized by
     a bound (``d.nuniq``) above it."""
-    xp, shape, dev = ctx.xp, call.shape, call.device
+    shape, dev = call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
     if world > 1:  # the owners read the headers; on one rank nothing does, and nothing writes them
-        starts = segment_starts(rows.block_elems)[:-1]
-        flags = np.zeros((world, header_slots), np.float32)
-        flags[:, :ntab] = used
-        buf[xp.asarray((starts[:, None] + np.arange(header_slots)).reshape(-1))] = xp.asarray(flags.reshape(-1))
+        h = world * header_slots  # the header's positions and values came with gptr
+        header = gptr[2 * ntab + 1 :]
+        buf[header[:h].view(np.int64)] = header[h:]
     scale = 1.0 / world if call.grad_reduction == "mean" else 1.0
     dim = shape.max_dim
     cols = kernels.vector_cols(dim)

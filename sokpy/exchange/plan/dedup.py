@@ -91,22 +91,29 @@ class Dedup:
             self.counted = True
         return self.before[self.n :]
 
-    def counts(self, ngroups: int) -> Array:
-        """The unique keys of each group (owner * T + table), a device array ``[ngroups]``.
-        Groups are contiguous in sorted order (a binary search finds where each starts)."""
-        xp = self.ctx.xp
+    def counts(self, ngroups: int, flags: Array | None = None, send: Array | None = None) -> Array:
+        """The unique keys of each group (owner * T + table), a device array ``[ngroups]``
+        after a copy of ``flags`` (int64, the verdict's words; None: nothing before the
+        counts), so that one read takes both: one ``group_unique_counts`` launch (groups are
+        contiguous in sorted order: a binary search finds where each starts). ``send``: the
+        key message, whose per-owner counts it writes too (:meth:`finish` writes the keys)."""
         self.unique_count()
-        edges = self.ctx.scratch(ngroups + 1, np.int64)
-        edges[:1], edges[ngroups:] = 0, self.n
-        shift = self.pos_bits + self.value_bits
-        edges[1:ngroups] = xp.searchsorted(self.s, xp.arange(1, ngroups, dtype=np.int64) << shift)
-        return xp.diff(self.before[edges])
+        nflags = 0 if flags is None else int(flags.shape[0])
+        out = self.ctx.scratch(nflags + ngroups, np.int64)
+        shift, ntab = self.pos_bits + self.value_bits, int(self.tabs.shape[0])
+        args = (*self._words(), self.n, self.before, shift, ngroups, ntab, flags, nflags, out, send)
+        self.ctx.launch("group_unique_counts", ngroups, 1, args)
+        return out
 
-    def finish(self, nuniq: int, collided: bool = False, starts: Array | None = None) -> None:
+    def finish(
+        self, nuniq: int, collided: bool = False, starts: Array | None = None, send: Array | None = None
+    ) -> None:
         """Lays out the ``nuniq`` unique keys (read after :meth:`counts` or
         :meth:`unique_count`), numbering each from the running count (the layout kernel walks
         all sorted positions) or, given ``starts`` (their sorted positions), one thread per
-        unique key. ``collided``: the read of the flag ``mark_unique_keys`` set."""
+        unique key. ``collided``: the read of the flag ``mark_unique_keys`` set. ``send``: the
+        key message (owner p's keys after its counts, :meth:`counts`), where the unique keys
+        are written too."""
         ctx, n = self.ctx, self.n
         if starts is None:
             self.unique_count()  # the running count (made already where the count was read)
@@ -133,7 +140,7 @@ class Dedup:
             ntab,
             self.tabs,
         )
-        ctx.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group))
+        ctx.launch("unique_key_heads", count, 1, (*args, world, self.seg, self.first, self.ukeys, self.group, send))
         if count and self.end is not n:  # a tail: the last unique key's positions end at its start
             self.seg[size:] = self.end
         self.s = self.starts_unique = self.before = None  # sort buffers: back to the pool

@@ -34,12 +34,11 @@ def find_rows(
     seg_start: Array,
     nseg: int,
     incoming: Callable[[], np.ndarray],
-    seg_of: Array | None = None,
 ) -> Array:
     """Stored rows of ``keys`` (segments of ``nseg`` per (peer, table)), growing dynamic
     tables first (``incoming()`` returns the host's counts of keys per table; it is called,
     and may read them from the device, only then) and initialising the rows an insert
-    creates. ``seg_of``, when given, gets each key's segment. A call with admission
+    creates. A call with admission
     inserts first (``_insert_admitted``), so that its find inserts nothing: a key not
     admitted gets row -1 (a zero row, no gradient)."""
     ts = call.ts
@@ -62,7 +61,7 @@ def find_rows(
     rows = ctx.scratch(n, np.int64)
     insert = int(call.insert and not ts.admitting)
     args = (keys, n, seg_start, nseg, call.ntables, call.device_tabs, call.device_ptrs, call.world, insert, rows)
-    ctx.launch("find_rows", n, 1, (*args, seg_of))
+    ctx.launch("find_rows", n, 1, (*args, None))
     if ts.dynamic and call.insert:
         finish_inserts([call.tables[i].storage for i in ts.dynamic])
     call.evictions = [call.tables[i].storage.evicted for i in ts.capped]  # rows move only when some are evicted

@@ -168,10 +168,10 @@ class LookupPlan:
                     raise ValueError(refused)
                 args = (device.keys, device.key_start, shape.ntables, world, shape.pos_bits, shape.value_bits)
                 flags = device.flags
-                # one rank sorts with a library sort where the values fit 32-bit words: half the bytes
+                # a library sort sorts the values as 32-bit words where they fit: half the bytes
                 # (a tail's keys take a group past the others: their values, in 64 bits)
                 tail = bool(self.batch.tail)
-                words32 = world == 1 and ctx.backend.library_sort and shape.sort_hi <= 32 and not tail
+                words32 = ctx.backend.library_sort and shape.sort_hi <= 32 and not tail
                 bad = None if flags is None else flags[:1]
                 packed, bad = route(tables.device_tabs, *args, bad=bad, words32=words32)
                 if tail:
@@ -234,8 +234,7 @@ class LookupPlan:
         weights that require one (None for the others)."""
         ctx, call, strategy, pooled = self.ctx, self.call, self.strategy, self.pooled
         assert ctx is not None and call is not None and strategy is not None and pooled is not None
-        used, gptr, keep = grad_pointers(ctx, call, grads)
-        used &= self.trains  # a frozen table's rows are computed for the weights' gradients, then dropped
+        used, gptr, keep = grad_pointers(ctx, call, grads, self.trains, strategy.header_starts())
         with collective.Call(
             "lookup_sparse.backward",
             self.tables,

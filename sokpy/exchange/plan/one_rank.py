@@ -98,6 +98,9 @@ class OneRank:
     def backward_volume(self) -> int:
         return 0
 
+    def header_starts(self) -> None:
+        """None: on one rank nothing reads the gradient rows' headers."""
+
     def backward(self, gptr: Array, used: np.ndarray, pooled: Pooled, agreement: Agreement) -> GradChunk:
         """Sums each unique key's gradient row and keeps them: no other rank adds to them, so
         the kernel checks them as it writes them and the optimizer step needs no merge pass.
@@ -127,11 +130,11 @@ class OneRank:
         elems = np.array([header_slots + d.nuniq * shape.max_dim], np.int64)
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
-        bad = first_bad_row(gptr)
+        bad = first_bad_row(gptr, shape.ntables)
         if count is not None:  # gptr is a resident copy, read-only: the verdict's word is the call's own
             bad = ctx.scratch(1, np.int64)
             bad[...] = NO_BAD_ROW
-        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, used, bad, count)
+        sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, bad, count)
         if count is not None:  # the update's count: 0 where the call found a fault
             bounded.judge(ctx, call, count, bad, d)
         return self._chunk(rows, buf, bad, used, count)
