@@ -70,7 +70,8 @@ class GradChunk:
     takes every row (:mod:`sokpy.exchange.fused_updates`), the owner leaves the rows unsummed:
     ``(perm, seg)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, entry i (a unique row) then
     has its pieces at ``offsets[perm[k]]``, k in ``[seg[i], seg[i + 1])``; only that optimizer
-    reads such a chunk.
+    reads such a chunk. ``applied``: one rank's backward applied that optimizer's update where
+    it summed the rows (``segment_sum``'s update); the chunk holds nothing to deliver.
 
     Its arrays belong to the stream it was made on (the backward's); a reader on another
     stream (a step, ``var.grad``) records its own on them first (:meth:`entries` does), so
@@ -94,6 +95,7 @@ class GradChunk:
         runs=0,
         tables_used=None,
         pieces=None,
+        applied=False,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
@@ -101,7 +103,7 @@ class GradChunk:
         self.buffer, self.keys, self.rows, self.group, self.offsets = buffer, keys, rows, group, offsets
         self.used, self.tables_used = used, tables_used
         self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
-        self.runs, self.pieces = runs, pieces
+        self.runs, self.pieces, self.applied = runs, pieces, applied
         self.streams = {runtime.current().stream_handle()}  # the streams its arrays are recorded on (made on)
 
     def used_here(self) -> None:

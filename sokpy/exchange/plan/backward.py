@@ -111,6 +111,7 @@ def sum_gradient_rows(
     buf: Array,
     used: np.ndarray,
     bad: Array | None = None,
+    update: tuple | None = None,
 ) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros) and each unique
     key's gradient row into ``buf``: ``segment_sum``, one row per unique key in a fixed order,
@@ -121,7 +122,9 @@ def sum_gradient_rows(
     forward (one rank on the host), segment_sum reads the bags in sorted order
     (``dedup.kbag``), else ``bag_of``. ``bad`` (int64 ``[1]``, above every unique key's number)
     is lowered to the first unique key whose row is not finite, where the strategy asks for it.
-    On one rank nothing reads the blocks' headers, and they are not written."""
+    On one rank nothing reads the blocks' headers, and they are not written. ``update``: a fused
+    optimizer's update, applied to each row as it is summed (one rank): ``(the optimizer's
+    update_in_sum, each unique key's first position, each position's stored row)``."""
     xp, shape, dev = ctx.xp, call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
@@ -142,4 +145,8 @@ def sum_gradient_rows(
         ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
     base, stride = rows.laid_out if rows.laid_out is not None else (0, 0)
     tail = (buf, rows.unique_offsets, base, stride, scale, bad)
-    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail))
+    applied: tuple = (0, None, None, None, None, None)
+    if update is not None:
+        (kind, *described), cols = update[0]
+        applied = (kind, update[1], update[2], *described)
+    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail, *applied))
