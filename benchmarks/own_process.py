@@ -19,6 +19,15 @@ every update) before it reports a time.
 
 (GLIBC_TUNABLES: sokrun's malloc setting, given to every contestant alike; leave it out for a
 plain process.) Writes a JSON report (``--out``).
+
+A contestant may come from another checkout of sokpy, to time one build against another:
+``--tree before=DIR`` names the checkout at DIR (``git worktree add DIR COMMIT``), and the
+contestant ``sokpy@before`` is that checkout's own ``sokpy`` contestant, run by its own
+``benchmarks/own_process.py`` with its ``sokpy`` first on the path (the report names each
+checkout's commit):
+
+    git worktree add /tmp/before a4a8f91
+    python benchmarks/own_process.py --tree before=/tmp/before --contestants sokpy,sokpy@before,fbgemm
 """
 
 from __future__ import annotations
@@ -126,6 +135,10 @@ def parent(args) -> int:
         f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}; {_common.machine_info()['cpu_model']}",
         flush=True,
     )
+    trees = {"": os.path.dirname(HERE), **dict(t.split("=", 1) for t in args.tree)}
+    for name in names:
+        if name.partition("@")[2] not in trees:
+            raise SystemExit(f"contestant {name!r}: no --tree {name.partition('@')[2]}=DIR")
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -133,9 +146,15 @@ def parent(args) -> int:
             got, rows = {}, {}
             for name in order:
                 out, rows_out = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.npz")
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", out]
+                kind, _, tree = name.partition("@")
+                root = os.path.abspath(trees[tree])
+                script = os.path.join(root, "benchmarks", "own_process.py")  # the checkout's own driver
+                cmd = [sys.executable, script, "--child", kind, "--out", out]
                 cmd += ["--rows-out", rows_out, f"--steps={args.steps}", *workload]
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                env = dict(
+                    os.environ, PYTHONPATH=os.pathsep.join([root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+                )
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 if res.returncode != 0:
                     print(res.stdout[-2000:] + res.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"contestant {name} failed in round {r} (exit {res.returncode})")
@@ -147,7 +166,7 @@ def parent(args) -> int:
             for name in names[1:]:
                 diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, rows[name]))
                 got[name]["max_abs_diff_to_" + names[0]] = diff
-                if diff > (1e-3 if HALF & {name, names[0]} else 1e-5):
+                if diff > (1e-3 if HALF & {name.partition("@")[0], names[0].partition("@")[0]} else 1e-5):
                     raise SystemExit(f"{name} disagrees with {names[0]} after one step: max abs diff {diff:.3g}")
             if min(g["changed_by_step"] for g in got.values()) <= 1e-4:
                 raise SystemExit("the correctness step changed no row: nothing was compared")
@@ -161,11 +180,30 @@ def parent(args) -> int:
                 ),
                 flush=True,
             )
-    report = dict(args=vars(args), machine=_common.machine_info(), rounds=rounds, summary=summarize(names, rounds))
+    commits = {tree or "(this checkout)": _commit(root) for tree, root in trees.items()}
+    report = dict(
+        args=vars(args),
+        machine=_common.machine_info(),
+        commits=commits,
+        rounds=rounds,
+        summary=summarize(names, rounds),
+    )
     _common.write_json(args.out, report)
     print_summary(report["summary"])
     print(f"wrote {args.out}")
     return 0
+
+
+def _commit(root: str) -> str:
+    """The commit the checkout at ``root`` has checked out (with "+changes" where its tracked
+    files differ from it), or "unknown"."""
+    git = ["git", "-C", root]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty.stdout.strip() else "")
 
 
 def summarize(names, rounds) -> dict:
@@ -210,6 +248,13 @@ def main(argv=None) -> int:
         "--contestants", default="sokpy,sokpy_per_table,fbgemm", help="comma-separated; the first is the reference"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds one contestant's process may take")
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another sokpy checkout, whose contestants are named CONTESTANT@NAME (repeatable)",
+    )
     p.add_argument("--out", default="bench_out/own_process.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
