@@ -20,11 +20,15 @@ every update) before it reports a time.
 (GLIBC_TUNABLES: sokrun's malloc setting, given to every contestant alike; leave it out for a
 plain process.) Writes a JSON report (``--out``).
 
+Beside each step's time, each process counts the CPU time its steps took (``cpu_ms``): on a
+machine others load, a process waits for a core for reasons outside the contestant, and the
+CPU time it then spends is the steadier figure; the report gives the ratios of both.
+
 A contestant may come from another checkout of sokpy, to time one build against another:
 ``--tree before=DIR`` names the checkout at DIR (``git worktree add DIR COMMIT``), and the
-contestant ``sokpy@before`` is that checkout's own ``sokpy`` contestant, run by its own
-``benchmarks/own_process.py`` with its ``sokpy`` first on the path (the report names each
-checkout's commit):
+contestant ``sokpy@before`` is the ``sokpy`` contestant run with that checkout's ``sokpy``
+(and its kernels) first on the path, by this driver (the report names each checkout's
+commit):
 
     git worktree add /tmp/before a4a8f91
     python benchmarks/own_process.py --tree before=/tmp/before --contestants sokpy,sokpy@before,fbgemm
@@ -47,6 +51,7 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -95,15 +100,18 @@ def child(args) -> int:
     gc.collect()
     for i in range(1, args.nbatches + 1):
         c.step(i)
-    times, phases = [], []
+    times, phases, cpu = [], [], []
     load = _common.LoadMonitor()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(args.steps):
+        start = time.process_time()
         phase = c.step(i)
+        cpu.append(time.process_time() - start)
         times.append(sum(phase))
         phases.append(phase)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     result = _common.summary(times)
+    result["cpu_ms"] = float(np.median(cpu)) * 1e3
     ph = np.median(np.array(phases), axis=0) * 1e3
     result.update(
         forward_ms=float(ph[0]),
@@ -148,8 +156,7 @@ def parent(args) -> int:
                 out, rows_out = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.npz")
                 kind, _, tree = name.partition("@")
                 root = os.path.abspath(trees[tree])
-                script = os.path.join(root, "benchmarks", "own_process.py")  # the checkout's own driver
-                cmd = [sys.executable, script, "--child", kind, "--out", out]
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--out", out]
                 cmd += ["--rows-out", rows_out, f"--steps={args.steps}", *workload]
                 env = dict(
                     os.environ, PYTHONPATH=os.pathsep.join([root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
@@ -210,32 +217,37 @@ def summarize(names, rounds) -> dict:
     """Per contestant: the median over rounds of each round's median step and phases; per pair
     of contestants: the ratio of their round medians, median and range over the rounds."""
     out: dict = {"contestants": {}, "ratios": {}}
+    keys = ("median_ms", "forward_ms", "loss_forward_ms", "backward_ms", "optimizer_ms", "cpu_ms")
     for n in names:
-        per = {
-            k: [r[n][k] for r in rounds]
-            for k in ("median_ms", "forward_ms", "loss_forward_ms", "backward_ms", "optimizer_ms")
-        }
+        per = {k: [r[n][k] for r in rounds] for k in keys}
         out["contestants"][n] = {k: float(np.median(v)) for k, v in per.items()}
         out["contestants"][n]["round_medians_ms"] = per["median_ms"]
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            q = [r[b]["median_ms"] / r[a]["median_ms"] for r in rounds]
-            out["ratios"][f"{b} / {a}"] = dict(
-                median=float(np.median(q)), min=float(min(q)), max=float(max(q)), rounds=q
-            )
+    for key, ratios in (("median_ms", "ratios"), ("cpu_ms", "cpu_ratios")):
+        out[ratios] = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                q = [r[b][key] / r[a][key] for r in rounds]
+                out[ratios][f"{b} / {a}"] = dict(
+                    median=float(np.median(q)), min=float(min(q)), max=float(max(q)), rounds=q
+                )
     return out
 
 
 def print_summary(s) -> None:
-    print(f"\n{'contestant':<16} {'step ms':>8} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7}   round medians")
+    head = f"{'contestant':<16} {'step ms':>8} {'cpu ms':>7} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7}"
+    print(f"\n{head}   round medians")
     for n, c in s["contestants"].items():
         rm = " ".join(f"{m:.2f}" for m in c["round_medians_ms"])
         print(
-            f"{n:<16} {c['median_ms']:>8.2f} {c['forward_ms']:>7.2f} {c['loss_forward_ms']:>6.2f} "
+            f"{n:<16} {c['median_ms']:>8.2f} {c['cpu_ms']:>7.2f} {c['forward_ms']:>7.2f} {c['loss_forward_ms']:>6.2f} "
             f"{c['backward_ms']:>7.2f} {c['optimizer_ms']:>7.2f}   {rm}"
         )
     for pair, q in s["ratios"].items():
-        print(f"{pair:<34} {q['median']:.3f} (rounds {q['min']:.3f} to {q['max']:.3f})")
+        c = s["cpu_ratios"][pair]
+        print(
+            f"{pair:<34} {q['median']:.3f} (rounds {q['min']:.3f} to {q['max']:.3f}); "
+            f"cpu {c['median']:.3f} ({c['min']:.3f} to {c['max']:.3f})"
+        )
 
 
 def main(argv=None) -> int:
