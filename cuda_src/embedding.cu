@@ -850,7 +850,7 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         if (row_bad) atomicMin(bad, u);
         if (update && table.g && ut.data) {
             const i64 row = rows[first[u]];
-            if (row >= 0) sokpy_update_row(update, ut, utabs, ptrs, row, dst + off);
+            if (row >= 0) sokpy_update_row<false>(update, ut, utabs, ptrs, row, dst + off);
         }
     }
 }

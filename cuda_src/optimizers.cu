@@ -76,7 +76,7 @@ __device__ __forceinline__ void sokpy_update_rows(const i64* otab, const i64* ro
         if (u + SOKPY_PREFETCH_UPDATES < n && otab[u + SOKPY_PREFETCH_UPDATES] == ut.t) {
             sokpy_prefetch_row(ut.data + rows[u + SOKPY_PREFETCH_UPDATES] * ut.width, (int)ut.width);
         }
-        sokpy_update_row(KIND, ut, tabs, ptrs, rows[u], g);
+        sokpy_update_row<true>(KIND, ut, tabs, ptrs, rows[u], g);
     }
 }
 

@@ -29,8 +29,8 @@
 #if defined(SOKPY_HOST) && !defined(SOKPY_EMULATE_BLOCKS)
 #define SOKPY_FOR_UPDATE_COLS(d, dim) SOKPY_FOR_COLS(d, dim)
 #else
-#define SOKPY_FOR_UPDATE_COLS(d, dim)                      \
-    SOKPY_FOR_CHUNKS(d##_chunk, SOKPY_VECTOR_COLS, dim)    \
+#define SOKPY_FOR_UPDATE_COLS(d, dim)                                                            \
+    SOKPY_FOR_CHUNKS(d##_chunk, SOKPY_VECTOR_COLS, dim)                                          \
     for (int d = d##_chunk; d < d##_chunk + SOKPY_VECTOR_COLS && d < (dim); ++d)
 #endif
 
@@ -62,6 +62,17 @@ __device__ __forceinline__ void sokpy_update_table_of(sokpy_update_table& ut, co
     ut.step = SOKPY_TAB(tabs, t, SOKPY_TAB_STEP);
 }
 
+// fn<DIM>(...) for the common dimensions where BY_DIM (sokpy_update_row's template argument:
+// the update kernels, whose loop is the update), fn<0>(...) for every dimension otherwise
+// (segment_sum, whose update follows the sum: a fifth of the code to compile). The same
+// arithmetic either way.
+#define SOKPY_UPDATE_WITH_DIM(fn, dim, ...)                                                      \
+    if constexpr (BY_DIM) {                                                                      \
+        SOKPY_WITH_DIM(fn, dim, __VA_ARGS__)                                                     \
+    } else {                                                                                     \
+        fn<0>(__VA_ARGS__);                                                                      \
+    }
+
 // fn<DIM>(values, args..., rc) with the values as float32, or as float16 or bfloat16 words
 // rounded to nearest or stochastically (a type each: the loops hold no run-time choice). On an
 // x86 host with F16C (sokpy_half.cuh) a float16 row of up to SOKPY_F16C_MAX_DIM values is
@@ -73,25 +84,25 @@ __device__ __forceinline__ void sokpy_update_table_of(sokpy_update_table& ut, co
     if (dim <= SOKPY_F16C_MAX_DIM) {                                                             \
         float f32_[SOKPY_F16C_MAX_DIM];                                                          \
         sokpy_f16c_widen(f32_, (const sokpy_half*)w, dim);                                       \
-        SOKPY_WITH_DIM(fn, dim, f32_, __VA_ARGS__, rc)                                           \
+        SOKPY_UPDATE_WITH_DIM(fn, dim, f32_, __VA_ARGS__, rc)                                    \
         sokpy_f16c_narrow((sokpy_f16<SR>*)w, f32_, dim, rc);                                     \
     } else {                                                                                     \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)                              \
+        SOKPY_UPDATE_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)                       \
     }
 #else
-#define SOKPY_UPDATE_F16(fn, SR, ...) SOKPY_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)
+#define SOKPY_UPDATE_F16(fn, SR, ...) SOKPY_UPDATE_WITH_DIM(fn, dim, (sokpy_f16<SR>*)w, __VA_ARGS__, rc)
 #endif
 #define SOKPY_UPDATE_CALL(fn, ...)                                                               \
     if (rc.dtype == SOKPY_DTYPE_FLOAT32) {                                                       \
-        SOKPY_WITH_DIM(fn, dim, w, __VA_ARGS__, rc)                                              \
+        SOKPY_UPDATE_WITH_DIM(fn, dim, w, __VA_ARGS__, rc)                                       \
     } else if (rc.dtype == SOKPY_DTYPE_FLOAT16 && rc.stochastic) {                               \
         SOKPY_UPDATE_F16(fn, 1, __VA_ARGS__)                                                     \
     } else if (rc.dtype == SOKPY_DTYPE_FLOAT16) {                                                \
         SOKPY_UPDATE_F16(fn, 0, __VA_ARGS__)                                                     \
     } else if (rc.stochastic) {                                                                  \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<1>*)w, __VA_ARGS__, rc)                              \
+        SOKPY_UPDATE_WITH_DIM(fn, dim, (sokpy_bf16<1>*)w, __VA_ARGS__, rc)                       \
     } else {                                                                                     \
-        SOKPY_WITH_DIM(fn, dim, (sokpy_bf16<0>*)w, __VA_ARGS__, rc)                              \
+        SOKPY_UPDATE_WITH_DIM(fn, dim, (sokpy_bf16<0>*)w, __VA_ARGS__, rc)                       \
     }
 
 // hyper: lr.   w -= lr * g
@@ -174,8 +185,9 @@ __device__ __forceinline__ void adam_row(V* __restrict__ w, float* __restrict__ 
     }
 }
 // Updates stored row `row` of table ut (read by sokpy_update_table_of) from its summed gradient
-// g (ut.dim floats), as optimizer `kind` (SOKPY_UPDATE_*) does. The row's values w, its slots
+// g (ut.dim floats), as optimizer `kind` (SOKPY_UPDATE_*) does (BY_DIM: SOKPY_UPDATE_WITH_DIM). The row's values w, its slots
 // from `slots` on; a row-wise kind updates the row on threadIdx.x == 0 only.
+template <bool BY_DIM>
 __device__ __forceinline__ void sokpy_update_row(int kind, sokpy_update_table& ut, const i64* tabs, const u64* ptrs,
                                                  i64 row, const float* __restrict__ g) {
     const int dim = ut.dim;
