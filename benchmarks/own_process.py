@@ -30,7 +30,7 @@ contestant ``sokpy@before`` is the ``sokpy`` contestant run with that checkout's
 (and its kernels) first on the path, by this driver (the report names each checkout's
 commit):
 
-    git worktree add /tmp/before a4a8f91
+    git worktree add /tmp/before COMMIT
     python benchmarks/own_process.py --tree before=/tmp/before --contestants sokpy,sokpy@before,fbgemm
 """
 
