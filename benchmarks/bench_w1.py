@@ -90,7 +90,8 @@ class SokpyContestant:
         if init_tables is not None:
             for v, w in zip(self.vars, init_tables):
                 sokpy.assign(v, torch.arange(wl.rows), w)
-        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0, fused=fused)
+        fuse = {"fused": True} if fused else {}  # (named only when asked: a build before fused=True runs too)
+        self.opt = sokpy.optim.Adagrad(self.vars, lr=LR, eps=EPS, initial_accumulator_value=0.0, **fuse)
         self.inputs = [keyed_batch(b, wl) for b in wl.batches]
         self.upstream = torch.from_numpy(np.concatenate(wl.upstream, axis=1))  # [B, T*dim], as FBGEMM's
 

@@ -19,6 +19,19 @@ every update) before it reports a time.
 
 (GLIBC_TUNABLES: sokrun's malloc setting, given to every contestant alike; leave it out for a
 plain process.) Writes a JSON report (``--out``).
+
+Beside each step's time, each process counts the CPU time its steps took (``cpu_ms``): on a
+machine others load, a process waits for a core for reasons outside the contestant, and the
+CPU time it then spends is the steadier figure; the report gives the ratios of both.
+
+A contestant may come from another checkout of sokpy, to time one build against another:
+``--tree before=DIR`` names the checkout at DIR (``git worktree add DIR COMMIT``), and the
+contestant ``sokpy@before`` is the ``sokpy`` contestant run with that checkout's ``sokpy``
+(and its kernels) first on the path, by this driver (the report names each checkout's
+commit):
+
+    git worktree add /tmp/before COMMIT
+    python benchmarks/own_process.py --tree before=/tmp/before --contestants sokpy,sokpy@before,fbgemm
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -86,15 +100,18 @@ def child(args) -> int:
     gc.collect()
     for i in range(1, args.nbatches + 1):
         c.step(i)
-    times, phases = [], []
+    times, phases, cpu = [], [], []
     load = _common.LoadMonitor()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(args.steps):
+        start = time.process_time()
         phase = c.step(i)
+        cpu.append(time.process_time() - start)
         times.append(sum(phase))
         phases.append(phase)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     result = _common.summary(times)
+    result["cpu_ms"] = float(np.median(cpu)) * 1e3
     ph = np.median(np.array(phases), axis=0) * 1e3
     result.update(
         forward_ms=float(ph[0]),
@@ -126,6 +143,10 @@ def parent(args) -> int:
         f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}; {_common.machine_info()['cpu_model']}",
         flush=True,
     )
+    trees = {"": os.path.dirname(HERE), **dict(t.split("=", 1) for t in args.tree)}
+    for name in names:
+        if name.partition("@")[2] not in trees:
+            raise SystemExit(f"contestant {name!r}: no --tree {name.partition('@')[2]}=DIR")
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -133,9 +154,14 @@ def parent(args) -> int:
             got, rows = {}, {}
             for name in order:
                 out, rows_out = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.npz")
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", out]
+                kind, _, tree = name.partition("@")
+                root = os.path.abspath(trees[tree])
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--out", out]
                 cmd += ["--rows-out", rows_out, f"--steps={args.steps}", *workload]
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                env = dict(
+                    os.environ, PYTHONPATH=os.pathsep.join([root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+                )
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 if res.returncode != 0:
                     print(res.stdout[-2000:] + res.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"contestant {name} failed in round {r} (exit {res.returncode})")
@@ -147,7 +173,7 @@ def parent(args) -> int:
             for name in names[1:]:
                 diff = max(float(np.abs(a - b).max()) for a, b in zip(ref, rows[name]))
                 got[name]["max_abs_diff_to_" + names[0]] = diff
-                if diff > (1e-3 if HALF & {name, names[0]} else 1e-5):
+                if diff > (1e-3 if HALF & {name.partition("@")[0], names[0].partition("@")[0]} else 1e-5):
                     raise SystemExit(f"{name} disagrees with {names[0]} after one step: max abs diff {diff:.3g}")
             if min(g["changed_by_step"] for g in got.values()) <= 1e-4:
                 raise SystemExit("the correctness step changed no row: nothing was compared")
@@ -161,43 +187,67 @@ def parent(args) -> int:
                 ),
                 flush=True,
             )
-    report = dict(args=vars(args), machine=_common.machine_info(), rounds=rounds, summary=summarize(names, rounds))
+    commits = {tree or "(this checkout)": _commit(root) for tree, root in trees.items()}
+    report = dict(
+        args=vars(args),
+        machine=_common.machine_info(),
+        commits=commits,
+        rounds=rounds,
+        summary=summarize(names, rounds),
+    )
     _common.write_json(args.out, report)
     print_summary(report["summary"])
     print(f"wrote {args.out}")
     return 0
 
 
+def _commit(root: str) -> str:
+    """The commit the checkout at ``root`` has checked out (with "+changes" where its tracked
+    files differ from it), or "unknown"."""
+    git = ["git", "-C", root]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty.stdout.strip() else "")
+
+
 def summarize(names, rounds) -> dict:
     """Per contestant: the median over rounds of each round's median step and phases; per pair
     of contestants: the ratio of their round medians, median and range over the rounds."""
     out: dict = {"contestants": {}, "ratios": {}}
+    keys = ("median_ms", "forward_ms", "loss_forward_ms", "backward_ms", "optimizer_ms", "cpu_ms")
     for n in names:
-        per = {
-            k: [r[n][k] for r in rounds]
-            for k in ("median_ms", "forward_ms", "loss_forward_ms", "backward_ms", "optimizer_ms")
-        }
+        per = {k: [r[n][k] for r in rounds] for k in keys}
         out["contestants"][n] = {k: float(np.median(v)) for k, v in per.items()}
         out["contestants"][n]["round_medians_ms"] = per["median_ms"]
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            q = [r[b]["median_ms"] / r[a]["median_ms"] for r in rounds]
-            out["ratios"][f"{b} / {a}"] = dict(
-                median=float(np.median(q)), min=float(min(q)), max=float(max(q)), rounds=q
-            )
+    for key, ratios in (("median_ms", "ratios"), ("cpu_ms", "cpu_ratios")):
+        out[ratios] = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                q = [r[b][key] / r[a][key] for r in rounds]
+                out[ratios][f"{b} / {a}"] = dict(
+                    median=float(np.median(q)), min=float(min(q)), max=float(max(q)), rounds=q
+                )
     return out
 
 
 def print_summary(s) -> None:
-    print(f"\n{'contestant':<16} {'step ms':>8} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7}   round medians")
+    head = f"{'contestant':<16} {'step ms':>8} {'cpu ms':>7} {'fwd':>7} {'loss':>6} {'bwd':>7} {'opt':>7}"
+    print(f"\n{head}   round medians")
     for n, c in s["contestants"].items():
         rm = " ".join(f"{m:.2f}" for m in c["round_medians_ms"])
         print(
-            f"{n:<16} {c['median_ms']:>8.2f} {c['forward_ms']:>7.2f} {c['loss_forward_ms']:>6.2f} "
+            f"{n:<16} {c['median_ms']:>8.2f} {c['cpu_ms']:>7.2f} {c['forward_ms']:>7.2f} {c['loss_forward_ms']:>6.2f} "
             f"{c['backward_ms']:>7.2f} {c['optimizer_ms']:>7.2f}   {rm}"
         )
     for pair, q in s["ratios"].items():
-        print(f"{pair:<34} {q['median']:.3f} (rounds {q['min']:.3f} to {q['max']:.3f})")
+        c = s["cpu_ratios"][pair]
+        print(
+            f"{pair:<34} {q['median']:.3f} (rounds {q['min']:.3f} to {q['max']:.3f}); "
+            f"cpu {c['median']:.3f} ({c['min']:.3f} to {c['max']:.3f})"
+        )
 
 
 def main(argv=None) -> int:
@@ -210,6 +260,13 @@ def main(argv=None) -> int:
         "--contestants", default="sokpy,sokpy_per_table,fbgemm", help="comma-separated; the first is the reference"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds one contestant's process may take")
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="another sokpy checkout, whose contestants are named CONTESTANT@NAME (repeatable)",
+    )
     p.add_argument("--out", default="bench_out/own_process.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)

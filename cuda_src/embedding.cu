@@ -3,6 +3,7 @@
 // (sokpy_tables.cuh). Flat kernels: rows over the grid, the dimension over threadIdx.x.
 #include "sokpy_math.cuh"
 #include "sokpy_tables.cuh"
+#include "sokpy_updates.cuh"
 
 // ---- initial values ----------------------------------------------------------------------
 #define SOKPY_INIT_CONSTANT 0
@@ -963,21 +964,40 @@ __device__ __forceinline__ void sokpy_key_row(float* __restrict__ o, const sokpy
 // dst_off[u], or, when off_stride > 0, at off_base + u * off_stride, which is then written to
 // dst_off[u] (rows of one dimension one after another: no pass of their own lays them out).
 // Launched with kernels.vector_cols(dim) columns, as combine_forward.
+//
+// With update (a SOKPY_UPDATE_*, 0: none), the thread that wrote a row then applies a fused
+// optimizer's update to the table's stored row rows[first[u]] from it (sokpy_updates.cuh), over
+// the columns it summed itself: the update is applied where the gradient is summed, one pass
+// over the rows (one rank, where each unique key's row is its whole gradient). utabs, ptrs and
+// hyper describe the update (an optimizer step's descriptor, addresses and hyper-parameters,
+// per table of the call); a table whose data address is 0 (frozen, or no gradient this call),
+// a table whose output got no gradient and a row < 0 (a key without a row) take no update. A
+// row-wise update is launched with 1 column.
 extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const i64* kbag, const i64* bag_start,
                                        const float* den, const float* weights, const i64* perm, const i64* seg,
                                        const i64* group, int ntables, const i64* tabs, i64 nuniq, const i64* count,
                                        float* pieces, i64 piece_stride, int parallel, float* dst, i64* dst_off,
-                                       i64 off_base, i64 off_stride, float scale, i64* bad) {
+                                       i64 off_base, i64 off_stride, float scale, i64* bad, int update,
+                                       const i64* first, const i64* rows, const i64* utabs, const u64* ptrs,
+                                       const float* hyper) {
     if (count) nuniq = *count;
     const sokpy_positions ps = {bag_of, kbag, den, perm, seg[nuniq], pieces, piece_stride};
     // The table's fields are read when the group changes (unique keys come group by group),
     // not once per key.
     i64 cur = -1;
     sokpy_grad_table table;
+    sokpy_update_table ut;
+    ut.t = -1;
     SOKPY_FOR_ROWS(u, nuniq) {
         if (group[u] != cur) {
             cur = group[u];
             table = sokpy_grad_table_of(grad, bag_start, weights, tabs, ntables, (int)(cur % ntables));
+            if (update) sokpy_update_table_of(ut, utabs, ptrs, hyper, cur % ntables);
+        }
+        const i64 ahead = u + SOKPY_PREFETCH_UPDATES;
+        if (update && ut.data && ahead < nuniq && group[ahead] == cur) {
+            const i64 row = rows[first[ahead]];
+            if (row >= 0) sokpy_prefetch_row(ut.data + row * ut.width, (int)ut.width);
         }
         i64 off;
         if (off_stride > 0) {
@@ -990,6 +1010,10 @@ extern "C" __global__ void segment_sum(const u64* grad, const i64* bag_of, const
         SOKPY_WITH_DIM(sokpy_key_row, table.dim, dst + off, table, ps, seg[u], seg[u + 1], parallel, scale,
                        bad ? &row_bad : 0)
         if (row_bad) atomicMin(bad, u);
+        if (update && table.g && ut.data) {
+            const i64 row = rows[first[u]];
+            if (row >= 0) sokpy_update_row<false>(update, ut, utabs, ptrs, row, dst + off);
+        }
     }
 }
 

@@ -127,20 +127,6 @@ __device__ __forceinline__ void sokpy_chunk_store(float* __restrict__ o, const f
     }
 }
 
-// o = 0 + w * r (first) or o += w * r (merge_grads).
-template <int DIM>
-__device__ __forceinline__ void sokpy_row_axpy_n(float* __restrict__ o, const float* __restrict__ r, float w, int dim,
-                                                 bool first) {
-    if (first) {
-        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] = 0.0f + w * r[d];
-    } else {
-        SOKPY_FOR_COLS(d, SOKPY_DIM(DIM, dim)) o[d] += w * r[d];
-    }
-}
-__device__ __forceinline__ void sokpy_row_axpy(float* o, const float* r, float w, int dim, bool first) {
-    SOKPY_WITH_DIM(sokpy_row_axpy_n, dim, o, r, w, dim, first)
-}
-
 // o = r: a row gathered for the exchange.
 template <int DIM>
 __device__ __forceinline__ void sokpy_row_copy_n(float* __restrict__ o, const float* __restrict__ r, int dim) {

@@ -163,18 +163,37 @@ def test_per_table_against_keyed_script_runs(tmp_path):
 
 def test_each_contestant_in_its_own_process(tmp_path):
     """benchmarks/own_process.py on tiny tables: one process per contestant and round, the
-    contestants' rows agree after the correctness step, and every pair has its ratio."""
+    contestants' rows agree after the correctness step, and every pair has its ratio; a
+    contestant of another checkout (``--tree``, here this one again) runs with that checkout's
+    sokpy, the report names each checkout's commit, and every pair has its CPU-time ratio too."""
     out = tmp_path / "own.json"
     script = str(ROOT / "benchmarks" / "own_process.py")
-    args = ["--tables", "3", "--rows", "300", "--batch", "16", "--steps", "3", "--rounds", "1"]
-    run([script, *args, "--contestants", "sokpy,sokpy_per_table,torch", "--out", str(out)], tmp_path)
+    args = [
+        "--tables",
+        "3",
+        "--rows",
+        "300",
+        "--batch",
+        "16",
+        "--steps",
+        "3",
+        "--rounds",
+        "1",
+        "--tree",
+        f"again={ROOT}",
+    ]
+    run([script, *args, "--contestants", "sokpy,sokpy_per_table,torch,sokpy@again", "--out", str(out)], tmp_path)
     r = json.loads(out.read_text())
     (got,) = r["rounds"]
-    assert set(got) == {"sokpy", "sokpy_per_table", "torch"}
+    assert set(got) == {"sokpy", "sokpy_per_table", "torch", "sokpy@again"}
     assert all(got[n]["max_abs_diff_to_sokpy"] <= 1e-5 for n in ("sokpy_per_table", "torch")), got
+    assert got["sokpy@again"]["max_abs_diff_to_sokpy"] == 0.0, got  # the same build: the same bits
     assert all(g["changed_by_step"] > 1e-4 and g["n"] == 3 for g in got.values()), got
     assert all(g["page_faults_per_step"] >= 0 for g in got.values()), got
-    assert set(r["summary"]["ratios"]) == {"sokpy_per_table / sokpy", "torch / sokpy", "torch / sokpy_per_table"}
+    assert {"torch / sokpy", "sokpy@again / sokpy", "sokpy@again / torch"} <= set(r["summary"]["ratios"])
+    assert set(r["summary"]["cpu_ratios"]) == set(r["summary"]["ratios"])
+    assert all(g["cpu_ms"] > 0 for g in got.values()), got
+    assert set(r["commits"]) == {"(this checkout)", "again"} and len(set(r["commits"].values())) == 1, r["commits"]
 
 
 def test_scaling_benchmark_times_each_kernel(tmp_path):

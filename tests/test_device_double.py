@@ -268,9 +268,12 @@ def test_a_train_pipeline_parses_once_and_keeps_the_read_budget(nranks):
 # key is hot enough, a level of segment_piece_sums; the step: the update (the descriptors and
 # hyper-parameters stay on the device). Ids on the device: the joined keys instead of the keys'
 # copy; a KeyedJaggedTensor: one fill of the status buffer and the check of its offsets
-# (keyed_offsets_faults) instead of both copies.
+# (keyed_offsets_faults) instead of both copies. Adagrad fused into the backward: segment_sum
+# updates each row as it sums it, so the backward counts what the unfused one does, reads
+# nothing, and the step is empty.
 ONE_RANK_OPS = (6, 6, 2)
 DEVICE_OPS_CASES = ("host_ids", "device_ids", "kjt")
+FUSED_CASES = tuple(f"{c}_fused" for c in DEVICE_OPS_CASES)
 
 
 def _device_ops(nranks: int) -> dict:
@@ -282,22 +285,31 @@ def _device_ops(nranks: int) -> dict:
         if line.startswith("ops "):
             _, rank, case, ntab, *phases = line.split()
             counts[int(rank), case, int(ntab)] = tuple(map(int, phases))
-    want = [(r, c, n) for r in range(nranks) for c in DEVICE_OPS_CASES for n in (4, 100)]
+    cases = DEVICE_OPS_CASES + FUSED_CASES
+    want = [(r, c, n) for r in range(nranks) for c in cases for n in (4, 100)]
     assert sorted(counts) == sorted(want), out
     return counts
 
 
-def _check_device_ops(counts: dict, budget: tuple) -> None:
+def _check_device_ops(counts: dict, budget: tuple, fused_reads: tuple) -> None:
     for (rank, case, ntab), got in counts.items():
         ops, reads = got[:3], got[3:]
         where = f"rank {rank}, {case}, {ntab} tables"
-        assert reads == (1, 1, 0), f"{where}: host reads {reads}"
+        fused = case.endswith("_fused")
+        assert reads == (fused_reads if fused else (1, 1, 0)), f"{where}: host reads {reads}"
         assert all(g <= b for g, b in zip(ops, budget)), f"{where}: {ops} > {budget}"
         assert ops[0] == counts[rank, case, 4][0], f"{where}: the forward grows with tables: {ops}"
+        if fused:  # the update inside the backward: no step
+            assert ops[2] == 0, f"{where}: {ops}"
 
 
 def test_device_operations_per_phase_stay_within_budget_at_one_rank():
-    _check_device_ops(_device_ops(1), ONE_RANK_OPS)
+    counts = _device_ops(1)
+    _check_device_ops(counts, ONE_RANK_OPS, fused_reads=(1, 0, 0))
+    for (rank, case, ntab), got in counts.items():
+        if case.endswith("_fused"):  # the update in the gradient sum: no launch of its own
+            unfused = counts[rank, case.removesuffix("_fused"), ntab]
+            assert got[:3] == (unfused[0], unfused[1], 0), f"{case}, {ntab} tables: {got[:3]}, unfused {unfused[:3]}"
 
 
 # Device operations per phase at two and three ranks, the same at both (no per-peer loop) and
@@ -317,7 +329,7 @@ SEVERAL_RANKS_OPS = (17, 12, 2)
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_device_operations_per_phase_are_flat_in_ranks(nranks):
     counts = _device_ops(nranks)
-    _check_device_ops(counts, SEVERAL_RANKS_OPS)
+    _check_device_ops(counts, SEVERAL_RANKS_OPS, fused_reads=(1, 1, 0))
     for (rank, case, ntab), got in counts.items():  # every rank queues the same work
         assert got == counts[0, case, ntab], f"rank {rank}, {case}, {ntab} tables: {got} != rank 0's"
 

@@ -444,6 +444,7 @@ def _segment_rows(case, dim, shapes, parallel, sorted_bags=True):
     grid, block = kernels.launch_shape(nuniq, cols, shapes)
     offsets = np.arange(0, nuniq * dim, dim)
     args = [*common, pieces, dim, int(parallel), dst, offsets, 0, 0, 1.0, np.full(1, nuniq, np.int64)]
+    args += [0, None, None, None, None, None]  # no update
     kernels.get("segment_sum", backend)(grid, block, args)
     return dst.reshape(nuniq, dim)
 

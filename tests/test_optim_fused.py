@@ -90,19 +90,65 @@ CASES = [(k, "float32", False) for k in KINDS] + [(k, "float32", True) for k in 
 CASES += [(k, d, dyn) for k in ("adagrad", "adam") for d in ("float16", "bfloat16") for dyn in (False, True)]
 
 
+def _passes(monkeypatch) -> list:
+    """Records each update pass a fused optimizer makes apart from the gradient sum (its update
+    kernel's launch); one rank's fused backward makes none: segment_sum applies the update."""
+    from sokpy.optim.base import SparseOptimizer
+
+    passes = []
+    launch = SparseOptimizer._launch
+    monkeypatch.setattr(SparseOptimizer, "_launch", lambda opt, *a: passes.append(opt.fused) or launch(opt, *a))
+    return passes
+
+
 @pytest.mark.parametrize(("kind", "dtype", "dynamic"), CASES)
-def test_fused_gives_the_bits_of_backward_then_step(sokpy_host, kind, dtype, dynamic):
+def test_fused_gives_the_bits_of_backward_then_step(sokpy_host, monkeypatch, kind, dtype, dynamic):
+    passes = _passes(monkeypatch)
     unfused = train(kind, dtype, dynamic, fused=False)
     fused = train(kind, dtype, dynamic, fused=True)
+    assert passes == [False] * 3  # the unfused steps' launches; the fused backward made no pass of its own
     assert fused[-2:] == unfused[-2:] == [3, 3]
     assert fused == unfused, f"{kind} {dtype} dynamic={dynamic}: the fused rows differ"
 
 
 @pytest.mark.parametrize("kind", ["adagrad", "rowwise", "ftrl"])
-def test_a_table_read_twice_in_one_call(sokpy_host, kind):
+def test_a_table_read_twice_in_one_call(sokpy_host, monkeypatch, kind):
     """A table under two features of one call: its rows are grouped on the device before the
-    fused update, as the step merges them."""
+    fused update, as the step merges them (a second pass: each feature's rows are summed apart)."""
+    passes = _passes(monkeypatch)
     assert train(kind, "float32", False, fused=True, twice=True) == train(kind, "float32", False, False, twice=True)
+    assert passes == [True] * 3 + [False] * 3
+
+
+def test_weights_that_want_a_gradient_read_the_rows_before_the_update(sokpy_host, monkeypatch):
+    """A call whose keys' weights want a gradient reads the rows as the forward found them
+    after the gradient sum: the fused update then comes after it, a pass of its own, with the
+    bits of backward + step (rows and the weights' gradients alike)."""
+    passes = _passes(monkeypatch)
+    results = []
+    for fused in (False, True):
+        a, b = _tables("float32", False)
+        opt = sokpy.optim.Adagrad([a, b], lr=0.2, fused=fused)
+        rng = np.random.default_rng(5)
+        grads = []
+        for _ in range(2):
+            ragged, weights = [], []
+            for bags in _ids(rng, 0, False):
+                offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(bag) for bag in bags])]))
+                ragged.append(sokpy.Ragged(torch.tensor([k for bag in bags for k in bag], dtype=torch.int64), offsets))
+                weights.append(torch.tensor(rng.uniform(0.5, 2.0, int(offsets[-1])), dtype=torch.float32))
+                weights[-1].requires_grad_()
+            outs = sokpy.lookup_sparse([a, b], ragged, sp_weights=weights, combiners=["sum", "mean"])
+            sum(o.pow(2).sum() for o in outs).backward()
+            opt.step()
+            opt.zero_grad()
+            grads.append([w.grad for w in weights])
+        results.append(([_rows(opt, 0), _rows(opt, 1)], grads))
+        del a, b, opt, outs
+        gc.collect()
+    assert passes == [False, False, True, True]
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(x, y) for g0, g1 in zip(results[0][1], results[1][1]) for x, y in zip(g0, g1))
 
 
 @ranks(2)
@@ -186,10 +232,15 @@ def _step_reads(fused: bool) -> tuple:
 @ranks(1, 2, env={"SOKPY_EMULATE_DEVICE": "1"})
 def test_fused_step_reads_no_more_than_backward_then_step(rank, world_size):
     """Host reads of a training step on the device double: fused, the backward and the step
-    together read no more than unfused (the update reads nothing; its step reads nothing)."""
+    together read no more than unfused (the update reads nothing; its step reads nothing). On
+    one rank the backward reads nothing either: without a finite check, nothing is read back."""
     forward, backward, step = _step_reads(fused=True)
     unfused = _step_reads(fused=False)
-    assert step == 0 and (forward, backward) == unfused[:2] and unfused[2] == 0, ((forward, backward, step), unfused)
+    want = 0 if world_size == 1 else unfused[1]
+    assert step == 0 and (forward, backward) == (unfused[0], want) and unfused[2] == 0, (
+        (forward, backward, step),
+        unfused,
+    )
 
 
 def test_refused_by_name_before_any_change(sokpy_host):

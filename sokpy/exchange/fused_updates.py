@@ -4,9 +4,11 @@ updated there and then, by that optimizer, and holds no gradient; every other ta
 chunk for its optimizer's ``step()`` (``table.grad_refs``).
 
 Where one fused optimizer trains every table of a call that gets a gradient
-(:func:`fused_taker`), the owner of the rows on several ranks leaves each row's gradient
-pieces unsummed, and the optimizer's update kernel sums them in the pass that updates the
-row (``cuda_src/optimizers.cu``). What needs the gradient held (``table.grad``, clipping)
+(:func:`fused_taker`), the update is applied where each row's gradient is summed, one pass
+over the rows: on one rank the backward's ``segment_sum`` updates each row it sums (the chunk
+comes ``applied``: nothing is left to deliver); on several ranks the owner of the rows leaves
+each row's gradient pieces unsummed, and the optimizer's update kernel sums them in the pass
+that updates the row (``cuda_src/optimizers.cu``). What needs the gradient held (``table.grad``, clipping)
 is refused by name under it (:func:`refuse_fused`).
 
 This layer does not import the optimizers: a fused optimizer is a table's ``optimizer``
@@ -54,7 +56,10 @@ def fused_taker(tables: list) -> Any | None:
 def deliver(tables: list, chunk: GradChunk) -> None:
     """The backward's ``chunk`` to its ``tables``: each fused optimizer among their
     optimizers updates its tables' rows from it, once; every other table keeps it. A chunk of
-    unsummed pieces (``chunk.pieces``) is only ever made for one fused optimizer's tables."""
+    unsummed pieces (``chunk.pieces``) is only ever made for one fused optimizer's tables, and
+    an ``applied`` chunk's update is done already."""
+    if chunk.applied:
+        return
     takers: dict[int, Any] = {}
     for t in tables:
         if is_fused(t):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..backends import runtime
+from ..backends import kernels, runtime
 from ..backends.arrays import Array
 from ..backends.sorting import sort_by_bits
 
@@ -113,7 +113,7 @@ def merge_pieces(
     if bad is None:
         bad = runtime.xp().zeros(max(n, 1), np.int32)
     args = (buffer, p.offsets, p.perm, p.seg, p.table, tabs, n, p.count, grad_offsets, bad, any_bad)
-    runtime.launch("merge_grads", n, dim, args)
+    runtime.launch("merge_grads", n, kernels.vector_cols(dim), args)
     return Merge(p.table, p.rows, grad_offsets, p.keys, p.count, bad)
 
 

@@ -73,6 +73,8 @@ class GradChunk:
     reads such a chunk. ``count``: where the entries are sized by a bound (a lookup's
     ``max_ids``), a device array ``[1]`` holding how many of them are entries (the rest are
     not), which the update kernels read; None: every one is.
+    ``applied``: one rank's backward applied that optimizer's update where it summed the rows
+    (``segment_sum``'s update); the chunk holds nothing to deliver.
 
     Its arrays belong to the stream it was made on (the backward's); a reader on another
     stream (a step, ``var.grad``) records its own on them first (:meth:`entries` does), so
@@ -97,6 +99,7 @@ class GradChunk:
         tables_used=None,
         pieces=None,
         count=None,
+        applied=False,
     ):
         self.tables = tables  # a list nobody changes afterwards (a call's, an optimizer's)
         self.ntables = len(self.tables)
@@ -106,6 +109,7 @@ class GradChunk:
         self.merged, self.error, self.by_table, self.rows_found = merged, error, by_table, rows_found
         self.runs, self.pieces = runs, pieces
         self.count = count  # int64 [1] on the device: the entries are its first (a bounded call's); None: all
+        self.applied = applied
         self.streams = {runtime.current().stream_handle()}  # the streams its arrays are recorded on (made on)
 
     def used_here(self) -> None:

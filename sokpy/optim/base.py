@@ -254,15 +254,33 @@ class SparseOptimizer(torch.optim.Optimizer):
         offsets)`` of n unique rows, each row's gradient summed; or, with ``pieces``
         (``(perm, seg, count)`` of :class:`~sokpy.exchange.grad_merge.Pieces`, count on the
         device or None), unsummed pieces that the kernel sums as it updates."""
+        perm, seg, count = pieces or (None, None, None)
+        args = (*rows, perm, seg, count, n, *self._described(ts, steps, hyper))
+        runtime.launch(self.kernel, n, self._update_cols(ts), args)
+
+    def _described(self, ts: TableSet, steps: np.ndarray, hyper: np.ndarray, ptrs: np.ndarray | None = None) -> tuple:
+        """``(tabs, ptrs, hyper)`` of an update of the tables ``ts`` describes, as backend arrays
+        (kept on the device while their content is the same): the descriptor with each half
+        table's step count (stochastic rounding's), the addresses (``ptrs``, else the set's)
+        and ``hyper``."""
         c = kernels.constants()
         tabs = ts.tabs
         if tabs[:, c["SOKPY_TAB_DTYPE"]].any():  # half tables: stochastic rounding's step (the new count)
             tabs = tabs.copy()
             tabs[:, c["SOKPY_TAB_STEP"]] = steps
-        cols = 1 if self.row_kernel else ts.max_dim
-        perm, seg, count = pieces or (None, None, None)
-        args = (*rows, perm, seg, count, n, resident(tabs), resident(ts.ptrs), resident(hyper))
-        runtime.launch(self.kernel, n, cols, args)
+        return resident(tabs), resident(ts.ptrs if ptrs is None else ptrs), resident(hyper)
+
+    def _update_cols(self, ts: TableSet) -> int:
+        """The columns an update of the tables ``ts`` describes is launched with: one thread per
+        chunk of a row (``SOKPY_FOR_UPDATE_COLS``), or one for a row-wise kernel."""
+        return 1 if self.row_kernel else kernels.vector_cols(ts.max_dim)
+
+    def update_in_sum(self, ts: TableSet, used: np.ndarray) -> tuple:
+        """The arguments of a fused optimizer's update inside one rank's gradient sum
+        (``segment_sum``'s update, kind first) for the call's tables ``ts``, ``used`` (bool, per
+        table of the call) marking those whose rows get it, and the columns to launch it with;
+        counts the step (called by the lookup's backward: :mod:`sokpy.optim.in_backward`)."""
+        return in_backward.update_in_sum(self, ts, used)
 
     hyper_counts_steps = False  # hyper() depends on the step count: new on the host each step
 

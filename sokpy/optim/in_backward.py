@@ -3,14 +3,17 @@ takes the backward's gradient chunk (:func:`sokpy.exchange.fused_updates.deliver
 over) and updates the optimizer's tables' rows from it in one launch of the optimizer's
 update kernel, which sums each row's gradient pieces in the pass that updates the row.
 
-The rows come as the backward left them: summed per row (one rank, where the segment sum
-wrote each unique key's row; several ranks, where the call held tables of other optimizers
-and the owner merged them), as unsummed pieces the owner grouped for this optimizer
+On one rank, where the optimizer trains every table of the call that gets a gradient, the
+update is not a pass of its own: the backward's ``segment_sum`` updates each row as it sums
+the row's gradient (:func:`update_in_sum` gives it the update's arguments). Otherwise the rows
+come as the backward left them: summed per row (one rank, where a table was passed twice, or
+the call also reads weights' gradients; several ranks, where the call held tables of other
+optimizers and the owner merged them), as unsummed pieces the owner grouped for this optimizer
 (``chunk.pieces``), or, where a table was passed twice or hashed keys shared a sort value,
 grouped here on the device (:func:`~sokpy.exchange.grad_merge.group_rows`, nothing read).
 Each case gives the bits of the unfused ``backward(); step()``: the pieces are added in the
-order the merge adds them, and the update is the same kernel. Nothing is read from the
-device: the backward's one read already counted the rows and the tables that got a gradient.
+order the merge adds them, and the update is the same code (``cuda_src/sokpy_updates.cuh``).
+Nothing is read from the device for it.
 
 Example::
 
@@ -28,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import runtime
+from ..backends import kernels, runtime
 from ..exchange.grad_merge import group_rows
 from ..exchange.gradients import GradChunk, collect_entries
 from ..exchange.table_sets import table_set
 
-__all__ = ["update", "refuse_capture"]
+__all__ = ["update", "update_in_sum", "refuse_capture"]
 
 
 def refuse_capture(opt: Any) -> None:
@@ -62,16 +65,10 @@ def update(opt: Any, chunk: GradChunk) -> None:
     layout = opt._layout()
     tables = layout.tables
     if chunk.pieces is not None:  # grouped by the owner for this optimizer, by the call's tables
-        at = np.searchsorted(layout.sorted_uids, chunk.uids)
-        index_of = layout.uid_order[np.minimum(at, max(len(tables) - 1, 0))]
-        mine = layout.sorted_uids[np.minimum(at, len(tables) - 1)] == chunk.uids
-        used = np.zeros(len(tables), bool)
-        used[index_of[mine & chunk.table_used()]] = True
-        steps, hyper = opt._advance(layout, used)
-        index_of = np.where(mine, index_of, 0)  # another table's rows are never among the pieces
+        steps, hyper = _advance_call(opt, chunk.uids, chunk.table_used())
         rows = (chunk.group, chunk.rows, chunk.buffer, chunk.offsets)
         n = int(chunk.group.shape[0])
-        opt._launch(table_set(chunk.tables), steps[index_of], hyper[index_of], rows, n, (*chunk.pieces, None))
+        opt._launch(table_set(chunk.tables), steps, hyper, rows, n, (*chunk.pieces, None))
         return
     used = np.zeros(len(tables), bool)
     entries = collect_entries(tables, layout.uid_order, layout.sorted_uids, used, refs=[(chunk,)] * len(tables))
@@ -86,3 +83,36 @@ def update(opt: Any, chunk: GradChunk) -> None:
         return
     p = group_rows(e.table_index, e.rows, e.grad_offsets, e.keys, len(tables), ts.capacity, runs=e.runs)
     opt._launch(ts, steps, hyper, (p.table, p.rows, e.buffer, p.offsets), n, (p.perm, p.seg, p.count))
+
+
+def update_in_sum(opt: Any, ts: Any, used: np.ndarray) -> tuple:
+    """``segment_sum``'s update arguments for the call's tables ``ts`` (a
+    :class:`~sokpy.exchange.table_sets.TableSet`, every table that takes gradients ``opt``'s):
+    ``((kind, tabs, ptrs, hyper), columns to launch with)``; counts a step for the tables that
+    ``used`` (bool per table of the call) marks. A table not marked gets data address 0: no
+    row of it changes."""
+    c = kernels.constants()
+    steps, hyper = _advance_call(opt, ts.uids, used)
+    ptrs = ts.ptrs
+    if not used.all():
+        ptrs = ptrs.copy()
+        ptrs[~used, c["SOKPY_PTR_DATA"]] = 0
+    kind = c["SOKPY_UPDATE_" + opt.kernel.removesuffix("_update").upper()]
+    return (kind, *opt._described(ts, steps, hyper, ptrs)), opt._update_cols(ts)
+
+
+def _advance_call(opt: Any, uids: np.ndarray, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Counts a step for ``opt``'s tables among a call's (``uids``, the call's order) that
+    ``used`` marks; returns the step count and hyper-parameters of each table of the call
+    (those of ``opt``'s first table for a table that is not ``opt``'s, whose rows it never
+    updates)."""
+    layout = opt._layout()
+    last = max(len(layout.tables) - 1, 0)
+    at = np.minimum(np.searchsorted(layout.sorted_uids, uids), last)
+    index_of = layout.uid_order[at]
+    mine = layout.sorted_uids[at] == uids
+    marked = np.zeros(len(layout.tables), bool)
+    marked[index_of[mine & used]] = True
+    steps, hyper = opt._advance(layout, marked)
+    index_of = np.where(mine, index_of, 0)
+    return steps[index_of], hyper[index_of]

@@ -1,9 +1,10 @@
 """Counts the device operations of a lookup, its backward and an Adagrad step on the device
 code path (run with SOKPY_EMULATE_DEVICE=1: sokpy.testing.device_double counts every CuPy
 routine, copy, kernel launch and NCCL call queued), for few tables and for many, with ids on
-the host, ids on the device (one tensor per table) and one KeyedJaggedTensor on the device.
-Prints one line per case: "ops RANK CASE TABLES FORWARD BACKWARD STEP READS..."
-(tests/test_device_double.py)."""
+the host, ids on the device (one tensor per table) and one KeyedJaggedTensor on the device,
+with the Adagrad step after the backward and with Adagrad fused into it (``fused=True``).
+Prints one line per case: "ops RANK CASE TABLES FORWARD BACKWARD STEP READS...", the fused
+optimizer's case named CASE + "_fused" (tests/test_device_double.py)."""
 
 import sys
 
@@ -35,10 +36,10 @@ def ops(work: dict) -> int:
     return work["array"] + work["kernel"] + work["NCCL"]
 
 
-for case in ("host_ids", "device_ids", "kjt"):
+for case, fused in [(c, f) for f in (False, True) for c in ("host_ids", "device_ids", "kjt")]:
     for ntab in counts:
-        vs = [sokpy.Variable(500, 16, name=f"ops_{case}_{ntab}_{t}") for t in range(ntab)]
-        opt = sokpy.optim.Adagrad(vs, lr=0.1)
+        vs = [sokpy.Variable(500, 16, name=f"ops_{case}_{fused}_{ntab}_{t}") for t in range(ntab)]
+        opt = sokpy.optim.Adagrad(vs, lr=0.1, fused=fused)
         rng = np.random.default_rng(rank)
         for _ in range(3):  # the last step's counts: steady state (the first calls create state)
             ids = inputs(case, ntab, rng)
@@ -52,4 +53,5 @@ for case in ("host_ids", "device_ids", "kjt"):
             w3 = device_double.work()
         phases = [(a, b) for a, b in ((w0, w1), (w1, w2), (w2, w3))]
         found = [ops(b) - ops(a) for a, b in phases] + [b["reads"] - a["reads"] for a, b in phases]
-        print(f"ops {rank} {case} {ntab} {' '.join(map(str, found))}", flush=True)
+        name = f"{case}_fused" if fused else case
+        print(f"ops {rank} {name} {ntab} {' '.join(map(str, found))}", flush=True)

@@ -127,6 +127,7 @@ def sum_gradient_rows(
     buf: Array,
     bad: Array | None = None,
     count: Array | None = None,
+    update: tuple | None = None,
 ) -> None:
     """Writes each block's header (the used flags of the outputs, then zeros: one assignment
     from the words :func:`grad_pointers` copied with the gradients' addresses) and each unique
@@ -140,7 +141,9 @@ def sum_gradient_rows(
     is lowered to the first unique key whose row is not finite, where the strategy asks for it.
     On one rank nothing reads the blocks' headers, and they are not written. ``count`` (int64
     ``[1]`` on the device, or None): the number of unique keys, where the launches are sized by
-    a bound (``d.nuniq``) above it."""
+    a bound (``d.nuniq``) above it. ``update``: a fused optimizer's update, applied to each row
+    as it is summed (one rank): ``(the optimizer's update_in_sum, each unique key's first
+    position, each position's stored row)``."""
     shape, dev = call.shape, call.device
     d = rows.dedup
     world, ntab, header_slots = shape.world, shape.ntables, shape.header_slots
@@ -160,4 +163,8 @@ def sum_gradient_rows(
         ctx.launch("segment_piece_sums", slots, cols, (*args, level, slots))
     base, stride = rows.laid_out if rows.laid_out is not None else (0, 0)
     tail = (buf, rows.unique_offsets, base, stride, scale, bad)
-    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail))
+    applied: tuple = (0, None, None, None, None, None)
+    if update is not None:
+        (kind, *described), cols = update[0]
+        applied = (kind, update[1], update[2], *described)
+    ctx.launch("segment_sum", d.nuniq, cols, (*args, int(parallel), *tail, *applied))

@@ -3,7 +3,9 @@ verdict, finds the rows of dynamic tables and pools straight from the tables; th
 keeps the gradient rows it summed, one per unique key. The pooling needs no deduplication;
 the backward does: on the host it deduplicates itself, on a device the forward of a call
 that may get a backward deduplicates before its read, so that the number of unique keys
-comes with the verdict and the backward's buffers and launches are sized by it."""
+comes with the verdict and the backward's buffers and launches are sized by it. Where one
+fused optimizer trains the call's tables, the backward's gradient sum applies its update to
+each row as it sums it: one pass over the rows, nothing read."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from ...backends.communicator import Communicator
 from ...backends.context import StageContext
 from ...inputs.record import segment_starts
 from ..collective import Agreement
+from ..fused_updates import fused_taker
 from ..grad_merge import nonfinite_message
 from ..gradients import GradChunk
+from ..table_sets import table_set
 from . import bounded
 from .backward import NO_BAD_ROW, GradientRows, first_bad_row, sum_gradient_rows
 from .call import Call, Header
@@ -130,6 +134,11 @@ class OneRank:
         elems = np.array([header_slots + d.nuniq * shape.max_dim], np.int64)
         rows = GradientRows(d, offsets, elems, laid_out)
         buf = ctx.scratch(int(elems.sum()), np.float32)
+        taker = self._fused_taker(d) if count is None else None
+        if taker is not None:  # the update where each row is summed: no check, no read, no chunk to keep
+            update = (taker.update_in_sum(table_set(call.tables.tables), used), d.first, self.rows)
+            sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, None, None, update)
+            return GradChunk(call.tables.tables, buf, None, None, None, None, uids=call.tables.ts.uids, applied=True)
         bad = first_bad_row(gptr, shape.ntables)
         if count is not None:  # gptr is a resident copy, read-only: the verdict's word is the call's own
             bad = ctx.scratch(1, np.int64)
@@ -138,6 +147,17 @@ class OneRank:
         if count is not None:  # the update's count: 0 where the call found a fault
             bounded.judge(ctx, call, count, bad, d)
         return self._chunk(rows, buf, bad, used, count)
+
+    def _fused_taker(self, d: Dedup):
+        """The fused optimizer that updates the call's rows as the backward sums them: the one
+        that trains every table of the call that takes gradients, where each unique key's row
+        is its row's whole gradient (no table passed twice, no hashed keys that shared a sort
+        value) and no key's weight wants a gradient (which reads the rows as the forward found
+        them); else None."""
+        call = self.call
+        if d.collided or not call.tables.ts.distinct or call.batch.any_weight_grad():
+            return None
+        return fused_taker(call.tables.tables)
 
     def _chunk(self, rows: GradientRows, buf: Array, bad: Array, used: np.ndarray, count: Array = None) -> GradChunk:
         """The rows segment_sum wrote are the whole gradients. The backward's one read: the
