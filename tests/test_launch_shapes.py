@@ -249,5 +249,7 @@ def test_host_and_device_launch_shapes_give_identical_results(tmp_path, host_res
     assert set(a["launched"]) - library_sorted == set(b["launched"]) - in_parallel
     launched = {str(n) for n in a["launched"]} | {str(n) for n in b["launched"]}
     if nranks > 1:  # an exchange at 2+ ranks launches every kernel there is, in one of the shapes
-        missing = all_kernels() - launched
+        # but for bounded_verdict: one thread, launched only by a one-rank call bounded by
+        # max_ids on a device, so no launch shape to compare (tests/test_graph_capture.py).
+        missing = all_kernels() - launched - {"bounded_verdict"}
         assert not missing, f"kernels the test never ran: {sorted(missing)}"
