@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..backends import handoff, kernels, runtime
+from ..backends import kernels, runtime
 from ..backends.context import resident
 from ..exchange import collective
 from ..exchange.fused_updates import is_fused
@@ -21,55 +21,11 @@ from ..exchange.gradients import GradChunk, collect_entries, merge_entries
 from ..exchange.table_sets import TableSet, table_set
 from ..tables.table import Table
 from . import in_backward, state
-from .steps import StepCounts
+from .steps import StepCounts, TableState
 
 # What an optimizer takes as ``params``: tables (or their handles), or param groups (dicts
 # with a ``"params"`` list of them and the group's hyper-parameters), as torch.optim does.
 Params = Iterable[Table | torch.Tensor] | Iterable[dict[str, Any]]
-
-
-class _TableState(dict):
-    """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
-    :class:`StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
-    for a row-wise slot) of the table's storage (a dynamic table's storage moves when it grows,
-    so a view is made at each access)."""
-
-    def __init__(self, var: Table, counts: StepCounts):
-        super().__init__()
-        self.var = var
-        self.counts, self.index = counts, counts.add()
-
-    def __getitem__(self, name):
-        if name == "step":
-            return self.counts.count(self.index)
-        if name in self.var.storage.slot_names:
-            s = self.var.storage
-            return handoff.to_torch(s.data)[: s.size][:, s.columns(name)]
-        return super().__getitem__(name)
-
-    def __setitem__(self, name, value):
-        if name == "step":
-            self.counts.set(self.index, int(value))
-        else:
-            super().__setitem__(name, value)
-
-    def __contains__(self, name):
-        return name == "step" or name in self.var.storage.slot_names or super().__contains__(name)
-
-    def get(self, name, default=None):
-        return self[name] if name in self else default
-
-    def keys(self):
-        return ["step", *self.var.storage.slot_names, *super().keys()]
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __len__(self):
-        return len(self.keys())
-
-    def items(self):
-        return [(k, self[k]) for k in self.keys()]
 
 
 # torch.optim.Optimizer.add_param_group, without the torch._dynamo.disable wrapper torch puts
@@ -183,7 +139,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             )
             v.optimizer = self
             self._var_of[id(v.handle)] = v
-            self.state[v.handle] = _TableState(v, self._steps)
+            self.state[v.handle] = TableState(v, self._steps)
 
     def variables(self) -> Iterator[tuple[dict, Table]]:
         """``(param_group, table)`` for every table this optimizer updates."""

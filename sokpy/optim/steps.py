@@ -1,6 +1,7 @@
 """An optimizer's step counts (:class:`StepCounts`): one int64 per table, on the host, and for
 the steps of bounded lookups (``max_ids``, whose steps a CUDA graph may replay with no host code
-running) on the device too."""
+running) on the device too; and the ``opt.state[handle]`` view of one table's state that reads
+its step count from them (:class:`TableState`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from ..backends import handoff, runtime
 from ..backends.arrays import Array
 from ..backends.context import resident
+from ..tables.table import Table
 
 
 class StepCounts:
@@ -48,3 +50,47 @@ class StepCounts:
         mask = np.zeros(self.values.shape[0], np.int64)
         mask[places] = 1
         self.device += resident(mask) * (rows > 0)
+
+
+class TableState(dict):
+    """``opt.state[var.handle]``: ``"step"`` (the table's step count, kept in the optimizer's
+    :class:`StepCounts`) and each slot as a live view ``[local rows, dim]`` (``[local rows, 1]``
+    for a row-wise slot) of the table's storage (a dynamic table's storage moves when it grows,
+    so a view is made at each access)."""
+
+    def __init__(self, var: Table, counts: StepCounts):
+        super().__init__()
+        self.var = var
+        self.counts, self.index = counts, counts.add()
+
+    def __getitem__(self, name):
+        if name == "step":
+            return self.counts.count(self.index)
+        if name in self.var.storage.slot_names:
+            s = self.var.storage
+            return handoff.to_torch(s.data)[: s.size][:, s.columns(name)]
+        return super().__getitem__(name)
+
+    def __setitem__(self, name, value):
+        if name == "step":
+            self.counts.set(self.index, int(value))
+        else:
+            super().__setitem__(name, value)
+
+    def __contains__(self, name):
+        return name == "step" or name in self.var.storage.slot_names or super().__contains__(name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def keys(self):
+        return ["step", *self.var.storage.slot_names, *super().keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self.keys())
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
