@@ -139,8 +139,9 @@ class OneRank:
             update = (taker.update_in_sum(table_set(call.tables.tables), used), d.first, self.rows)
             sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, None, None, update)
             return GradChunk(call.tables.tables, buf, None, None, None, None, uids=call.tables.ts.uids, applied=True)
-        bad = first_bad_row(gptr, shape.ntables)
-        if count is not None:  # gptr is a resident copy, read-only: the verdict's word is the call's own
+        if count is None:
+            bad = first_bad_row(gptr, shape.ntables)
+        else:  # gptr is a resident copy, read-only: the verdict's word is the call's own
             bad = ctx.scratch(1, np.int64)
             bad[...] = NO_BAD_ROW
         sum_gradient_rows(ctx, call, rows, gptr, pooled, buf, bad, count)
